@@ -1,0 +1,1 @@
+"""The inference engine: scheduler, KV blocks, model runner, sampling."""

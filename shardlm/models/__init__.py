@@ -1,0 +1,1 @@
+"""Model definitions, configs and shard-aware loading."""

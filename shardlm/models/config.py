@@ -1,0 +1,237 @@
+"""ModelConfig: the architecture of a decoder-only model, from HF config.json or GGUF metadata.
+
+One dataclass serves the runtime model and the planner. Fields the runtime does not
+implement yet (MLA, for instance) are still parsed so the planner can size them;
+``check_supported()`` says what the runtime can run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF `architectures[0]` -> family. The family decides the few places models differ.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
+RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ConfigError(ValueError):
+    """A model description shardlm cannot use, with the reason and a way forward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    family: str
+    """Architecture family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    """Width of the dense MLP (gate/up output)."""
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA when fewer than num_heads)."""
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """HF rope parameters beyond theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...}."""
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    """Bias on q/k/v projections (Qwen2; Llama's attention_bias)."""
+    o_bias: bool = False
+    """Bias on the attention output projection (Llama's attention_bias)."""
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Attend only to the last `sliding_window` positions (Mistral v0.1)."""
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # ---- mixture of experts (parsed for the planner; runtime in the MoE issue) ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    first_k_dense: int = 0
+    """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)."""
+    norm_topk_prob: bool = True
+    # ---- multi-head latent attention (DeepSeek-V3), parsed for the planner ----
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "every KV head must serve the same number of query heads"
+            )
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def check_supported(self) -> None:
+        """Raise unless the runtime model can run this config."""
+        if self.family not in RUNTIME_FAMILIES or self.is_moe or self.is_mla:
+            raise ConfigError(
+                f"architecture family {self.family!r} is not runnable yet; shardlm runs "
+                f"{', '.join(RUNTIME_FAMILIES)} (the planner still accepts it)"
+            )
+        if self.hidden_act not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; shardlm runs SwiGLU (silu) MLPs")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"rope_type={rope_type!r} is not supported; use default, linear or llama3")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+    # ---- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed contents of a HF ``config.json``."""
+        archs = cfg.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        family = family or MODEL_TYPES.get(cfg.get("model_type", ""))
+        if family is None:
+            known = ", ".join(sorted(ARCHITECTURES))
+            raise ConfigError(
+                f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm knows {known}"
+            )
+        # transformers >= 5 writes rope settings into `rope_parameters` (theta included);
+        # older files have `rope_theta` and `rope_scaling` side by side.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type", "default") == "default":
+            rope = {}
+        heads = cfg["num_attention_heads"]
+        sliding = cfg.get("sliding_window")
+        if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+            sliding = None  # Qwen configs carry a window they do not use unless asked to
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+        attn_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0) or 0,
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family in ("qwen2", "qwen2_moe") or attn_bias,
+            o_bias=attn_bias and family == "llama",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            sliding_window=sliding,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if experts else 0),
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+            or (cfg.get("n_shared_experts", 0) or 0) * (cfg.get("moe_intermediate_size", 0) or 0),
+            first_k_dense=cfg.get("first_k_dense_replace", 0) or 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "mixtral")),
+            kv_lora_rank=cfg.get("kv_lora_rank") or 0,
+            q_lora_rank=cfg.get("q_lora_rank") or 0,
+            qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
+            qk_nope_head_dim=cfg.get("qk_nope_head_dim") or 0,
+            v_head_dim=cfg.get("v_head_dim") or 0,
+            extra=cfg,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any]) -> ModelConfig:
+        """Build from GGUF key/value metadata (llama-family files)."""
+        arch = meta.get("general.architecture")
+        families = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+        if arch not in families:
+            raise ConfigError(f"GGUF architecture {arch!r} is not supported; shardlm reads {', '.join(families)}")
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        rope: dict[str, Any] = {}
+        if get("rope.scaling.type") == "linear":
+            rope = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+        return cls(
+            family=families[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=heads,
+            num_kv_heads=get("attention.head_count_kv") or heads,
+            head_dim=get("attention.key_length") or hidden // heads,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope or None,
+            max_position_embeddings=get("context_length", 4096),
+            # GGUF omits output.weight when the LM head is the embedding (filled in by the loader).
+            tie_word_embeddings=bool(meta.get("shardlm.tied", False)),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (eos,),
+            extra={},
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            return cls.from_hf(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read model config {str(path)!r}: {e}") from None
+        except KeyError as e:
+            raise ConfigError(f"{str(path)!r} lacks the field {e}; is it a decoder-only HF config.json?") from None

@@ -1,0 +1,1 @@
+"""Distributed building blocks: the mesh, collectives and parallel layers."""

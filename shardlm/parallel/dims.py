@@ -1,0 +1,165 @@
+"""ParallelDims: the one topology object every layer is built with.
+
+Mesh axes, outermost first: ``dp, pp, cp, tp``. Ranks that differ only in their
+tp coordinate are adjacent (rank = ((dp*PP + pp)*CP + cp)*TP + tp), so a tp group
+lives inside a node, where links are fastest, and pp crosses nodes. Expert
+parallelism does not add an axis: expert layers re-fold the dp x tp ranks of a
+stage as edp x ep x etp ("parallel folding", Megatron-Core), so ``ep * etp`` must
+divide ``dp * tp``.
+
+A ParallelDims with every size 1 needs no process group at all; its groups are
+``None`` (a one-rank group) and every collective on them is a no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_AXES = ("dp", "pp", "cp", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work, with a message that says what would."""
+
+
+def factorisations(world_size: int, n: int) -> list[tuple[int, ...]]:
+    """Every ordered n-tuple of positive ints whose product is ``world_size``."""
+    if n == 1:
+        return [(world_size,)]
+    return [
+        (d, *rest)
+        for d in range(1, world_size + 1)
+        if world_size % d == 0
+        for rest in factorisations(world_size // d, n - 1)
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    dp: int = 1
+    """Data-parallel replicas; each one a full pp x cp x tp model."""
+    pp: int = 1
+    """Pipeline stages; each holds a contiguous run of layers."""
+    cp: int = 1
+    """Context-parallel ranks; each holds a slice of the sequence."""
+    tp: int = 1
+    """Tensor-parallel ranks; each holds a slice of every weight matrix."""
+    ep: int = 1
+    """Expert-parallel ranks (folded over dp x tp); each holds a share of the experts."""
+    etp: int = 1
+    """Expert-tensor-parallel ranks (folded over dp x tp); each expert split this many ways."""
+    _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{f.name}={v!r} must be a positive integer (1 turns the axis off)")
+        if (self.dp * self.tp) % (self.ep * self.etp):
+            raise LayoutError(
+                f"ep={self.ep} x etp={self.etp} does not fold into dp x tp = {self.dp * self.tp} ranks: "
+                f"expert layers re-use the attention ranks of a stage, so ep*etp must divide dp*tp; "
+                f"valid ep for etp={self.etp}: {self.valid_ep()}"
+            )
+
+    # ---- sizes (pure) --------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: how many copies of each expert exist."""
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    def valid_ep(self) -> list[int]:
+        n = self.dp * self.tp
+        return [e for e in range(1, n + 1) if n % (e * self.etp) == 0]
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in MESH_AXES)
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            got = " x ".join(f"{a}={getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "all 1"
+            options = ", ".join(
+                "(" + ", ".join(f"{a}={v}" for a, v in zip(("dp", "pp", "tp"), f)) + ")"
+                for f in factorisations(world_size, 3)
+            )
+            raise LayoutError(
+                f"layout {got} needs {self.world_size} ranks but the world has {world_size}; "
+                f"dp*pp*cp*tp must equal the world size, e.g. {options}"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank (the inverse of the rank formula above)."""
+        out = {}
+        for axis in reversed(MESH_AXES):
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return {a: out[a] for a in MESH_AXES}
+
+    # ---- the mesh --------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> ParallelDims:
+        """Create the named DeviceMesh (collective over the world). Returns self."""
+        if self._mesh is not None:
+            return self
+        if self.world_size == 1 and not dist.is_initialized():
+            return self
+        if not dist.is_initialized():
+            raise LayoutError(
+                f"a layout of {self.world_size} ranks needs torch.distributed; start with "
+                f"shardlm's launcher (LLM(...) or `shardlm generate`) or under torchrun"
+            )
+        self.check_world_size(dist.get_world_size())
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_AXES)
+        object.__setattr__(self, "_mesh", mesh)
+        return self
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self._mesh
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        if axis not in MESH_AXES:
+            raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
+        if self._mesh is None:
+            if self.world_size > 1:
+                raise LayoutError("call build_mesh() before asking for groups of a multi-rank layout")
+            return None
+        return self._mesh.get_group(axis)
+
+    def rank(self, axis: str) -> int:
+        if self._mesh is None:
+            self.group(axis)  # raises when a mesh is needed
+            return 0
+        return self._mesh.get_local_rank(axis)
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if self._mesh is not None else 0
+
+    # {axis}_group / _rank / _size, spelled out for readability at call sites.
+    dp_group = property(lambda s: s.group("dp"))
+    pp_group = property(lambda s: s.group("pp"))
+    cp_group = property(lambda s: s.group("cp"))
+    tp_group = property(lambda s: s.group("tp"))
+    dp_rank = property(lambda s: s.rank("dp"))
+    pp_rank = property(lambda s: s.rank("pp"))
+    cp_rank = property(lambda s: s.rank("cp"))
+    tp_rank = property(lambda s: s.rank("tp"))
+    dp_size = property(lambda s: s.dp)
+    pp_size = property(lambda s: s.pp)
+    cp_size = property(lambda s: s.cp)
+    tp_size = property(lambda s: s.tp)

@@ -1,0 +1,1 @@
+"""The planner: memory and time models, layout search, schedule simulation."""
