@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardlm.errors import UsageError
+
 # HF `architectures[0]` -> family. The family decides the few places models differ.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -27,7 +29,7 @@ MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
 RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A model description shardlm cannot use, with the reason and a way forward."""
 
 
@@ -217,8 +219,7 @@ class ModelConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=rope or None,
             max_position_embeddings=get("context_length", 4096),
-            # GGUF omits output.weight when the LM head is the embedding (filled in by the loader).
-            tie_word_embeddings=bool(meta.get("shardlm.tied", False)),
+            # tie_word_embeddings: GGUF says it by leaving out output.weight; the loader sets it
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardlm.errors import UsageError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_AXES = ("dp", "pp", "cp", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(UsageError):
     """A parallel layout that cannot work, with a message that says what would."""
 
 

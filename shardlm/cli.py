@@ -1,0 +1,153 @@
+"""The ``shardlm`` command: ``generate`` (and ``plan``).
+
+Bad input prints one line and exits 2; a failed rank prints what failed and exits 1.
+Logs go to stderr, results to stdout (one JSON object per line with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'2GiB', '512M', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or 1000000000")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from prompts, split over ranks",
+                       description="Generate completions for one or more prompts with the model split over "
+                                   "tp ranks (started on this host, or by torchrun).")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="base seed for sampling")
+    p.add_argument("--no-chat", action="store_true",
+                   help="encode prompts as-is, as the model's HF tokenizer does, instead of applying the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a timing line")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank, e.g. 2GiB")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    from shardlm.engine.config import EngineConfig
+    from shardlm.engine.llm import LLM, check_layout
+    from shardlm.engine.sampling import SamplingParams
+    from shardlm.engine.tokenizer import IncrementalDecoder
+    from shardlm.launch import torchrun_env
+    from shardlm.models.loader import open_checkpoint
+
+    speaker = (torchrun_env() or {"rank": 0})["rank"] == 0
+    prompts = args.prompts or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
+    if not prompts:
+        raise_usage("give at least one prompt, e.g. shardlm generate \"Hello\" (or pipe one on stdin)")
+    if args.max_new_tokens < 1:
+        raise_usage(f"--max-new-tokens {args.max_new_tokens} must be at least 1, e.g. --max-new-tokens 128")
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
+    ckpt = open_checkpoint(args.model)
+    tokenizer = ckpt.tokenizer()
+    chat = not args.no_chat and bool(tokenizer.chat_template)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    options = dict(tp=args.tp, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
+                   max_model_len=args.max_model_len)
+    if args.kv_cache_memory:
+        options["kv_cache_memory"] = args.kv_cache_memory
+    check_layout(EngineConfig(model=str(ckpt.path), **options), ckpt)
+    if speaker:
+        log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
+            f"on {args.tp} rank{'s' if args.tp > 1 else ''} (tp={args.tp}, {args.dtype})")
+    with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
+        for t in texts:
+            llm.encode(t)  # reject a prompt that does not fit before generating anything
+        if speaker:
+            mib = ", ".join(f"{b / 2**20:.1f}" for b in llm.param_bytes)
+            log(f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
+                f"of {llm.config.block_size} tokens")
+        stream = speaker and not args.json and len(texts) == 1
+        decoder = IncrementalDecoder(tokenizer)
+        on_token = (lambda i, tok: print(decoder.push(tok), end="", flush=True)) if stream else None
+        start = time.perf_counter()
+        outputs = llm.generate(texts, params, on_token=on_token)
+        wall = time.perf_counter() - start
+        if not speaker:
+            return 0
+        if stream:
+            print(decoder.flush(), flush=True)
+        for prompt, out in zip(prompts, outputs):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                                  "prompt_tokens": len(out.prompt_token_ids),
+                                  "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason}))
+            elif not stream:
+                print(f"--- {prompt}\n{out.text}\n")
+        s = llm.last_stats
+        timing = {"load_s": round(llm.load_s, 3), "ttft_s": round(s.first_token_s or 0.0, 4),
+                  "decode_tok_s": round(s.decode_tokens / s.decode_s, 2) if s.decode_s else None,
+                  "wall_s": round(wall, 3), "tp": args.tp, "dtype": args.dtype,
+                  "param_bytes_per_rank": llm.param_bytes}
+        if args.json:
+            print(json.dumps({"timing": timing}))
+        else:
+            log(f"ttft {timing['ttft_s']} s, decode {timing['decode_tok_s']} tok/s")
+    return 0
+
+
+def raise_usage(msg: str):
+    from shardlm.errors import UsageError
+
+    raise UsageError(msg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardlm", description="Run LLMs split over many devices, and plan the split.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shardlm.errors import RankFailure, UsageError
+
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"shardlm: error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"shardlm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardlm: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

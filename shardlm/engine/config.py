@@ -1,0 +1,67 @@
+"""EngineConfig: everything a rank needs to build its part of the engine (picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.errors import UsageError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: str = "smollm2"
+    """'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a HF directory, or a .gguf file."""
+    tp: int = 1
+    """Tensor-parallel ranks: any value from 1 to the number of attention heads."""
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    dtype: str = "float32"
+    """Weights, activations and KV cache: float32, bfloat16 or float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; default: the model's max_position_embeddings."""
+    kv_cache_memory: int = 2 << 30
+    """Bytes of KV cache per rank (an upper bound; pages are touched only as used)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    max_num_seqs: int = 256
+    """Most sequences decoded together."""
+    max_num_batched_tokens: int = 8192
+    """Most prompt tokens prefilled in one step."""
+    seed: int = 0
+    """Base seed; a request without its own seed uses seed + its index."""
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+    threads: int | None = None
+    """CPU threads per rank; default: the cores shared evenly among the local ranks."""
+    timeout_s: float = 300.0
+    """A collective that waits longer than this ends the run with an error."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{name}={v!r} must be a positive integer")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
+        if not self.timeout_s > 0:
+            raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def device_type(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

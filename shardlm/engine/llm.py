@@ -1,0 +1,156 @@
+"""The Python API: ``LLM(model, tp=...)`` and ``llm.generate(prompts, SamplingParams(...))``.
+
+A one-rank layout runs in the calling process. A multi-rank layout started from
+a plain Python process spawns its ranks on this host (``LocalRanks``) and the
+caller becomes their driver. Under torchrun every process is a rank: each runs the
+same script and calls ``generate`` with the same prompts (SPMD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from shardlm.engine.config import EngineConfig
+from shardlm.engine.engine import Request, StepStats
+from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.worker import Completion, Worker, max_model_len
+from shardlm.errors import UsageError
+from shardlm.launch import LocalRanks, torchrun_env
+from shardlm.models.loader import Checkpoint, open_checkpoint
+from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.tensor import partition_heads
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+
+
+def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
+    """Reject a layout the model cannot take, before any rank starts."""
+    dims = ParallelDims(dp=config.dp, pp=config.pp, tp=config.tp)
+    if config.pp > 1 or config.dp > 1:
+        raise LayoutError(f"pp={config.pp}, dp={config.dp}: pipeline and data parallel inference are not "
+                          "implemented yet; use tp alone for now")
+    partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
+    ckpt.config.check_supported()
+    return dims
+
+
+class LLM:
+    def __init__(self, model: str | Checkpoint = "smollm2", *, tokenizer=None, **options):
+        ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+        self.config = EngineConfig(model=str(ckpt.path), **options)
+        self.checkpoint = ckpt
+        self.dims = check_layout(self.config, ckpt)
+        self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
+        self._tokenizer = tokenizer
+        self._ranks: LocalRanks | None = None
+        self.last_stats: StepStats | None = None
+        start = time.perf_counter()
+        env = torchrun_env()
+        world = self.dims.world_size
+        self.worker: Worker | None = None
+        if env is None and world > 1:
+            self._ranks = LocalRanks(world, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
+            try:
+                infos = self._ranks.collect("ready")
+            except BaseException:
+                self.close()
+                raise
+        else:
+            if env is not None:
+                self.dims.check_world_size(env["world"])
+            rank = env or {"rank": 0, "world": 1, "local_rank": 0, "local_world": 1}
+            self.worker = Worker(self.config, rank=rank["rank"], world=rank["world"], local_rank=rank["local_rank"],
+                                 local_world=rank["local_world"], init_method="env://" if env else None)
+            infos = [self.worker.ready_info()]
+        self.load_s = time.perf_counter() - start
+        self.param_bytes = [i["param_bytes"] for i in infos]
+        self.kv_blocks = infos[0]["kv_blocks"]
+
+    # ---- prompts -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.checkpoint.tokenizer()
+        return self._tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise UsageError("an empty prompt has no token to continue from; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise UsageError(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "
+                f"(max_model_len); shorten it or raise max_model_len (the model allows "
+                f"{self.checkpoint.config.max_position_embeddings})"
+            )
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if not self.tokenizer.chat_template:
+            raise UsageError(f"model {self.config.model!r} has no chat template; pass raw prompts instead")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, on_token: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids). ``on_token(i, token_id)`` streams on this rank."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise UsageError(f"{len(param_list)} sampling params for {len(prompts)} prompts; give one or one each")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, param_list)):
+            ids = self.encode(prompt)
+            room = self.max_model_len - len(ids)
+            if p.max_tokens > room:
+                p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
+            requests.append(Request(ids, p, p.seed if p.seed is not None else self.config.seed + i))
+        completions = self._run(requests, on_token)
+        return [
+            RequestOutput(prompt=pr if isinstance(pr, str) else None, prompt_token_ids=r.prompt_ids,
+                          token_ids=c.token_ids, finish_reason=c.finish_reason,
+                          text=self.tokenizer.decode(c.token_ids) if isinstance(pr, str) else None)
+            for pr, r, c in zip(prompts, requests, completions)
+        ]
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params=None, **kw) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.chat_prompt(c) for c in conversations], params, **kw)
+
+    def _run(self, requests: list[Request], on_token) -> list[Completion]:
+        if self._ranks is None:
+            completions, self.last_stats = self.worker.generate(requests, on_token)
+            return completions
+        try:
+            results = self._ranks.call("generate", requests, on_token=on_token)
+        except BaseException:
+            self.close()  # a failed run cannot be resumed: its ranks may be stuck in a collective
+            raise
+        completions, self.last_stats = results[0]  # every rank of a replica agrees; rank 0 speaks
+        return completions
+
+    def close(self) -> None:
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

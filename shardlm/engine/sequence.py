@@ -1,0 +1,58 @@
+"""A request's state as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from shardlm.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt and generated tokens, the KV blocks that hold them, and timing."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, *,
+                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None):
+        self.id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+        self.generator = generator
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token: int) -> None:
+        """Record a sampled token and decide whether the sequence is done."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        if token in self.stop_ids:
+            self.finish("stop")
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

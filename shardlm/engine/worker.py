@@ -1,0 +1,71 @@
+"""One rank of a run: its place on the mesh, its shard of the model, its engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.engine.block_manager import BlockManager
+from shardlm.engine.config import EngineConfig
+from shardlm.engine.engine import Engine, Request, StepStats
+from shardlm.engine.model_runner import ModelRunner
+from shardlm.engine.scheduler import SchedulerConfig
+from shardlm.launch import cpu_threads, init_distributed
+from shardlm.models.loader import load_model, open_checkpoint
+from shardlm.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    finish_reason: str
+
+
+def max_model_len(config: EngineConfig, max_positions: int) -> int:
+    return min(config.max_model_len or max_positions, max_positions)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, *, rank: int, world: int, local_rank: int, local_world: int,
+                 init_method: str | None):
+        self.rank = rank
+        device_type = config.device_type
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            torch.set_num_threads(config.threads or cpu_threads(local_world))
+            self.device = torch.device("cpu")
+        if world > 1:
+            init_distributed(rank, world, init_method, device_type, config.timeout_s)
+        self.dims = ParallelDims(dp=config.dp, pp=config.pp, tp=config.tp).build_mesh(device_type)
+        ckpt = open_checkpoint(config.model)
+        self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
+        start = time.perf_counter()
+        self.model = load_model(ckpt, self.dims, dtype=config.torch_dtype, device=self.device,
+                                max_positions=self.max_model_len)
+        self.load_s = time.perf_counter() - start
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.torch_dtype)
+        needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
+        self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
+        self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs,
+                                  device=self.device, dtype=config.torch_dtype)
+        self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
+                             config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                                    max_num_batched_tokens=config.max_num_batched_tokens),
+                             device=self.device)
+
+    @classmethod
+    def spawned(cls, rank: int, world: int, init_method: str, config: EngineConfig) -> Worker:
+        """Entry for ranks that LocalRanks starts on this host (local rank = global rank)."""
+        return cls(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=init_method)
+
+    def ready_info(self) -> dict:
+        return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks}
+
+    def generate(self, requests: list[Request], on_token=None) -> tuple[list[Completion], StepStats]:
+        seqs, stats = self.engine.run(requests, on_token)
+        return [Completion(s.output_ids, s.finish_reason) for s in seqs], stats

@@ -1,0 +1,191 @@
+"""Start the ranks of a run, or join the ones torchrun started; never hang on a dead rank.
+
+Two ways in:
+
+* under ``torchrun`` (one node or many): every process is a rank already; the
+  process group comes from torchrun's environment (``env://``) and torchrun's agent
+  stops all ranks when one fails;
+* otherwise the calling process becomes a driver and spawns the n ranks on this host
+  (``LocalRanks``). The driver joins no collective: it sends commands over queues and
+  reads replies (and rank 0's streamed tokens), so an idle run never trips a
+  collective timeout and a failed rank is always seen. A rank that raises sends its
+  traceback before exiting; a rank that dies is seen by the driver (its exit code)
+  and by its peers (gloo reports the closed connection), and every collective has
+  ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, Pipe, wait
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardlm.errors import RankFailure
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """Rank, world size and local rank when started by torchrun, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    return {
+        "rank": int(os.environ["RANK"]),
+        "world": int(os.environ["WORLD_SIZE"]),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+    }
+
+
+def cpu_threads(local_world: int) -> int:
+    """Cores of this host shared evenly among its ranks (more threads than cores only thrash)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_world)
+
+
+def init_distributed(rank: int, world: int, init_method: str, device_type: str, timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device_type == "cuda":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the driver is gone (no orphans left holding ports or memory)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _rank_main(fd: int) -> None:
+    """A rank process started by LocalRanks: build the worker, then serve the driver's commands."""
+    conn = Connection(fd)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    code = 0
+    try:
+        rank, world, init_method, make_worker, args = conn.recv()
+        worker = make_worker(rank, world, init_method, *args)
+        conn.send(("ready", worker.ready_info()))
+        # rank 0 streams each sampled token to the driver as it comes
+        stream = (lambda i, tok: conn.send(("token", (i, tok)))) if rank == 0 else None
+        while (cmd := conn.recv()) is not None:
+            name, payload = cmd
+            conn.send(("done", getattr(worker, name)(payload, stream)))
+    except EOFError:
+        code = 3  # the driver went away
+    except BaseException:  # noqa: BLE001 - reported to the driver, which stops the run
+        conn.send(("error", traceback.format_exc()))
+        code = 1
+    os._exit(code)  # skip interpreter teardown: peers may already be gone
+
+
+class LocalRanks:
+    """All ranks of a run on this host, as child processes of a driver that never joins a
+    collective: it talks to each rank over its own socket pair, so it always sees a rank fail.
+
+    Ranks run ``python -m shardlm.launch`` rather than multiprocessing's spawn, which
+    would re-run the caller's ``__main__`` (and demand an ``if __name__ == "__main__"``).
+    """
+
+    def __init__(self, world: int, make_worker: Callable, args: tuple, *, timeout_s: float):
+        self.world, self.timeout_s = world, timeout_s
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(world):
+            mine, theirs = Pipe(duplex=True)
+            fd = theirs.fileno()
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "shardlm.launch", str(fd)],
+                                               pass_fds=[fd], env=env))
+            theirs.close()  # so a dead rank reads as end-of-file here
+            mine.send((rank, world, init_method, make_worker, args))
+            self.conns.append(mine)
+
+    def call(self, name: str, payload: Any, on_token: Callable[[int, int], None] | None = None) -> list[Any]:
+        """Run ``worker.name(payload)`` on every rank; returns the results in rank order."""
+        for conn in self.conns:
+            conn.send((name, payload))
+        return self.collect("done", on_token=on_token)
+
+    def collect(self, kind: str, *, on_token: Callable[[int, int], None] | None = None) -> list[Any]:
+        """Wait for one ``kind`` reply from every rank; raise RankFailure if one fails, dies or stalls.
+
+        A rank that stops answering gets ``timeout_s`` (the collective timeout) plus a
+        margin, since the ranks themselves then fail with a more precise message.
+        """
+        got: dict[int, Any] = {}
+        last_news = time.monotonic()
+        while len(got) < self.world:
+            pending = [c for r, c in enumerate(self.conns) if r not in got]
+            ready = wait(pending, timeout=1.0)
+            if not ready and time.monotonic() - last_news > self.timeout_s + 30:
+                missing = sorted(set(range(self.world)) - set(got))
+                raise RankFailure(f"ranks {missing} sent nothing for {self.timeout_s + 30:.0f}s; stopping all ranks")
+            for conn in ready:
+                rank = self.conns.index(conn)
+                try:
+                    what, value = conn.recv()
+                except EOFError:
+                    raise RankFailure(f"rank {rank} died ({self._exit_status(rank)}); stopping all ranks") from None
+                last_news = time.monotonic()
+                if what == "error":
+                    raise RankFailure(f"rank {rank} failed:\n{value.rstrip()}")
+                if what == "token":
+                    if on_token is not None:
+                        on_token(*value)
+                elif what == kind:
+                    got[rank] = value
+                else:
+                    raise RankFailure(f"rank {rank} sent {what!r} while the driver waited for {kind!r}")
+        return [got[r] for r in range(self.world)]
+
+    def _exit_status(self, rank: int) -> str:
+        try:
+            code = self.procs[rank].wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return "connection lost"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def close(self) -> None:
+        """Stop every rank: ask politely, then kill what is left (nothing outlives the driver)."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for conn in self.conns:
+            conn.close()
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]))

@@ -1,0 +1,148 @@
+"""Attention over a paged KV cache (Kwon et al. 2023, PagedAttention, https://arxiv.org/abs/2309.06180).
+
+The cache of one layer is ``[2, num_blocks, block_size, kv_heads, head_dim]`` (keys,
+values). A step's tokens are flattened, prefill sequences first, then decode
+sequences (one token each). Each token's K/V goes to the slot its sequence's block
+table names; attention then reads the sequence's blocks back.
+
+GQA with uneven tensor parallelism: a rank's query heads may not split evenly over
+its KV heads (9 heads, 3 KV heads, tp=2 gives a rank 5 query heads over 2 KV heads).
+Query heads are therefore laid out per KV head and padded to the largest group
+(``GroupedHeads``), so every KV head is read once and never copied per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence whose new tokens are [start, start+length) of the step and whose
+    context after this step is ``context_len`` tokens (cached prefix + new)."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor  # [blocks] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] long: cache slot of each new token
+    block_size: int
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks] long
+    decode_context_lens: torch.Tensor | None = None  # [decodes] long
+    decode_max_context: int = 0
+
+
+class GroupedHeads:
+    """Reorders local query heads into [kv_heads, group] with padding, and back."""
+
+    def __init__(self, local_kv_of_q: list[int]):
+        num_q = len(local_kv_of_q)
+        num_kv = max(local_kv_of_q) + 1
+        groups = [[q for q in range(num_q) if local_kv_of_q[q] == j] for j in range(num_kv)]
+        self.num_kv = num_kv
+        self.group = max(len(g) for g in groups)
+        self.uniform = all(len(g) == self.group for g in groups)
+        # index num_q points at an all-zero padding head
+        padded = [g + [num_q] * (self.group - len(g)) for g in groups]
+        self.to_grouped = torch.tensor([q for g in padded for q in g])
+        self.from_grouped = torch.tensor([j * self.group + g.index(q) for q in range(num_q)
+                                          for j, g in enumerate(groups) if q in g])
+
+    def group_q(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., num_q, d] -> [..., num_kv * group, d]."""
+        if self.uniform:
+            return q
+        pad = q.new_zeros(*q.shape[:-2], 1, q.shape[-1])
+        return torch.cat([q, pad], dim=-2).index_select(-2, self.to_grouped.to(q.device))
+
+    def ungroup(self, o: torch.Tensor) -> torch.Tensor:
+        """[..., num_kv * group, d] -> [..., num_q, d]."""
+        return o if self.uniform else o.index_select(-2, self.from_grouped.to(o.device))
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new tokens' keys/values ([tokens, kv_heads, d]) at their slots."""
+    h, d = k.shape[-2:]
+    cache[0].view(-1, h, d).index_copy_(0, slots, k)
+    cache[1].view(-1, h, d).index_copy_(0, slots, v)
+
+
+def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``length`` positions of one sequence: [kv_heads, length, d] each."""
+    bs, h, d = cache.shape[2:]
+    blocks = table[: (length + bs - 1) // bs]
+    kv = cache[:, blocks].view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
+    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+
+def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [queries, keys]: key j visible to the query at position p iff p - window < j <= p."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, heads: GroupedHeads, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] (already written to the cache).
+
+    Returns [tokens, q_heads, d].
+    """
+    outputs = []
+    gqa = heads.group > 1
+    for s in meta.prefills:
+        qs = heads.group_q(q[s.start:s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
+        if s.context_len == s.length:  # nothing cached before: attend to the fresh keys
+            ks = k[s.start:s.start + s.length].transpose(0, 1)  # [kv, L, d]
+            vs = v[s.start:s.start + s.length].transpose(0, 1)
+        else:
+            ks, vs = _read_kv(cache, s.block_table, s.context_len)  # [kv, S, d]
+        if window is None and s.context_len == s.length:
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
+                                               scale=scale, enable_gqa=gqa)[0]
+        else:
+            q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
+            mask = _window_mask(q_pos, s.context_len, window)
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                               scale=scale, enable_gqa=gqa)[0]
+        outputs.append(heads.ungroup(o.transpose(0, 1)))  # [L, q_heads, d]
+    if meta.decode_block_tables is not None:
+        outputs.append(_decode(q[meta.num_prefill_tokens:], cache, meta, heads, scale, window))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads,
+            scale: float, window: int | None) -> torch.Tensor:
+    """One new token per sequence. A KV head's query group is folded into the query axis
+    ([kv, group, d] against [kv, S, d]) so the keys are read once, never repeated."""
+    n, d = q.shape[0], q.shape[-1]
+    qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
+    if n == 1:
+        length = meta.decode_max_context
+        ks, vs = _read_kv(cache, meta.decode_block_tables[0], length)  # [kv, S, d]
+        if window is not None and length > window:
+            ks, vs = ks[:, -window:], vs[:, -window:]
+        o = F.scaled_dot_product_attention(qg, ks[None], vs[None], scale=scale)
+    else:
+        bs, h = cache.shape[2], cache.shape[3]
+        tables = meta.decode_block_tables[:, : (meta.decode_max_context + bs - 1) // bs]
+        kv = cache[:, tables].view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
+        lens = meta.decode_context_lens
+        k_pos = torch.arange(kv.shape[3], device=q.device)
+        mask = k_pos[None, :] < lens[:, None]  # [B, S]
+        if window is not None:
+            mask &= k_pos[None, :] >= (lens - window)[:, None]
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale)
+    return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))  # [B, q_heads, d]

@@ -1,0 +1,173 @@
+"""Shard-aware loading: each rank reads only the slices of the checkpoint it holds.
+
+Two checkpoint kinds sit behind one ``TensorSource.read(name, rows, cols)``, always in
+HF names and HF ``[out, in]`` layout:
+
+* a HF directory: ``config.json`` plus one or many ``*.safetensors`` (with or without
+  ``model.safetensors.index.json``); slices come from safetensors ``get_slice``, which
+  reads only the requested bytes from the memory-mapped file;
+* a ``.gguf`` file: llama.cpp names are mapped to HF names, blocks are dequantized
+  only for the requested rows/columns, and Q/K rows are un-permuted back to the HF
+  rotate-half layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardlm.models.config import ConfigError, ModelConfig
+
+
+class CountingSource:
+    """Wraps a source and counts the elements each read returns (for tests and reports)."""
+
+    def __init__(self, inner):
+        self.inner, self.elements = inner, 0
+
+    def read(self, name, rows=None, cols=None):
+        t = self.inner.read(name, rows, cols)
+        self.elements += t.numel()
+        return t
+
+    def has(self, name):
+        return self.inner.has(name)
+
+
+class SafetensorsSource:
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise ConfigError(f"no *.safetensors files in {str(directory)!r}; shardlm loads safetensors or GGUF")
+        self._handles = {f: safe_open(str(directory / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self._where = weight_map
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        sl = self._handles[self._where[name]].get_slice(name)
+        rows = rows or slice(None)
+        return sl[rows, cols] if cols is not None else sl[rows]
+
+
+_GGUF_NAMES = [
+    (r"model\.embed_tokens", "token_embd"),
+    (r"model\.norm", "output_norm"),
+    (r"lm_head", "output"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj", r"blk.\1.attn_q"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj", r"blk.\1.attn_k"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj", r"blk.\1.attn_v"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj", r"blk.\1.attn_output"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm", r"blk.\1.attn_q_norm"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm", r"blk.\1.attn_k_norm"),
+    (r"model\.layers\.(\d+)\.input_layernorm", r"blk.\1.attn_norm"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm", r"blk.\1.ffn_norm"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj", r"blk.\1.ffn_gate"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj", r"blk.\1.ffn_up"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj", r"blk.\1.ffn_down"),
+]
+
+
+def gguf_name(hf_name: str) -> str:
+    module, _, kind = hf_name.rpartition(".")
+    for pattern, repl in _GGUF_NAMES:
+        if re.fullmatch(pattern, module):
+            return f"{re.sub(pattern, repl, module)}.{kind}"
+    raise KeyError(f"no GGUF name for {hf_name!r}")
+
+
+class GGUFSource:
+    def __init__(self, gguf, cfg: ModelConfig):
+        self.gguf, self.head_dim = gguf, cfg.head_dim
+        self._names = set(gguf.tensor_names)
+        # llama.cpp permutes Q/K rows only in files of its `llama` architecture (Qwen files are not)
+        self._permuted_qk = gguf.metadata.get("general.architecture") == "llama"
+
+    def has(self, name: str) -> bool:
+        return gguf_name(name) in self._names
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        from shardlm.models.gguf import unpermute_qk
+
+        t = self.gguf.read(gguf_name(name), rows=rows, cols=cols)
+        if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp interleaves each head's rows for its RoPE; the slice holds whole heads
+            t = unpermute_qk(t, t.shape[0] // self.head_dim)
+        return t
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved model: where it is, what kind, and its architecture."""
+
+    path: Path
+    kind: str  # "gguf" or "hf"
+    config: ModelConfig
+
+    def source(self):
+        if self.kind == "hf":
+            return SafetensorsSource(self.path)
+        from shardlm.models.gguf import GGUFFile
+
+        return GGUFSource(GGUFFile(self.path), self.config)
+
+    def tokenizer(self):
+        from shardlm.engine.tokenizer import Tokenizer
+
+        if self.kind == "hf":
+            return Tokenizer.from_pretrained(self.path)
+        from shardlm.models.gguf import GGUFFile
+
+        return Tokenizer.from_gguf(GGUFFile(self.path))
+
+
+def open_checkpoint(model: str | Path) -> Checkpoint:
+    """Resolve ``smollm2``, a HF directory, or a ``.gguf`` file; read only its metadata."""
+    from shardlm.models import registry
+
+    path = registry.resolve(str(model)) if str(model) in registry.MODELS else Path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"{str(path)!r} has no config.json; give a HF model directory, a .gguf file or 'smollm2'")
+        return Checkpoint(path, "hf", ModelConfig.from_json_file(path / "config.json"))
+    if path.suffix == ".gguf" and path.is_file():
+        from shardlm.models.gguf import GGUFFile
+
+        gguf = GGUFFile(path)
+        cfg = ModelConfig.from_gguf(gguf.metadata)
+        # GGUF leaves out output.weight when the LM head is the token embedding
+        cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in set(gguf.tensor_names))
+        return Checkpoint(path, "gguf", cfg)
+    raise ConfigError(
+        f"model {str(model)!r} not found: give 'smollm2' (the embedded SmolLM2-135M-Instruct), "
+        f"a HF directory with config.json and *.safetensors, or a .gguf file"
+    )
+
+
+def load_model(ckpt: Checkpoint, dims, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               max_positions: int | None = None, layers: range | None = None, source=None):
+    """Build this rank's shard of the model and fill it from the checkpoint's slices."""
+    from shardlm.models.transformer import Transformer
+
+    with torch.device(device):
+        model = Transformer(ckpt.config, dims, dtype=dtype, max_positions=max_positions, layers=layers)
+    model.load(source if source is not None else ckpt.source())
+    return model.eval()

@@ -1,0 +1,176 @@
+"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM2.
+
+Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al.
+2023, https://arxiv.org/abs/2302.13971). The families differ only in QKV bias
+(Qwen2), per-head q/k RMSNorm (Qwen3), RoPE scaling (Llama 3.1) and a sliding
+window (Mistral v0.1), all read from ``ModelConfig``.
+
+No collectives here: the parallel layers carry the communication, and the model
+is built for one rank of a ``ParallelDims`` (its tp slice and its pipeline layers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention, write_kv
+from shardlm.models.config import ModelConfig
+from shardlm.models.rope import Rotary
+from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorSource,
+    VocabParallelEmbedding,
+    attention_sources,
+    output_cols,
+    partition_heads,
+    shard_range,
+)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, computed in float32 (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
+
+    ``norm(x)`` returns y; ``norm(x, residual)`` first adds x to the residual stream
+    and returns (y, new residual), saving a pass over the activations.
+    """
+
+    def __init__(self, source: str, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.source, self.eps = source, eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight.copy_(src.read(f"{self.source}.weight"))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = x + residual
+        x32 = x.float()
+        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y if residual is None else (y, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype, rotary: Rotary):
+        super().__init__()
+        part = partition_heads(cfg.num_heads, cfg.num_kv_heads, dims.tp, dims.tp_rank)
+        self.num_q, self.num_kv, self.head_dim = part.num_q, part.num_kv, cfg.head_dim
+        self.heads = GroupedHeads(part.local_kv_of_q())
+        self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window
+        self.rotary = rotary
+        group = dims.tp_group
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, attention_sources(prefix, part, cfg.head_dim),
+                                        bias=cfg.qkv_bias, group=group, dtype=dtype)
+        self.o = RowParallelLinear(f"{prefix}.o_proj", output_cols(part, cfg.head_dim), cfg.hidden_size,
+                                   bias=cfg.o_bias, group=group, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(f"{prefix}.q_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(f"{prefix}.k_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, positions, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv(x).split([self.num_q * d, self.num_kv * d, self.num_kv * d], dim=-1)
+        q = q.view(t, self.num_q, d)  # [tokens, q_heads, d]
+        k = k.view(t, self.num_kv, d)  # [tokens, kv_heads, d]
+        v = v.view(t, self.num_kv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
+        return self.o(o.reshape(t, self.num_q * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (Shazeer 2020, https://arxiv.org/abs/2002.05202)."""
+
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
+        super().__init__()
+        rows = shard_range(cfg.intermediate_size, dims.tp, dims.tp_rank)
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [(f"{prefix}.gate_proj", rows), (f"{prefix}.up_proj", rows)],
+                                            bias=cfg.mlp_bias, group=dims.tp_group, dtype=dtype)
+        self.down = RowParallelLinear(f"{prefix}.down_proj", rows, cfg.hidden_size, bias=cfg.mlp_bias,
+                                      group=dims.tp_group, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [tokens, local intermediate] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, index: int, dtype: torch.dtype, rotary: Rotary):
+        super().__init__()
+        p = f"model.layers.{index}"
+        self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, rotary)
+        self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dims, f"{p}.mlp", dtype)
+
+    def forward(self, h, residual, positions, meta, cache):
+        if residual is None:  # first layer of the model: the residual stream starts here
+            h, residual = self.input_norm(h), h
+        else:
+            h, residual = self.input_norm(h, residual)
+        h = self.attn(h, positions, meta, cache)
+        h, residual = self.post_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class Transformer(nn.Module):
+    """The layers ``layers`` of the model on one rank; the embedding lives with layer 0
+    and the final norm and LM head with the last layer (pipeline stages hold a run)."""
+
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None, layers: range | None = None):
+        super().__init__()
+        cfg.check_supported()
+        self.cfg = cfg
+        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
+        self.first = self.layer_ids.start == 0
+        self.last = self.layer_ids.stop == cfg.num_layers
+        tp = dict(tp=dims.tp, tp_rank=dims.tp_rank, group=dims.tp_group, dtype=dtype)
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.embed = None
+        if self.first or (self.last and cfg.tie_word_embeddings):
+            self.embed = VocabParallelEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, **tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, self.rotary) for i in self.layer_ids)
+        self.norm = self.lm_head = None
+        if self.last:
+            self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            tied = self.embed.weight if cfg.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead("lm_head", cfg.vocab_size, cfg.hidden_size, tied=tied, **tp)
+
+    def load(self, src: TensorSource) -> None:
+        for module in self.modules():
+            if module is not self and hasattr(module, "load"):
+                module.load(src)
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied head counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None):
+        """x: token ids [tokens] on the first stage, else hidden states [tokens, hidden].
+
+        Returns logits [len(logits_indices), vocab] on the last stage, else
+        (hidden, residual) to send to the next stage.
+        """
+        h = self.embed(x) if self.first else x[0]
+        residual = None if self.first else x[1]
+        for layer, cache in zip(self.layers, caches):
+            h, residual = layer(h, residual, positions, meta, cache)
+        if not self.last:
+            return h, residual
+        h, _ = self.norm(h, residual)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        return self.lm_head(h)

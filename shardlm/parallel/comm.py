@@ -1,0 +1,141 @@
+"""Collectives and their autograd duals: the one module layers import communication from.
+
+The primitives (broadcast, scatter, gather, reduce, all_gather, all_reduce,
+reduce_scatter, all_to_all, send/recv) live in ``collectives.py`` and are
+re-exported here. This file adds their autograd duals for model-parallel regions:
+Megatron-LM's mappings f, g, split and gather (Shoeybi et al. 2019,
+https://arxiv.org/abs/1909.08053, sec. 3), sequence parallelism's all-gather /
+reduce-scatter pair (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198,
+sec. 4.2.2), and the all-to-all of expert parallelism. Each dual is a no-op on a
+one-rank group and reads "forward: X; backward: Y", where Y is the adjoint of X.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shardlm.parallel.collectives import (
+    ProcessGroup,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    gather,
+    group_rank,
+    group_size,
+    irecv,
+    isend,
+    recv,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    split_sizes,
+)
+from shardlm.parallel.collectives import _a2a_sizes, _dim, _sizes  # shared argument checks
+
+__all__ = [
+    # primitives (collectives.py)
+    "split_sizes", "group_size", "group_rank", "broadcast", "scatter", "gather", "reduce", "all_gather",
+    "all_reduce", "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv",
+    # autograd duals
+    "copy_to_region", "reduce_from_region", "split_to_region", "gather_from_region",
+    "all_gather_region", "reduce_scatter_region", "all_to_all_region",
+]
+
+
+class _Dual(torch.autograd.Function):
+    """One autograd Function for every region: forward runs fwd(x), backward runs bwd(grad)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.bwd(g), None, None
+
+
+def _own(x: Tensor, group, d: int, sizes: list[int]) -> Tensor:
+    """This rank's chunk of the full x along dim d."""
+    rank = group_rank(group)
+    return x.narrow(d, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+
+def _shard_sizes(x: Tensor, group, dim: int, sizes) -> tuple[int, list[int]]:
+    """(dim, per-rank sizes) when x is this rank's shard (None: every shard like x)."""
+    d = _dim(x, dim)
+    return d, [x.size(d)] * group_size(group) if sizes is None else [int(s) for s in sizes]
+
+
+def _summed(x: Tensor, group) -> Tensor:
+    """Out-of-place all-reduce: x may be saved by autograd or shared with another branch."""
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+
+def copy_to_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """forward: identity; backward: all-reduce (sum) the gradient over group (Megatron's f)."""
+    if group_size(group) == 1:
+        return x
+    return _Dual.apply(x, lambda t: t.view_as(t), lambda g: _summed(g, group))
+
+
+def reduce_from_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """forward: all-reduce (sum, out of place) over group; backward: identity (Megatron's g)."""
+    if group_size(group) == 1:
+        return x
+    return _Dual.apply(x, lambda t: _summed(t, group), lambda g: g)
+
+
+def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
+                    sizes: Sequence[int] | None = None) -> Tensor:
+    """forward: keep this rank's chunk of the full x along dim; backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    d = _dim(x, dim)
+    sizes = _sizes(sizes, group_size(group), x.size(d), d)
+    return _Dual.apply(x, lambda t: _own(t, group, d, sizes), lambda g: all_gather(g, group, d, sizes))
+
+
+def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
+                       sizes: Sequence[int] | None = None) -> Tensor:
+    """forward: all-gather the shards along dim; backward: split (keep this rank's chunk)."""
+    if group_size(group) == 1:
+        return x
+    d, sizes = _shard_sizes(x, group, dim, sizes)
+    return _Dual.apply(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
+
+
+def all_gather_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
+                      sizes: Sequence[int] | None = None) -> Tensor:
+    """forward: all-gather along dim (sequence parallel's g); backward: reduce-scatter (sum)."""
+    if group_size(group) == 1:
+        return x
+    d, sizes = _shard_sizes(x, group, dim, sizes)
+    return _Dual.apply(x, lambda t: all_gather(t, group, d, sizes),
+                       lambda g: reduce_scatter(g, group, d, sizes))
+
+
+def reduce_scatter_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
+                          sizes: Sequence[int] | None = None) -> Tensor:
+    """forward: reduce-scatter (sum) along dim (sequence parallel's g-bar); backward: all-gather."""
+    if group_size(group) == 1:
+        return x
+    d = _dim(x, dim)
+    sizes = _sizes(sizes, group_size(group), x.size(d), d)
+    return _Dual.apply(x, lambda t: reduce_scatter(t, group, d, sizes),
+                       lambda g: all_gather(g, group, d, sizes))
+
+
+def all_to_all_region(x: Tensor, group: ProcessGroup | None, send_sizes: Sequence[int] | None = None,
+                      recv_sizes: Sequence[int] | None = None, dim: int = 0) -> Tensor:
+    """forward: all-to-all (send_sizes out, recv_sizes in); backward: the reverse all-to-all."""
+    if group_size(group) == 1:
+        return x
+    send, recv = _a2a_sizes(x, group, send_sizes, recv_sizes, _dim(x, dim))
+    return _Dual.apply(x, lambda t: all_to_all(t, group, send, recv, dim),
+                       lambda g: all_to_all(g, group, recv, send, dim))  # rows go back where they came from

@@ -1,0 +1,198 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019, https://arxiv.org/abs/1909.08053 §3).
+
+Any tp from 1 to the number of query heads works, whether or not it divides the head,
+KV-head, MLP or vocabulary sizes:
+
+* query heads are split as evenly as possible (the first ``n % tp`` ranks get one more);
+* each rank holds the KV heads its query heads read; a KV head whose query group spans
+  two ranks is held (replicated) by both, so GQA never needs a collective;
+* MLP rows and vocabulary rows are split the same way, with a remainder.
+
+Each layer knows which rows/columns of which checkpoint tensor it holds (``sources``)
+and loads exactly those (``load``), so no rank ever reads the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.parallel.comm import copy_to_region, gather_from_region, reduce_from_region, split_sizes
+from shardlm.parallel.dims import LayoutError
+
+
+class TensorSource(Protocol):
+    """A checkpoint that can read a slice of a tensor without reading the rest."""
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
+
+
+def shard_range(n: int, parts: int, index: int) -> slice:
+    """The rows [start, stop) that part ``index`` of ``parts`` holds of ``n`` rows."""
+    sizes = split_sizes(n, parts)
+    start = sum(sizes[:index])
+    return slice(start, start + sizes[index])
+
+
+@dataclass(frozen=True)
+class HeadPartition:
+    """The query and KV heads one tp rank holds (global head indices, end exclusive)."""
+
+    q: slice
+    kv: slice
+    q_per_kv: int
+
+    @property
+    def num_q(self) -> int:
+        return self.q.stop - self.q.start
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv.stop - self.kv.start
+
+    def local_kv_of_q(self) -> list[int]:
+        """For each local query head, the index of its KV head among the local KV heads."""
+        return [h // self.q_per_kv - self.kv.start for h in range(self.q.start, self.q.stop)]
+
+
+def partition_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadPartition:
+    if tp > num_heads:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise LayoutError(
+            f"tp={tp} is larger than the model's {num_heads} attention heads: every tensor-parallel "
+            f"rank needs at least one query head; use tp <= {num_heads} (even splits: {divisors})"
+        )
+    q = shard_range(num_heads, tp, rank)
+    q_per_kv = num_heads // num_kv_heads
+    kv = slice(q.start // q_per_kv, (q.stop - 1) // q_per_kv + 1)
+    return HeadPartition(q=q, kv=kv, q_per_kv=q_per_kv)
+
+
+def _scaled(s: slice, k: int) -> slice:
+    return slice(s.start * k, s.stop * k)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, mine] = x @ W[mine, :]^T + b[mine]: input replicated, output split by columns.
+
+    A merged projection (QKV, gate/up) lists several checkpoint tensors in ``sources``,
+    each with the rows this rank holds; the local weight is their row blocks stacked.
+    """
+
+    def __init__(self, in_features: int, sources: list[tuple[str, slice]], *, bias: bool,
+                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+        super().__init__()
+        self.sources = sources
+        self.out_sizes = [s.stop - s.start for _, s in sources]
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.out_sizes), dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([src.read(f"{n}.weight", rows=r) for n, r in self.sources]))
+            if self.bias is not None:
+                self.bias.copy_(torch.cat([src.read(f"{n}.bias", rows=r) for n, r in self.sources]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.group)  # backward: gradients of x summed over tp
+        return F.linear(x, self.weight, self.bias)  # [tokens, sum(out_sizes)]
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r @ W[:, cols_r]^T + b: input split by columns, output all-reduced.
+
+    The bias is added once, after the reduction, not once per rank.
+    """
+
+    def __init__(self, source: str, cols: slice, out_features: int, *, bias: bool,
+                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+        super().__init__()
+        self.source, self.cols, self.group = source, cols, group
+        self.weight = nn.Parameter(torch.empty(out_features, cols.stop - cols.start, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight.copy_(src.read(f"{self.source}.weight", cols=self.cols))
+            if self.bias is not None:
+                self.bias.copy_(src.read(f"{self.source}.bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_region(F.linear(x, self.weight), self.group)  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a run of vocabulary rows; ids outside it embed to zero, then all-reduce."""
+
+    def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
+                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+        super().__init__()
+        self.source, self.group = source, group
+        self.rows = shard_range(vocab_size, tp, tp_rank)
+        self.vocab_sizes = split_sizes(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.rows.stop - self.rows.start, dim, dtype=dtype), requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if len(self.vocab_sizes) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [tokens, dim]
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(h, self.group)
+
+
+class ParallelLMHead(nn.Module):
+    """logits = h @ E^T with E split by vocabulary rows; the slices are gathered on every tp rank.
+
+    With tied embeddings the weight is the embedding's own parameter (same rows).
+    """
+
+    def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
+                 group: dist.ProcessGroup | None, dtype: torch.dtype, tied: nn.Parameter | None = None):
+        super().__init__()
+        self.source, self.group = source, group
+        self.rows = shard_range(vocab_size, tp, tp_rank)
+        self.vocab_sizes = split_sizes(vocab_size, tp)
+        if tied is not None:
+            self.weight = tied
+            self.source = None  # loaded with the embedding
+        else:
+            shape = (self.rows.stop - self.rows.start, dim)
+            self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:
+        if self.source is not None:
+            with torch.no_grad():
+                self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(copy_to_region(h, self.group), self.weight)  # [tokens, local vocab]
+        return gather_from_region(logits, self.group, dim=-1, sizes=self.vocab_sizes)  # [tokens, vocab]
+
+
+def attention_sources(prefix: str, part: HeadPartition, head_dim: int) -> list[tuple[str, slice]]:
+    """Row slices of q/k/v_proj for one rank: its query heads, and the KV heads they read."""
+    return [
+        (f"{prefix}.q_proj", _scaled(part.q, head_dim)),
+        (f"{prefix}.k_proj", _scaled(part.kv, head_dim)),
+        (f"{prefix}.v_proj", _scaled(part.kv, head_dim)),
+    ]
+
+
+def output_cols(part: HeadPartition, head_dim: int) -> slice:
+    """Input columns of o_proj that multiply this rank's attention heads."""
+    return _scaled(part.q, head_dim)
