@@ -22,6 +22,7 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, attn.num_kv, attn.head_dim) if attn else (0,)
         # torch.empty only reserves address space: pages are touched as tokens arrive
         self.caches = [torch.empty(shape, dtype=dtype, device=device) for _ in model.layers]
+        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -30,6 +31,16 @@ class ModelRunner:
         attn = model.layers[0].attn
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * len(model.layers) * block_size * attn.num_kv * attn.head_dim * elem
+
+    def _zero_new_blocks(self, highest: int) -> None:
+        """Zero blocks on their first use. Batched decode pads key slots (a block's unused
+        tail, and block 0 in padded tables) and masks them, but a masked slot still
+        multiplies its value by a zero weight, and 0 * NaN from never-written memory is NaN.
+        Blocks are handed out in increasing order first, so a high-water mark suffices."""
+        if highest >= self.zeroed_blocks:
+            for cache in self.caches:
+                cache[:, self.zeroed_blocks:highest + 1].zero_()
+            self.zeroed_blocks = highest + 1
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat token ids, positions, metadata and the row of each sequence's last token."""
@@ -63,13 +74,15 @@ class ModelRunner:
                 [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs], device=dev)
             meta.decode_context_lens = torch.tensor([s.num_tokens for s in batch.seqs], device=dev)
             meta.decode_max_context = max(s.num_tokens for s in batch.seqs)
+        self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         meta.slot_mapping = torch.tensor(slots, device=dev)
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                 torch.tensor(last_rows, device=dev))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [seqs, vocab] (float32) for the next token of every sequence in the batch."""
+    def run(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
+        """Logits [seqs, vocab] (float32) for the next token of every sequence in the batch,
+        or with ``all_positions`` for every token of the step ([tokens, vocab])."""
         ids, positions, meta, last_rows = self.prepare(batch)
-        logits = self.model(ids, positions, meta, self.caches, last_rows)
+        logits = self.model(ids, positions, meta, self.caches, None if all_positions else last_rows)
         return logits.float()

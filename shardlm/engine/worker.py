@@ -11,7 +11,9 @@ from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Engine, Request, StepStats
 from shardlm.engine.model_runner import ModelRunner
-from shardlm.engine.scheduler import SchedulerConfig
+from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.scheduler import Batch, SchedulerConfig
+from shardlm.engine.sequence import Sequence
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.parallel.dims import ParallelDims
@@ -65,6 +67,16 @@ class Worker:
 
     def ready_info(self) -> dict:
         return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks}
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [len(prompt_ids), vocab] at every position of one prompt (for tests and scoring)."""
+        seq = Sequence(-1, prompt_ids, SamplingParams(max_tokens=1))
+        blocks = self.engine.blocks
+        blocks.grow(seq, seq.num_tokens)
+        try:
+            return self.runner.run(Batch([seq], is_prefill=True), all_positions=True)
+        finally:
+            blocks.free(seq)
 
     def generate(self, requests: list[Request], on_token=None) -> tuple[list[Completion], StepStats]:
         seqs, stats = self.engine.run(requests, on_token)

@@ -1,0 +1,91 @@
+"""Training activation memory per layer, after Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models",
+https://arxiv.org/abs/2205.05198 §4 (Table 2) and §5 (selective recomputation).
+
+Their per-layer count for a GPT layer (16-bit activations, 1-byte dropout masks) is
+``sbh(34 + 5as/h)`` bytes; under tensor parallelism ``t`` the 24 "split" units and the
+attention core divide by ``t`` while 10 units stay replicated unless sequence parallelism
+splits them too. This module keeps every term separate so that the same count serves
+GPT-style layers (4h GELU MLP, MHA, dropout: exactly Table 2) and Llama-style ones (SwiGLU,
+GQA, no dropout). Full recomputation stores only each layer's input (2sbh, /t with SP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation: none; selective (the attention core, §5); full (the layer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """What a layer's stored activations depend on."""
+
+    hidden: int
+    """h: model width."""
+    heads: int
+    """a: query heads."""
+    q_dim: int
+    """Width of the query (and attention output) projection: heads x head_dim."""
+    kv_dim: int
+    """Width of K (and of V): KV heads x head_dim (smaller than q_dim under GQA)."""
+    ffn: int
+    """MLP intermediate width (per token; for MoE: top-k x expert width + shared)."""
+    gated: bool = True
+    """SwiGLU (gate and up) rather than one up-projection with GELU."""
+    dropout: bool = False
+    """Dropout after attention softmax and after each block (GPT-3 yes, Llama no)."""
+
+    @classmethod
+    def gpt(cls, hidden: int, heads: int) -> LayerShape:
+        """The layer Korthikanti et al. count: MHA, 4h GELU MLP, dropout."""
+        return cls(hidden=hidden, heads=heads, q_dim=hidden, kv_dim=hidden, ffn=4 * hidden, gated=False, dropout=True)
+
+
+def layer_activation_bytes(
+    shape: LayerShape, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Bytes of activations one layer keeps for backward, per rank, for one micro-batch."""
+    s, b, h, t = seq, micro_batch, shape.hidden, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)  # only the layer input (16-bit)
+    mask = 1 if shape.dropout else 0
+    # replicated under TP unless SP splits them along the sequence (Table 2 "10" units)
+    replicated = sbh * (2 + 2 + mask + 2 + 2 + mask)  # LN in, QKV in, attn-out mask, LN in, fc1 in, mlp mask
+    # split by TP (Table 2 "24" units for GPT): Q, K, V, attention-output-proj input, MLP hidden
+    sb = s * b
+    split = sb * (2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * shape.q_dim)
+    if shape.gated:  # gate, up, silu(gate), and their product (the down-projection input)
+        split += sb * shape.ffn * (2 + 2 + 2 + 2)
+    else:  # fc1 output (GELU input) and GELU output
+        split += sb * shape.ffn * (2 + 2)
+    # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b
+    core = shape.heads * s * s * b * (2 + (mask + 2 if shape.dropout else 0))
+    if recompute == "selective":
+        core = 0
+    return replicated / (t if sp else 1) + split / t + core / t
+
+
+def korthikanti_table2(*, s: int, b: int, h: int, a: int, t: int, sp: bool, selective: bool) -> float:
+    """Table 2 of Korthikanti et al. in closed form (bytes per layer), for cross-checking."""
+    core = 0 if selective else 5 * a * s / (h * t)
+    return s * b * h * ((34 / t if sp else 10 + 24 / t) + core)
+
+
+def in_flight_microbatches(schedule: str, *, pp: int, num_micro: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at its peak.
+
+    GPipe runs every forward first (m); 1F1B and ZB-H1 cap it at p (Narayanan et al. 2021,
+    https://arxiv.org/abs/2104.04473 §2.2; Qi et al. 2023, https://arxiv.org/abs/2401.10241 §3);
+    the interleaved schedule holds p(1 + (p-1)/(p v)) = p + (p-1)/v stage-equivalents
+    (Korthikanti et al. 2022 §4.2.3, with v model chunks per stage).
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(num_micro)
+    if schedule == "interleaved":
+        return pp + (pp - 1) / virtual
+    return float(min(pp, num_micro))

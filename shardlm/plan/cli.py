@@ -1,0 +1,179 @@
+"""``shardlm plan``: which layout to pick, will it fit, how fast will it be.
+
+``add_parser(subparsers)`` adds the subcommand to shardlm's CLI; ``run(args)`` returns the
+exit code (0 ok; 2 bad input, with one line on stderr). ``python -m shardlm.plan.cli`` runs
+it stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from shardlm.errors import UsageError
+from shardlm.plan.catalog import model_names
+from shardlm.plan.hardware import THIS_MACHINE, gpu_names
+from shardlm.plan.inference import InferenceWorkload
+from shardlm.plan.layout import SCHEDULES
+from shardlm.plan.search import OBJECTIVES
+from shardlm.plan.training import TrainWorkload
+
+TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp")
+INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
+DTYPES = ("bf16", "fp16", "fp8", "fp32")
+ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def dtype_arg(value: str) -> str:
+    """A dtype name; torch spellings (bfloat16, float32) are accepted too."""
+    v = ALIASES.get(value.lower(), value.lower())
+    if v not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; pick one of {', '.join(DTYPES)}")
+    return v
+
+
+DEFAULTS = {"prompt_len": 1024, "output_len": 256, "global_batch": 512, "seq_len": 4096}
+"""Workload defaults when a flag is not given."""
+
+
+DESCRIPTION = "Which parallel layout to pick, whether it fits, and how fast it will be."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(model_names())}) or path to a HF config.json")
+    p.add_argument("--gpu", required=True, help=f"GPU from the catalog ({', '.join(gpu_names())}) or "
+                   f"'{THIS_MACHINE}' (measured once, cached)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) in total")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU's reference system, 8)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="throughput",
+                   help="throughput: most tokens/s; latency: least TTFT + output_len x TPOT at batch 1")
+    p.add_argument("--dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="weights/compute dtype (default bf16; "
+                   f"float32 on {THIS_MACHINE})")
+    g = p.add_argument_group("inference")
+    g.add_argument("--prompt-len", type=int, help=f"prompt tokens per request (default {DEFAULTS['prompt_len']})")
+    g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
+    g.add_argument("--batch", type=int, help="sequences per replica (default: as many as fit / 1 for latency)")
+    g.add_argument("--kv-dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="KV-cache dtype (default: --dtype)")
+    g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
+    g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
+    t = p.add_argument_group("training")
+    t.add_argument("--train", action="store_true", help="plan training (mixed-precision Adam) instead of inference")
+    t.add_argument("--global-batch", type=int, help=f"sequences per step (default {DEFAULTS['global_batch']})")
+    t.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULTS['seq_len']})")
+    t.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
+    t.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage")
+    t.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), help="pin activation recomputation")
+    t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
+    d = p.add_argument_group("pin layout dimensions (the rest are searched)")
+    for axis, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+        d.add_argument(f"--{axis}", type=int, help=f"{what}-parallel size")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    o.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    o.add_argument("--plot", metavar="DIR", help="write memory.png and schedule.png into DIR")
+    o.add_argument("--recalibrate", action="store_true", help=f"re-measure {THIS_MACHINE} instead of using the cache")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="pick a parallel layout: memory, latency, throughput of every layout",
+                              description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"shardlm plan: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def build_request(args):
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.planner import PlanRequest
+
+    given = lambda names: [n for n in names if getattr(args, n, None) is not None]
+    if args.train and given(INFER_ONLY):
+        raise PlanError(f"--{given(INFER_ONLY)[0].replace('_', '-')} is an inference flag but --train plans training; "
+                        f"drop one of them")
+    if not args.train and given(TRAIN_ONLY):
+        raise PlanError(f"--{given(TRAIN_ONLY)[0].replace('_', '-')} is a training flag; add --train or drop it")
+    if args.objective == "latency" and (args.max_ttft_ms is not None or args.max_tpot_ms is not None):
+        raise PlanError("--max-ttft-ms/--max-tpot-ms bound the throughput objective; with --objective latency "
+                        "the planner already minimises them: drop the limits or use --objective throughput")
+    if args.recalibrate and args.gpu != THIS_MACHINE:
+        raise PlanError(f"--recalibrate measures {THIS_MACHINE}; it means nothing with --gpu {args.gpu}")
+    for name in ("gpus", "gpus_per_node", "prompt_len", "output_len", "batch", "global_batch", "seq_len",
+                 "micro_batch", "top", "tp", "pp", "dp", "cp", "ep"):
+        v = getattr(args, name, None)
+        if v is not None and v < (0 if name == "output_len" else 1):
+            raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
+    fixed = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "micro_batch", "recompute")
+             if getattr(args, k, None) is not None}
+    if args.sp is not None:
+        fixed["sp"] = args.sp == "on"
+    mesh = [fixed.get(a, 1) for a in ("tp", "pp", "dp", "cp")]
+    prod = mesh[0] * mesh[1] * mesh[2] * mesh[3]
+    if args.gpus % prod:
+        raise PlanError(f"pinned dims tp x pp x dp x cp = {prod} do not divide --gpus {args.gpus}; "
+                        f"their product must divide the GPU count")
+    if all(a in fixed for a in ("tp", "pp", "dp", "cp")) and prod != args.gpus:
+        raise PlanError(f"tp x pp x dp x cp = {prod} but --gpus is {args.gpus}; they must be equal")
+    dtype = args.dtype or ("fp32" if args.gpu == THIS_MACHINE else "bf16")
+    if args.recalibrate:
+        from shardlm.plan.calibrate import calibrate
+
+        calibrate(force=True)
+    common = dict(model=args.model, gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                  objective=args.objective, fixed=fixed, top=args.top)
+    if args.train:
+        wl = TrainWorkload(global_batch=args.global_batch or DEFAULTS["global_batch"],
+                           seq_len=args.seq_len or DEFAULTS["seq_len"], dtype=dtype)
+        return PlanRequest(train=True, training=wl, **common)
+    ms = lambda v: None if v is None else v / 1e3
+    wl = InferenceWorkload(
+        prompt_len=args.prompt_len or DEFAULTS["prompt_len"],
+        output_len=DEFAULTS["output_len"] if args.output_len is None else args.output_len,
+        batch=args.batch, dtype=dtype, kv_dtype=args.kv_dtype, max_ttft_s=ms(args.max_ttft_ms),
+        max_tpot_s=ms(args.max_tpot_ms), pp_overlap=args.gpu != THIS_MACHINE,
+    )
+    return PlanRequest(train=False, inference=wl, **common)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardlm.plan.planner import plan
+    from shardlm.plan.report import print_table, to_json
+
+    try:
+        req = build_request(args)
+        from shardlm.plan.hardware import load_gpu
+
+        load_gpu(req.gpu).matmul_flops((req.training or req.inference).dtype)  # fp8 on a GPU without it
+        result = plan(req)
+    except UsageError as e:
+        return _fail(str(e))
+    try:
+        if args.json:
+            print(to_json(result))
+        else:
+            print_table(result)
+    except BrokenPipeError:  # `shardlm plan ... | head`
+        sys.stdout = open(os.devnull, "w")
+    if args.plot:
+        from shardlm.plan.plot import write_plots
+
+        paths = write_plots(result, args.plot)
+        if not args.json:
+            print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardlm plan", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

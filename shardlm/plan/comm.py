@@ -1,0 +1,102 @@
+"""Collective costs with the alpha-beta model (Hockney 1994; formulas of Thakur,
+Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
+https://doi.org/10.1177/1094342005051521 §2-4).
+
+A message of n bytes over a link costs ``alpha + n / B``. Groups that fit in one node use the
+node's link; groups that span nodes are hierarchical (reduce-scatter inside the node,
+all-reduce across nodes on 1/k of the data over each GPU's own NIC, all-gather inside;
+Jia et al. 2018, https://arxiv.org/abs/1807.11205 §3.3; NCCL does the same with rings and trees).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardlm.plan.hardware import Cluster, Link
+
+
+def placement(ranks: list[int], cluster: Cluster) -> tuple[int, int]:
+    """(ranks per node, nodes) that a group's members occupy."""
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        n = cluster.node_of(r)
+        nodes[n] = nodes.get(n, 0) + 1
+    return max(nodes.values()), len(nodes)
+
+
+def _ring_allreduce(nbytes: float, n: int, link: Link) -> float:
+    return 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
+
+
+def _tree_allreduce(nbytes: float, n: int, link: Link) -> float:
+    # reduce up and broadcast down a binary tree, pipelined (latency-optimal for small messages)
+    return 2 * math.ceil(math.log2(n)) * link.alpha_s + 2 * nbytes / link.bandwidth_Bps
+
+
+def _flat_allreduce(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return min(_ring_allreduce(nbytes, n, link), _tree_allreduce(nbytes, n, link))
+
+
+def _flat_gather(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather / reduce-scatter of ``nbytes`` in total (each rank holds 1/n)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes / link.bandwidth_Bps
+
+
+def all_reduce(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k, nodes = placement(ranks, cluster)
+    g = cluster.gpu
+    if nodes == 1:
+        return g.collective_launch_s + _flat_allreduce(nbytes, n, g.intra)
+    if k == 1:
+        return g.collective_launch_s + _flat_allreduce(nbytes, n, g.inter)
+    return (
+        g.collective_launch_s
+        + 2 * _flat_gather(nbytes, k, g.intra)  # reduce-scatter, then all-gather, inside the node
+        + _flat_allreduce(nbytes / k, nodes, g.inter)  # each GPU its 1/k shard over its own NIC
+    )
+
+
+def all_gather(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` in total across the group."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k, nodes = placement(ranks, cluster)
+    g = cluster.gpu
+    if nodes == 1:
+        return g.collective_launch_s + _flat_gather(nbytes, n, g.intra)
+    if k == 1:
+        return g.collective_launch_s + _flat_gather(nbytes, n, g.inter)
+    return g.collective_launch_s + _flat_gather(nbytes, k, g.intra) + _flat_gather(nbytes / k, nodes, g.inter)
+
+
+reduce_scatter = all_gather
+
+
+def all_to_all(nbytes_per_rank: float, ranks: list[int], cluster: Cluster) -> float:
+    """Each rank sends ``nbytes_per_rank`` spread evenly over the group (pairwise exchange);
+    the share bound for other nodes goes through the NIC while the rest uses the node link."""
+    n = len(ranks)
+    if n <= 1 or nbytes_per_rank <= 0:
+        return 0.0
+    k, nodes = placement(ranks, cluster)
+    g = cluster.gpu
+    intra = (k - 1) * g.intra.alpha_s + (k - 1) / n * nbytes_per_rank / g.intra.bandwidth_Bps
+    inter = 0.0
+    if nodes > 1:
+        inter = (n - k) * g.inter.alpha_s + (n - k) / n * nbytes_per_rank / g.inter.bandwidth_Bps
+    return g.collective_launch_s + max(intra, inter)
+
+
+def send_recv(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
+    if nbytes <= 0:
+        return 0.0
+    link = cluster.gpu.intra if cluster.node_of(src) == cluster.node_of(dst) else cluster.gpu.inter
+    return cluster.gpu.collective_launch_s + link.alpha_s + nbytes / link.bandwidth_Bps

@@ -1,0 +1,61 @@
+"""Efficiency factors and fixed overheads of the planner, each with its source.
+
+Datasheet peaks are never reached; the planner multiplies them by these factors. They are
+judgements anchored on published measurements, not fitted to any one run; the calibrated
+``this-machine`` profile replaces them with measured rates (efficiency 1.0).
+"""
+
+from __future__ import annotations
+
+MATMUL_EFFICIENCY = 0.70
+"""Fraction of dense peak a large GEMM reaches. Megatron-LM reaches 52% of peak end to end,
+bubbles and communication included (Narayanan et al. 2021, https://arxiv.org/abs/2104.04473
+abstract and §5.1); the planner charges bubbles and communication separately, so the GEMM
+share alone is set higher."""
+
+HBM_EFFICIENCY = 0.80
+"""Fraction of datasheet memory bandwidth a streaming kernel reaches: 750 of 900 GB/s (83%)
+measured on V100 by Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via
+Microbenchmarking", https://arxiv.org/abs/1804.06826 §3."""
+
+LINK_EFFICIENCY = 0.80
+"""Fraction of the per-direction link bandwidth a ring collective reaches ("bus bandwidth"
+in nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)."""
+
+NIC_EFFICIENCY = 0.85
+"""Fraction of NIC line rate a large inter-node collective reaches (same source as above)."""
+
+COLLECTIVE_LAUNCH_S = 5e-6
+"""Fixed cost of launching one collective kernel on a GPU (order of magnitude of CUDA
+kernel launch plus NCCL setup for a small message; nccl-tests small-size rows)."""
+
+GPU_OP_OVERHEAD_S = 0.0
+"""Per-operator dispatch cost on a GPU. Serving engines capture decode in CUDA graphs
+(vLLM, https://docs.vllm.ai/en/latest/design/cuda_graphs.html), so it is taken as zero;
+the calibrated CPU profile measures its own."""
+
+MEMORY_RESERVE_FRACTION = 0.10
+"""Share of device memory left for the CUDA context, allocator fragmentation and
+workspaces: vLLM's default ``gpu_memory_utilization=0.9``
+(https://docs.vllm.ai/en/latest/configuration/engine_args.html)."""
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""PyTorch DDP's default gradient bucket (``bucket_cap_mb=25``; Li et al. 2020,
+https://arxiv.org/abs/2006.15704 §3.2.3); two are in flight."""
+
+DP_OVERLAP_FRACTION = 0.8
+"""Share of the backward pass that can hide data-parallel gradient communication (bucketed
+all-reduce overlapped with backward, Li et al. 2020 §3.2.3; the last bucket cannot hide)."""
+
+PREFILL_CHUNK_TOKENS = 8192
+"""Tokens one prefill step processes at most (chunked prefill; vLLM's
+``max_num_batched_tokens`` default with chunked prefill on)."""
+
+NEAR_TIE_FRACTION = 0.03
+"""Layouts whose score is within 3% of the best are treated as ties; among ties the planner
+picks the one that follows the known placement rules (model error is larger than 3%)."""
+
+FP32_BYTES = 4
+BF16_BYTES = 2
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
+"""Bytes per element of each dtype the planner accepts."""

@@ -1,0 +1,137 @@
+"""GPU catalog and the cluster a plan runs on.
+
+``load_gpu("h100-sxm")`` reads ``data/gpus.json`` (datasheet numbers, sources cited there);
+``Cluster`` says how many GPUs there are and how many share a node, and answers which
+link a group of ranks talks over.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from shardlm.plan import constants as C
+from shardlm.plan.errors import PlanError, unknown
+
+DATA = Path(__file__).parent / "data"
+THIS_MACHINE = "this-machine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One alpha-beta link: a message of n bytes costs ``alpha_s + n / bandwidth_Bps``."""
+
+    alpha_s: float
+    """Latency of one hop, seconds."""
+    bandwidth_Bps: float
+    """Achievable bytes per second in one direction."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    name: str
+    """Catalog key, e.g. ``h100-sxm``."""
+    display: str
+    """Human name, e.g. ``NVIDIA H100 SXM5 80GB``."""
+    memory_bytes: float
+    """Device memory in bytes (datasheet GB are decimal)."""
+    flops: dict[str, float]
+    """Achievable dense FLOP/s per dtype (datasheet peak x MATMUL_EFFICIENCY, or measured)."""
+    mem_Bps: float
+    """Achievable memory bandwidth, bytes/s (datasheet x HBM_EFFICIENCY, or measured)."""
+    intra: Link
+    """GPU-to-GPU link inside a node (NVLink, xGMI, PCIe, or gloo on this machine)."""
+    inter: Link
+    """Per-GPU scale-out link between nodes (the NIC)."""
+    gpus_per_node: int = 8
+    """GPUs of the reference system that share the fast intra-node link."""
+    op_overhead_s: float = C.GPU_OP_OVERHEAD_S
+    """Fixed dispatch cost per operator (zero on GPUs with CUDA graphs; measured on CPU)."""
+    collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
+    """Fixed cost of one collective call, on top of the alpha-beta terms."""
+    source: str = ""
+    """Where the numbers come from."""
+    calibrated: dict = field(default_factory=dict, compare=False, repr=False)
+    """Raw measurements when the spec comes from calibration (this-machine)."""
+
+    def matmul_flops(self, dtype: str) -> float:
+        if dtype in self.flops:
+            return self.flops[dtype]
+        base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        if base in self.flops:
+            return self.flops[base]
+        raise PlanError(
+            f"{self.name} has no {dtype} matmul rate in the catalog (it lists {', '.join(self.flops)}); "
+            f"pick --dtype from those"
+        )
+
+
+@lru_cache(maxsize=1)
+def _raw_catalog() -> dict:
+    return json.loads((DATA / "gpus.json").read_text())
+
+
+def gpu_names(with_aliases: bool = False) -> list[str]:
+    raw = _raw_catalog()
+    names = [k for k in raw if not k.startswith("_")]
+    if with_aliases:
+        names += [a for k in names for a in raw[k].get("_aliases", [])]
+    return names
+
+
+def load_gpu(name: str) -> GpuSpec:
+    """The catalog GPU called ``name`` (or one of its aliases), with efficiency applied."""
+    if name == THIS_MACHINE:
+        from shardlm.plan.calibrate import machine_spec  # measures once, then cached
+
+        return machine_spec()
+    raw = _raw_catalog()
+    key = name.lower()
+    if key not in raw or key.startswith("_"):
+        key = next((k for k in gpu_names() if key in raw[k].get("_aliases", [])), None)
+    if key is None:
+        raise unknown("gpu", name, gpu_names() + [THIS_MACHINE])
+    g = raw[key]
+    return GpuSpec(
+        name=key,
+        display=g["display"],
+        memory_bytes=g["memory_gb"] * 1e9,
+        flops={k: v * 1e12 * C.MATMUL_EFFICIENCY for k, v in g["tflops"].items()},
+        mem_Bps=g["hbm_gbs"] * 1e9 * C.HBM_EFFICIENCY,
+        # datasheets quote bidirectional totals; one direction carries half
+        intra=Link(alpha_s=g["link_latency_us"] * 1e-6, bandwidth_Bps=g["link_gbs"] / 2 * 1e9 * C.LINK_EFFICIENCY),
+        inter=Link(alpha_s=g["nic_latency_us"] * 1e-6, bandwidth_Bps=g["nic_gbps"] / 8 * 1e9 * C.NIC_EFFICIENCY),
+        gpus_per_node=g["gpus_per_node"],
+        source=g["_source"],
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    gpu: GpuSpec
+    """The (identical) device every rank runs on."""
+    num_gpus: int
+    """Ranks in the world."""
+    gpus_per_node: int
+    """Ranks that share one node's fast link; groups wider than this cross the NIC."""
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1:
+            raise PlanError(f"--gpus {self.num_gpus}: need at least one GPU")
+        if self.gpus_per_node < 1:
+            raise PlanError(f"--gpus-per-node {self.gpus_per_node}: need at least one GPU per node")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise PlanError(
+                f"--gpus {self.num_gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                f"use a multiple of {self.gpus_per_node} (e.g. {self.num_gpus // self.gpus_per_node * self.gpus_per_node or self.gpus_per_node}"
+                f" or {(self.num_gpus // self.gpus_per_node + 1) * self.gpus_per_node})"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.num_gpus // self.gpus_per_node))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node

@@ -1,0 +1,217 @@
+"""Inference time and capacity of one layout: TTFT, TPOT and throughput.
+
+Per stage, a step costs the roofline time of its layers (``roofline.py``) plus the
+collectives the runner issues: two all-reduces of the hidden state per layer under TP
+(Megatron-LM §3), dispatch + combine all-to-alls per MoE layer under EP (GShard, Lepikhin
+et al. 2020, https://arxiv.org/abs/2006.16668 §2.2), a ring of KV blocks overlapped with
+attention for CP prefill (Ring Attention, Liu et al. 2023, https://arxiv.org/abs/2310.01889 §3)
+and a merge of partial attention for CP decode; the vocab-parallel LM head all-gathers
+logits; stages hand hidden states on with send/recv.
+
+A replica serves a batch of B sequences as a round: prefill every prompt (in chunks of
+PREFILL_CHUNK_TOKENS), then ``output_len`` decode steps; throughput is the round's output
+over its length. TTFT is one prompt's prefill (continuous batching starts a request as soon
+as its prefill is done, so it does not wait for the batch's other prompts). With ``pp_overlap`` (vLLM-style
+engines) the batch is cut into pp micro-batches that keep every stage busy; without it
+(shardlm's own runner) the stages run one after another. DP multiplies throughput.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardlm.plan import comm
+from shardlm.plan import constants as C
+from shardlm.plan.hardware import Cluster
+from shardlm.plan.layout import Layout
+from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
+from shardlm.plan.roofline import ModelCosts, Step, Work, kv_bytes_per_token, layer_work
+
+LOGIT_BYTES = 4
+"""Logits are gathered in fp32 for sampling."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceWorkload:
+    prompt_len: int
+    """Tokens in each prompt."""
+    output_len: int
+    """Tokens generated per request."""
+    batch: int | None = None
+    """Sequences per replica; None lets the planner choose (throughput) or uses 1 (latency)."""
+    dtype: str = "bf16"
+    """Weight and activation dtype."""
+    kv_dtype: str | None = None
+    """KV-cache dtype (defaults to dtype)."""
+    max_ttft_s: float | None = None
+    """Upper limit on time to first token."""
+    max_tpot_s: float | None = None
+    """Upper limit on time per output token."""
+    pp_overlap: bool = True
+    """Engine keeps pp micro-batches in flight (True for vLLM-style engines)."""
+
+
+@dataclass(kw_only=True)
+class StepTime:
+    """One forward step of one stage, split by cause (seconds)."""
+
+    matmul: float = 0.0
+    """Weight matmuls (roofline: weight bytes or FLOPs) and per-operator dispatch."""
+    attention: float = 0.0
+    """Attention core over the KV cache."""
+    tp_comm: float = 0.0
+    """Tensor-parallel all-reduces."""
+    ep_comm: float = 0.0
+    """Expert-parallel dispatch and combine."""
+    cp_comm: float = 0.0
+    """Context-parallel KV ring (prefill) or partial-attention merge (decode), as exposed."""
+    head: float = 0.0
+    """Embedding all-reduce, LM head and the logits all-gather."""
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.tp_comm + self.ep_comm + self.cp_comm + self.head
+
+
+@dataclass(kw_only=True)
+class InferenceResult:
+    layout: Layout
+    """The layout evaluated."""
+    memory: MemoryBreakdown
+    """Per-GPU memory at the chosen batch (busiest rank)."""
+    fits: bool
+    """Whether the chosen batch fits in device memory."""
+    max_batch: int
+    """Sequences per replica that fit (0: the layout does not fit at all)."""
+    batch: int = 0
+    """Sequences per replica the numbers are for."""
+    ttft_s: float = math.inf
+    """Time to first token of one request (its prompt's prefill)."""
+    tpot_s: float = math.inf
+    """Time per output token at the chosen batch."""
+    throughput: float = 0.0
+    """Output tokens per second over all replicas."""
+    latency_s: float = math.inf
+    """TTFT + output_len x TPOT for one request of the batch."""
+    decode_parts: StepTime = field(default_factory=StepTime)
+    """Where one decode step's time goes (summed over stages)."""
+    shortfall_bytes: float = 0.0
+    """How far batch 1 is over the device memory (when it does not fit)."""
+    meets_limits: bool = True
+    """Within the request's TTFT/TPOT limits."""
+
+
+def stage_step(costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, *, tokens: float, ctx: float,
+               decode: bool, seqs: float, w_bytes: int, a_bytes: int, kv_bytes: int, dtype: str) -> StepTime:
+    cfg, gpu = costs.cfg, cluster.gpu
+    n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
+    out = StepTime()
+    tp_group, cp_group, ep_group = lay.group("tp"), lay.group("cp"), lay.group("ep")
+    hidden_msg = tokens * cfg.hidden_size * a_bytes
+    ar = comm.all_reduce(hidden_msg, tp_group, cluster)
+    # tokens entering one EP group: its dp replicas' steps (parallel folding) x tp copies / tp
+    moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
+    for n, moe in ((n_dense, False), (n_moe, True)):
+        if not n:
+            continue
+        rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
+        step = Step(tokens=tokens, ctx=ctx, decode=decode, seqs=seqs, moe_tokens=moe_tokens)
+        mm, at = layer_work(cfg, rl, step, w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, ep=lay.ep)
+        t_attn = at.time(gpu, dtype)
+        out.matmul += n * mm.time(gpu, dtype)
+        out.attention += n * t_attn
+        out.tp_comm += n * 2 * ar
+        if moe and lay.ep > 1:
+            a2a = comm.all_to_all(tokens * cfg.num_experts_per_tok * cfg.hidden_size * a_bytes, ep_group, cluster)
+            out.ep_comm += n * 2 * a2a
+        if lay.cp > 1:
+            if decode:  # merge partial softmax results: output + log-sum-exp per head
+                merge = tokens * rl.q_heads * (cfg.head_dim + 1) * 4
+                out.cp_comm += n * comm.all_reduce(merge, cp_group, cluster)
+            else:  # ring attention: cp-1 KV blocks pass by, hidden behind the attention core
+                block = tokens * kv_bytes_per_token(cfg, rl, kv_bytes)
+                ring = (lay.cp - 1) * comm.send_recv(block, cp_group[0], cp_group[1], cluster)
+                out.cp_comm += n * max(0.0, ring - t_attn)
+    vocab = costs.vocab_rows(lay.tp)
+    if stage == 0:  # vocab-parallel embedding: lookup + all-reduce
+        out.head += ar
+    if stage == lay.pp - 1:
+        last = seqs if not decode else tokens  # prefill samples only each sequence's last token
+        out.head += Work(flops=2 * last * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * w_bytes, ops=2).time(gpu, dtype)
+        out.head += comm.all_gather(last * cfg.vocab_size * LOGIT_BYTES, tp_group, cluster)
+    return out
+
+
+def _sum(parts: list[StepTime]) -> StepTime:
+    out = StepTime()
+    for p in parts:
+        for k in vars(out):
+            setattr(out, k, getattr(out, k) + getattr(p, k))
+    return out
+
+
+def boundary_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
+    """Send/recv over every stage boundary, one after another."""
+    pp_group = lay.group("pp")
+    return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in zip(pp_group, pp_group[1:]))
+
+
+def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_) -> tuple[float, StepTime]:
+    """Time for ``seqs`` sequences to pass every stage once; and the summed per-stage parts."""
+    w_bytes, a_bytes, kv_bytes = bytes_
+    dtype = wl.dtype
+    mb = lay.pp if (wl.pp_overlap and lay.pp > 1 and seqs >= lay.pp) else 1
+    parts = [
+        stage_step(costs, cluster, lay, s, tokens=tokens / mb, ctx=ctx, decode=decode, seqs=seqs / mb,
+                   w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, dtype=dtype)
+        for s in range(lay.pp)
+    ]
+    p2p = boundary_time(cluster, lay, tokens / mb * costs.cfg.hidden_size * a_bytes)
+    if mb > 1:  # every stage works on one of mb micro-batches at a time: mb + pp - 1 slots
+        total = (mb + lay.pp - 1) * max(p.total for p in parts) + p2p
+        if decode:  # steady state: the next step's micro-batches follow without draining
+            total = mb * max(p.total for p in parts) + p2p
+    else:
+        total = sum(p.total for p in parts) + p2p
+    return total, _sum(parts)
+
+
+def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWorkload, batch: int | None = None) -> InferenceResult:
+    w_bytes = C.DTYPE_BYTES[wl.dtype]
+    a_bytes = max(2, w_bytes)  # fp8 weights still compute in 16-bit activations
+    kv_bytes = C.DTYPE_BYTES[wl.kv_dtype or wl.dtype]
+    bytes_ = (w_bytes, a_bytes, kv_bytes)
+    cap = cluster.gpu.memory_bytes
+    seq_len = wl.prompt_len + wl.output_len
+    fixed = inference_fixed(costs, lay, cap, prompt_len=wl.prompt_len, batch_hint=batch or wl.batch or 1,
+                            w_bytes=w_bytes, a_bytes=a_bytes)
+    per_seq = kv_bytes_per_seq_token(costs, lay, kv_bytes) * seq_len
+    free = cap - fixed.total
+    max_batch = int(free // per_seq) if free > 0 else 0
+    if max_batch < 1:
+        mem = MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq})
+        return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=0, shortfall_bytes=mem.total - cap)
+    b = min(batch or wl.batch or max_batch, max_batch)
+    if (batch or wl.batch or 0) > max_batch:
+        mem = MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * (batch or wl.batch)})
+        return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=max_batch, shortfall_bytes=mem.total - cap)
+    # TTFT: one prompt's prefill (chunked); a round's prefill work: all b prompts
+    chunk = min(C.PREFILL_CHUNK_TOKENS, wl.prompt_len)
+    t_chunk, _ = pipeline_time(costs, cluster, lay, wl, tokens=chunk / lay.cp, ctx=wl.prompt_len / 2,
+                               decode=False, seqs=max(1.0, chunk / wl.prompt_len), bytes_=bytes_)
+    ttft = math.ceil(wl.prompt_len / chunk) * t_chunk
+    round_chunk = min(C.PREFILL_CHUNK_TOKENS, b * wl.prompt_len)
+    t_round_chunk, _ = pipeline_time(costs, cluster, lay, wl, tokens=round_chunk / lay.cp, ctx=wl.prompt_len / 2,
+                                     decode=False, seqs=max(1.0, round_chunk / wl.prompt_len), bytes_=bytes_)
+    prefill_round = math.ceil(b * wl.prompt_len / round_chunk) * t_round_chunk
+    ctx = (wl.prompt_len + wl.output_len / 2) / lay.cp
+    tpot, parts = pipeline_time(costs, cluster, lay, wl, tokens=b, ctx=ctx, decode=True, seqs=b, bytes_=bytes_)
+    cycle = prefill_round + wl.output_len * tpot
+    res = InferenceResult(
+        layout=lay, memory=MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * b}), fits=True,
+        max_batch=max_batch, batch=b, ttft_s=ttft, tpot_s=tpot, latency_s=ttft + wl.output_len * tpot,
+        throughput=lay.dp * b * wl.output_len / cycle, decode_parts=parts,
+    )
+    res.meets_limits = (wl.max_ttft_s is None or ttft <= wl.max_ttft_s) and (wl.max_tpot_s is None or tpot <= wl.max_tpot_s)
+    return res

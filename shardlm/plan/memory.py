@@ -1,0 +1,157 @@
+"""Per-GPU memory of a layout, broken down the way the report prints it.
+
+Inference: weights of the largest rank, the KV cache of the batch, the prefill working set,
+communication buffers, and a reserve. Training: ZeRO model states (``zero.py``), activations
+of the in-flight micro-batches (``activations.py``), buffers and the reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shardlm.plan import constants as C
+from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import ModelCosts, kv_bytes_per_token
+from shardlm.plan.zero import model_states
+
+FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    weights: float = 0.0
+    """Parameters held by the rank (bytes)."""
+    kv_cache: float = 0.0
+    """KV cache of the batch (inference)."""
+    activations: float = 0.0
+    """Stored activations (training) or the prefill working set (inference)."""
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    comm_buffers: float = 0.0
+    """Collective send/receive buffers (NCCL, DDP buckets, ZeRO-3 prefetch)."""
+    reserve: float = 0.0
+    """Context, fragmentation, workspaces: MEMORY_RESERVE_FRACTION of the device."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in FIELDS)
+
+    def as_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+# ---- inference ------------------------------------------------------------------------------
+
+
+def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int) -> float:
+    """Weights on the largest rank of the largest stage."""
+    cfg = costs.cfg
+    embed = costs.vocab_rows(lay.tp) * cfg.hidden_size
+    best = 0.0
+    kinds = costs.stage_kinds(lay.pp)
+    for s, (n_dense, n_moe) in enumerate(kinds):
+        p = n_dense * costs.rank_layer(False, lay.tp).total if n_dense else 0
+        if n_moe:
+            p += n_moe * costs.rank_layer(True, lay.tp, lay.ep, lay.etp).total
+        if s == 0:
+            p += embed
+        if s == lay.pp - 1:
+            p += cfg.hidden_size + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
+        best = max(best, p)
+    return best * w_bytes
+
+
+def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: int) -> float:
+    """KV bytes one token of one sequence costs on the busiest rank (its stage's layers, /cp)."""
+    cfg = costs.cfg
+    n_dense, n_moe = costs.stage_kinds(lay.pp)[0]  # the first stage has the most layers
+    per = 0.0
+    if n_dense:
+        per += n_dense * kv_bytes_per_token(cfg, costs.rank_layer(False, lay.tp), kv_bytes)
+    if n_moe:
+        per += n_moe * kv_bytes_per_token(cfg, costs.rank_layer(True, lay.tp, lay.ep, lay.etp), kv_bytes)
+    return per / lay.cp
+
+
+def prefill_working_set(costs: ModelCosts, lay: Layout, chunk_tokens: float, a_bytes: int) -> float:
+    """Transient activations of one prefill chunk in one layer, plus the last-token logits."""
+    cfg = costs.cfg
+    rl = costs.rank_layer(cfg.is_moe and cfg.first_k_dense == 0, lay.tp, lay.ep, lay.etp)
+    width = 4 * cfg.hidden_size + (rl.q_heads + 2 * max(rl.kv_heads, 1)) * cfg.head_dim
+    ffn = max(costs.cfg.intermediate_size, costs.cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
+    width += 3 * ffn / lay.tp
+    return chunk_tokens / lay.cp * width * a_bytes
+
+
+def inference_fixed(costs: ModelCosts, lay: Layout, capacity: float, *, prompt_len: int, batch_hint: int,
+                    w_bytes: int, a_bytes: int) -> MemoryBreakdown:
+    """Everything but the KV cache (which decides how many sequences fit)."""
+    chunk = min(C.PREFILL_CHUNK_TOKENS, prompt_len * batch_hint)
+    act = prefill_working_set(costs, lay, chunk, a_bytes)
+    comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world > 1 else 0.0
+    return MemoryBreakdown(
+        weights=weight_bytes(costs, lay, w_bytes), activations=act, comm_buffers=comm,
+        reserve=C.MEMORY_RESERVE_FRACTION * capacity,
+    )
+
+
+# ---- training -------------------------------------------------------------------------------
+
+
+def layer_shape(costs: ModelCosts, moe: bool) -> LayerShape:
+    cfg = costs.cfg
+    if cfg.is_mla:
+        q_dim = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        kv_dim = cfg.num_heads * max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    else:
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    ffn = cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size
+    return LayerShape(hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn)
+
+
+def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:
+    """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4)."""
+    cfg = costs.cfg
+    s = seq // lay.cp
+    total = 0.0
+    n_dense, n_moe = costs.stage_kinds(lay.pp)[0]
+    kw = dict(seq=s, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute)
+    if n_dense:
+        total += n_dense * layer_activation_bytes(layer_shape(costs, False), **kw)
+    if n_moe:
+        per = layer_activation_bytes(layer_shape(costs, True), **kw)
+        if lay.recompute != "full":  # routed experts: gate, up, silu, product for k copies of each token
+            rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
+            per += s * lay.micro_batch * cfg.num_experts_per_tok * (8 * rows + 4 * cfg.hidden_size)
+        total += n_moe * per
+    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
+    return total * flight
+
+
+def training_memory(costs: ModelCosts, lay: Layout, capacity: float, *, seq: int) -> MemoryBreakdown:
+    params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
+    cfg = costs.cfg
+    expert_share = 0.0
+    if cfg.is_moe:
+        rl = costs.rank_layer(True, lay.tp, lay.ep, lay.etp)
+        n_moe = costs.stage_kinds(lay.pp)[0][1]
+        expert_share = n_moe * rl.experts * rl.expert_params
+    dense_states = model_states(params - expert_share, dp=lay.dp * lay.cp, stage=lay.zero)
+    edp = lay.dp * lay.tp // (lay.ep * lay.etp) * lay.cp  # copies of each expert
+    expert_states = model_states(expert_share, dp=edp, stage=lay.zero)
+    comm = 0.0
+    if lay.dp * lay.cp > 1:
+        comm += 2 * C.DDP_BUCKET_BYTES
+    if lay.zero == 3:
+        comm += 2 * 2 * costs.rank_layer(cfg.is_moe, lay.tp, lay.ep, lay.etp).total  # prefetch two layers
+    return MemoryBreakdown(
+        weights=dense_states.weights + expert_states.weights,
+        gradients=dense_states.gradients + expert_states.gradients,
+        optimizer=dense_states.optimizer + expert_states.optimizer,
+        activations=training_activation_bytes(costs, lay, seq),
+        comm_buffers=comm,
+        reserve=C.MEMORY_RESERVE_FRACTION * capacity,
+    )

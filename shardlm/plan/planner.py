@@ -1,0 +1,168 @@
+"""plan(): one request in, ranked layouts with an explanation out (what the CLI prints).
+
+Raises PlanError when nothing can work, saying by how much it misses and what would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shardlm.plan.inference import InferenceWorkload
+from shardlm.plan.training import TrainWorkload
+from shardlm.plan.catalog import load_model
+from shardlm.plan.errors import PlanError
+from shardlm.plan.explain import departures, explain, rerank
+from shardlm.plan.hardware import THIS_MACHINE, Cluster, gpu_names, load_gpu
+from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
+
+GROWTH = (2, 4, 8, 16, 32, 64)
+"""Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: str
+    """Preset name or path to a HF config.json."""
+    gpu: str
+    """Catalog GPU name, or ``this-machine``."""
+    gpus: int
+    """GPUs (ranks) in total."""
+    gpus_per_node: int | None = None
+    """GPUs per node (default: the GPU's reference system, capped at ``gpus``)."""
+    objective: str = "throughput"
+    """throughput or latency."""
+    train: bool = False
+    """Plan training instead of inference."""
+    inference: InferenceWorkload | None = None
+    """The inference workload (when not training)."""
+    training: TrainWorkload | None = None
+    """The training workload (with ``train``)."""
+    fixed: dict = field(default_factory=dict)
+    """Dimensions the user pinned (tp, pp, dp, cp, ep, zero, schedule, micro_batch, recompute)."""
+    top: int = 5
+    """Layouts to report."""
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    """What was asked."""
+    model_name: str
+    """Preset name or the config's folder name."""
+    cfg: object
+    """The ModelConfig planned for."""
+    cluster: Cluster
+    """GPUs and nodes."""
+    search: SearchResult
+    """Every fitting result, best first, and search statistics."""
+    ranked: list
+    """The best result per mesh shape, after the rule tie-break: what the table shows."""
+    explanation: list[str]
+    """Why the winner wins, what the runner-up trades, which rules hold."""
+    context: dict
+    """Inputs of the rule checks (cluster, config, objective, context length)."""
+
+    @property
+    def best(self):
+        return self.ranked[0]
+
+    def departures(self, res) -> list[str]:
+        return departures(res, self.context)
+
+
+def make_cluster(req: PlanRequest) -> Cluster:
+    gpu = load_gpu(req.gpu)
+    per_node = req.gpus_per_node or min(req.gpus, gpu.gpus_per_node)
+    if req.gpu == THIS_MACHINE:
+        per_node = req.gpus  # all local ranks share the machine
+    return Cluster(gpu=gpu, num_gpus=req.gpus, gpus_per_node=per_node)
+
+
+def _search(costs, cluster, req: PlanRequest, fixed: dict) -> SearchResult:
+    if req.train:
+        return search_training(costs, cluster, req.training, objective=req.objective, fixed=fixed)
+    return search_inference(costs, cluster, req.inference, objective=req.objective, fixed=fixed)
+
+
+def plan(req: PlanRequest) -> Plan:
+    check_objective(req.objective)
+    cfg, name = load_model(req.model)
+    cluster = make_cluster(req)
+    costs = ModelCosts(cfg)
+    found = _search(costs, cluster, req, req.fixed)
+    context_len = req.training.seq_len if req.train else req.inference.prompt_len + req.inference.output_len
+    ctx = {"cluster": cluster, "cfg": cfg, "objective": req.objective, "train": req.train, "context_len": context_len}
+    if not found.results:
+        raise _nothing_fits(costs, cluster, req, name, found)
+    ranked = distinct_meshes(rerank(found.results, ctx))
+    return Plan(request=req, model_name=name, cfg=cfg, cluster=cluster, search=found, ranked=ranked,
+                explanation=explain(ranked, ctx), context=ctx)
+
+
+def distinct_meshes(results: list) -> list:
+    """The best result of each mesh shape (tp, pp, dp, cp, ep), so the table shows alternatives
+    rather than the same mesh with another micro-batch size."""
+    seen, out = set(), []
+    for r in results:
+        key = tuple(sorted(r.layout.dims().items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResult) -> PlanError:
+    gpu = cluster.gpu
+    if found.rejected and found.rejected[0].fits:  # fits in memory, misses a TTFT/TPOT limit
+        r = found.rejected[0]
+        return PlanError(
+            f"no layout of {name} on {req.gpus} x {gpu.name} meets the limits: the closest, {r.layout.label()}, "
+            f"reaches TTFT {r.ttft_s * 1e3:.0f} ms and TPOT {r.tpot_s * 1e3:.1f} ms at batch {r.batch}; "
+            f"relax --max-ttft-ms / --max-tpot-ms or add GPUs"
+        )
+    if req.fixed and found.rejected:
+        free = _search(costs, cluster, req, {})
+        r = found.rejected[0]
+        pinned = " ".join(f"{k}={v}" for k, v in req.fixed.items())
+        msg = (f"{pinned} cannot fit {name} on {gpu.name}: its best layout needs {_gb(r.memory.total)} per GPU, "
+               f"{_gb(r.shortfall_bytes)} over the {_gb(gpu.memory_bytes)} it has")
+        if free.results:
+            alts = ", ".join(x.layout.label(req.train) for x in free.results[:3])
+            return PlanError(f"{msg}; layouts that fit: {alts}")
+        found = free
+    short = found.rejected[0].shortfall_bytes if found.rejected else float("nan")
+    need = found.rejected[0].memory.total if found.rejected else float("nan")
+    what = f"{name} does not fit on {req.gpus} x {gpu.name} in any layout"
+    if not found.rejected:
+        return PlanError(f"{what}: no layout is valid for {req.gpus} GPUs (heads {costs.cfg.num_heads}, layers "
+                         f"{costs.cfg.num_layers}); try a GPU count with more divisors")
+    detail = (f"{what}: the leanest layout, {found.rejected[0].layout.label(req.train)}, needs {_gb(need)} per GPU, "
+              f"{_gb(short)} more than the {_gb(gpu.memory_bytes)} there")
+    hints = []
+    for k in GROWTH:
+        n = req.gpus * k
+        bigger = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(n, cluster.gpus_per_node) if n >= cluster.gpus_per_node else n)
+        if _search(costs, bigger, req, {}).results:
+            hints.append(f"{n} x {gpu.name}")
+            break
+    if req.gpu != THIS_MACHINE:
+        for other in gpu_names():
+            o = load_gpu(other)
+            if o.memory_bytes <= gpu.memory_bytes:
+                continue
+            c = Cluster(gpu=o, num_gpus=req.gpus, gpus_per_node=cluster.gpus_per_node)
+            if _search(costs, c, req, {}).results:
+                hints.append(f"{req.gpus} x {other}")
+                break
+    if not req.train and req.inference.dtype != "fp8" and "fp8" in gpu.flops:
+        fp8 = replace(req, inference=replace(req.inference, dtype="fp8", kv_dtype="fp8"))
+        if _search(costs, cluster, fp8, {}).results:
+            hints.append(f"{req.gpus} x {gpu.name} with --dtype fp8")
+    if req.train:
+        hints.append("a smaller --global-batch or --seq-len")
+    return PlanError(detail + ("; it would fit on " + " or ".join(hints) if hints else ""))

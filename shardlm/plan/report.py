@@ -1,0 +1,117 @@
+"""The plan as a table (rich, or plain text when stdout is not a terminal) and as JSON data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from shardlm.plan.memory import FIELDS
+
+SHORT = {"weights": "wts", "kv_cache": "kv", "activations": "act", "gradients": "grad", "optimizer": "opt",
+         "comm_buffers": "comm", "reserve": "rsv"}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
+
+
+def rows(plan) -> tuple[list[str], list[list[str]]]:
+    train = plan.request.train
+    head = ["#", "layout"]
+    head += ["tokens/s", "MFU", "step s", "bubble"] if train else ["tok/s", "batch", "TTFT ms", "TPOT ms"]
+    mem_fields = [f for f in FIELDS if any(getattr(r.memory, f) for r in plan.ranked[: plan.request.top])]
+    head += [SHORT[f] for f in mem_fields] + ["GB/GPU"]
+    out = []
+    for i, r in enumerate(plan.ranked[: plan.request.top], 1):
+        row = [str(i), r.layout.label(train)]
+        if train:
+            row += [f"{r.tokens_per_s:,.0f}", f"{r.mfu * 100:.0f}%", f"{r.step_s:.2f}", f"{r.bubble_fraction * 100:.1f}%"]
+        else:
+            row += [f"{r.throughput:,.0f}", str(r.batch), _ms(r.ttft_s), _ms(r.tpot_s)]
+        row += [_gb(getattr(r.memory, f)) for f in mem_fields] + [_gb(r.memory.total)]
+        out.append(row)
+    return head, out
+
+
+def title(plan) -> str:
+    req, c = plan.request, plan.cluster
+    what = (f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens" if req.train else
+            f"inference, prompt {req.inference.prompt_len} + output {req.inference.output_len} tokens, {req.inference.dtype}")
+    return (f"{plan.model_name} on {c.num_gpus} x {c.gpu.name} ({c.num_nodes} node{'s' * (c.num_nodes > 1)} of "
+            f"{c.gpus_per_node}); {what}; objective {req.objective}")
+
+
+def text(plan) -> str:
+    head, body = rows(plan)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = [title(plan), "", fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body]
+    s = plan.search
+    lines += ["", f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+                  f"{len(plan.search.results):,} fit", ""]
+    lines += plan.explanation
+    return "\n".join(lines)
+
+
+def print_table(plan, console=None) -> None:
+    """Rich table on a terminal, plain text otherwise (pipes, tests)."""
+    import sys
+
+    if console is None and not sys.stdout.isatty():
+        print(text(plan))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    head, body = rows(plan)
+    table = Table(title=title(plan), title_justify="left")
+    for i, h in enumerate(head):
+        table.add_column(h, justify="left" if i < 2 else "right")
+    for r in body:
+        table.add_row(*r)
+    console.print(table)
+    s = plan.search
+    console.print(f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+                  f"{len(plan.search.results):,} fit")
+    for line in plan.explanation:
+        console.print(line)
+
+
+def _num(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def to_data(plan) -> dict:
+    req, train = plan.request, plan.request.train
+    items = []
+    for r in plan.ranked[: req.top]:
+        d = {"layout": {**r.layout.dims(), "label": r.layout.label(train)},
+             "memory_bytes": r.memory.as_dict(), "rule_departures": plan.departures(r)}
+        if train:
+            lay = r.layout
+            d["layout"].update(sp=lay.sp, zero=lay.zero, schedule=lay.schedule, virtual=lay.virtual,
+                               micro_batch=lay.micro_batch, num_micro=lay.num_micro, recompute=lay.recompute)
+            d.update(tokens_per_s=r.tokens_per_s, step_s=r.step_s, mfu=r.mfu, bubble_fraction=r.bubble_fraction,
+                     comm_s=r.comm_s)
+        else:
+            d.update(throughput_tokens_per_s=r.throughput, batch_per_replica=r.batch, max_batch=r.max_batch,
+                     ttft_s=_num(r.ttft_s), tpot_s=_num(r.tpot_s), latency_s=_num(r.latency_s))
+        items.append(d)
+    c = plan.cluster
+    return {
+        "model": plan.model_name, "gpu": c.gpu.name, "gpus": c.num_gpus, "gpus_per_node": c.gpus_per_node,
+        "mode": "training" if train else "inference", "objective": req.objective,
+        "workload": vars(req.training) if train else vars(req.inference),
+        "searched": plan.search.evaluated, "search_seconds": plan.search.seconds, "fitting": len(plan.search.results),
+        "layouts": items, "explanation": plan.explanation,
+    }
+
+
+def to_json(plan) -> str:
+    return json.dumps(to_data(plan), indent=2)

@@ -1,0 +1,155 @@
+"""Per-layer compute and memory traffic, and their roofline time (Williams, Waterman &
+Patterson 2009, "Roofline: An Insightful Visual Performance Model", CACM 52(4)).
+
+Each piece of work is ``max(FLOPs / achievable FLOP/s, bytes / achievable bytes/s)`` plus a
+fixed dispatch cost per operator. The two pieces of a layer that stress different limits
+are timed apart: the weight matmuls (weight bytes vs 2 x tokens x params FLOPs) and the
+attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from shardlm.models.config import ModelConfig
+from shardlm.plan.hardware import GpuSpec
+from shardlm.plan.shard import RankLayer, active_params, is_moe_layer, rank_layer, split_even, stage_layers, total_params
+
+OPS_PER_LAYER = 74
+"""Tensor operators shardlm's runner issues per decoder layer per decode step (counted with a
+TorchDispatchMode over SmolLM2 decode steps: 4 linears, 2 RMSNorms of 5 ops, RoPE, the paged
+KV write and attention, and the views between them). On GPUs with CUDA graphs they cost
+nothing (GPU_OP_OVERHEAD_S = 0); on CPU each costs the calibrated ``op_overhead_s``."""
+
+
+GEMM_HALF_ROWS = 128
+"""Rows (tokens) at which a GEMM reaches half of its large-size efficiency: small GEMMs fill
+few tiles and wait on memory (NVIDIA, "Matrix Multiplication Background User's Guide",
+https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/ §2-4:
+throughput falls steeply once a dimension drops below a few hundred)."""
+
+
+def gemm_efficiency(rows: float) -> float:
+    """Share of the large-GEMM rate a GEMM with ``rows`` rows reaches (1 for huge, 1/2 at 128)."""
+    return rows / (rows + GEMM_HALF_ROWS)
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+
+    def __add__(self, o: Work) -> Work:
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops)
+
+    def time(self, gpu: GpuSpec, dtype: str) -> float:
+        return max(self.flops / gpu.matmul_flops(dtype), self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s
+
+
+def kv_bytes_per_token(cfg: ModelConfig, rl: RankLayer, kv_bytes: int) -> float:
+    """KV-cache bytes one token adds to one layer on one rank: 2 x KV heads x head_dim (GQA),
+    or the compressed latent plus the RoPE key (MLA, replicated on every tp rank;
+    DeepSeek-V2 §2.1.2, https://arxiv.org/abs/2405.04434)."""
+    if cfg.is_mla:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes
+    return 2 * rl.kv_heads * cfg.head_dim * kv_bytes
+
+
+def attention_flops_per_query(cfg: ModelConfig, rl: RankLayer, ctx: float, decode: bool) -> float:
+    """FLOPs of QK^T and PV for one query token over ``ctx`` keys, on one rank."""
+    if cfg.is_mla:
+        if decode:  # absorbed form: scores over latent+rope, values over the latent
+            return 2 * ctx * rl.q_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return 2 * ctx * rl.q_heads * (qk + cfg.v_head_dim)
+    return 4 * ctx * rl.q_heads * cfg.head_dim
+
+
+def expected_experts_touched(local: int, total: int, top_k: int, tokens: float) -> float:
+    """Local experts at least one of ``tokens`` tokens is routed to, with uniform routing:
+    each expert is missed by one token with probability 1 - k/E."""
+    if local == 0:
+        return 0.0
+    return local * (1.0 - (1.0 - top_k / total) ** tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """What one forward step asks of one layer on one rank."""
+
+    tokens: float
+    """Query tokens this rank processes (B for decode, chunk/cp for prefill)."""
+    ctx: float
+    """Keys each query attends to on this rank (average)."""
+    decode: bool
+    """Decode (one new token per sequence) rather than prefill."""
+    seqs: float
+    """Sequences in the step (decode reads each one's KV once)."""
+    moe_tokens: float
+    """Tokens entering the rank's expert-parallel group (for experts touched and routed FLOPs)."""
+
+
+def layer_work(cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: int, ep: int) -> tuple[Work, Work]:
+    """(matmul work, attention-core work) of one layer on the largest rank."""
+    h = cfg.hidden_size
+    dense = rl.attn + rl.dense + rl.router
+    # FLOPs are charged at the GEMM's size-dependent efficiency (``gemm_efficiency``)
+    flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens)
+    wbytes = dense * w_bytes
+    if rl.experts:
+        k = cfg.num_experts_per_tok
+        touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
+        wbytes += touched * rl.expert_params * w_bytes
+        routed = step.moe_tokens * k / ep  # tokens routed to this rank's experts
+        per_expert = routed / max(touched, 1e-9)
+        flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert)
+    act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
+    matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1)
+    per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)
+    kv_read = (step.seqs * step.ctx if step.decode else step.tokens) * per_tok
+    kv_write = step.tokens * per_tok
+    attn = Work(
+        flops=step.tokens * attention_flops_per_query(cfg, rl, step.ctx, step.decode),
+        bytes=kv_read + kv_write,
+        ops=1,
+    )
+    return matmul, attn
+
+
+class ModelCosts:
+    """Caches the rank shares of a model per (tp, ep, etp) so the search stays fast."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self._rl: dict[tuple, RankLayer] = {}
+        self._stages: dict[int, list[tuple[int, int]]] = {}
+
+    def rank_layer(self, moe: bool, tp: int, ep: int = 1, etp: int = 1) -> RankLayer:
+        key = (moe, tp, ep, etp)
+        if key not in self._rl:  # any layer of the kind: layers of one kind are alike
+            layer = self.cfg.num_layers - 1 if moe else 0
+            self._rl[key] = rank_layer(self.cfg, layer, tp=tp, ep=ep, etp=etp)
+        return self._rl[key]
+
+    def stage_kinds(self, pp: int) -> list[tuple[int, int]]:
+        """(dense layers, MoE layers) per pipeline stage."""
+        if pp not in self._stages:
+            out = []
+            for layers in stage_layers(self.cfg.num_layers, pp):
+                moe = sum(1 for i in layers if is_moe_layer(self.cfg, i))
+                out.append((len(layers) - moe, moe))
+            self._stages[pp] = out
+        return self._stages[pp]
+
+    @cached_property
+    def active_params(self) -> int:
+        return active_params(self.cfg)
+
+    @cached_property
+    def total_params(self) -> int:
+        return total_params(self.cfg)
+
+    def vocab_rows(self, tp: int) -> int:
+        return split_even(self.cfg.vocab_size, tp)[0]

@@ -1,0 +1,160 @@
+"""Layout search: enumerate every valid layout, score it, keep the best.
+
+Mesh shapes come from ``factorisations(world, 4)`` (dp, pp, cp, tp) and are validated by
+ParallelDims (through ``Layout``); tp is capped by the query heads and pp by the layers; for
+MoE models every ep that folds into dp x tp and does not exceed the experts is tried. For
+training each shape is tried with every micro-batch size that divides the replica batch,
+every pipeline schedule, SP on and off, ZeRO 0-3, and the least recomputation that fits.
+
+Objectives: ``throughput`` (output tokens/s for inference, tokens/s for training), ``latency``
+(TTFT + output_len x TPOT at batch 1); with ``max_ttft_s`` / ``max_tpot_s`` the throughput
+objective keeps only layouts and batch sizes within the limits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shardlm.parallel.dims import factorisations
+from shardlm.plan import inference, training
+from shardlm.plan.errors import PlanError
+from shardlm.plan.hardware import Cluster
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import ModelCosts
+
+OBJECTIVES = ("throughput", "latency")
+MICRO_BATCHES = (1, 2, 4, 8)
+"""Micro-batch sizes tried in training (larger ones rarely pay off and cost memory)."""
+VIRTUAL_CHUNKS = (2, 4)
+"""Model chunks per stage tried for the interleaved schedule."""
+
+
+@dataclass
+class SearchResult:
+    results: list
+    """Fitting results, best first."""
+    rejected: list
+    """Results that do not fit (or miss a limit), least short first."""
+    evaluated: int
+    """Layout evaluations made (a batch-size bisection counts each step)."""
+    seconds: float
+    """Wall time of the search."""
+
+    @property
+    def rate(self) -> float:
+        return self.evaluated / max(self.seconds, 1e-9)
+
+
+def shapes(cfg, cluster: Cluster, fixed: dict[str, int]) -> list[Layout]:
+    """Every (dp, pp, cp, tp, ep) layout the model and cluster allow, honouring fixed dims."""
+    out = []
+    for dp, pp, cp, tp in factorisations(cluster.num_gpus, 4):
+        dims = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        if any(k in fixed and fixed[k] != v for k, v in dims.items()):
+            continue
+        if tp > cfg.num_heads or pp > cfg.num_layers:
+            continue
+        eps = [1]
+        if cfg.is_moe:
+            eps = [e for e in range(1, dp * tp + 1) if (dp * tp) % e == 0 and e <= cfg.num_experts]
+        for ep in eps:
+            if "ep" in fixed and fixed["ep"] != ep:
+                continue
+            out.append(Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep))
+    return out
+
+
+def _score(res, objective: str) -> float:
+    if objective == "latency":
+        return -(res.latency_s if hasattr(res, "latency_s") else res.step_s)
+    return res.throughput if hasattr(res, "throughput") else res.tokens_per_s
+
+
+def search_inference(costs: ModelCosts, cluster: Cluster, wl: inference.InferenceWorkload, *,
+                     objective: str, fixed: dict[str, int]) -> SearchResult:
+    t0 = time.perf_counter()
+    ok, bad, n = [], [], 0
+    for lay in shapes(costs.cfg, cluster, fixed):
+        if objective == "latency":
+            res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or 1)
+            n += 1
+        else:
+            res = inference.evaluate(costs, cluster, lay, wl)
+            n += 1
+            if res.fits and not res.meets_limits and wl.batch is None and wl.max_tpot_s is not None:
+                lo, hi = 1, res.batch  # TPOT grows with the batch: largest batch within the limit
+                best = None
+                while lo <= hi:
+                    mid = (lo + hi) // 2
+                    r = inference.evaluate(costs, cluster, lay, wl, batch=mid)
+                    n += 1
+                    if r.meets_limits:
+                        best, lo = r, mid + 1
+                    else:
+                        hi = mid - 1
+                res = best or inference.evaluate(costs, cluster, lay, wl, batch=1)
+        (ok if res.fits and res.meets_limits else bad).append(res)
+    ok.sort(key=lambda r: -_score(r, objective))
+    bad.sort(key=lambda r: (not r.fits, r.shortfall_bytes))
+    return SearchResult(results=ok, rejected=bad, evaluated=n, seconds=time.perf_counter() - t0)
+
+
+def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict) -> list[Layout]:
+    """Training knobs for one mesh shape. Options the time and memory models say are dominated
+    are left out unless pinned: ZeRO-0 (ZeRO-1 has the same traffic and less memory), TP without
+    SP (same traffic, more memory) and GPipe (1F1B has the same bubble and less memory)."""
+    if wl.global_batch % lay.dp:
+        return []
+    per_replica = wl.global_batch // lay.dp
+    schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    if lay.pp > 1:
+        schedules += [("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+    if "schedule" in fixed:
+        schedules = [s for s in schedules if s[0] == fixed["schedule"]] or [(fixed["schedule"], 1)]
+        if fixed["schedule"] == "interleaved":
+            schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+    sps = (fixed["sp"],) if "sp" in fixed else (True,)
+    if lay.tp == 1:
+        if fixed.get("sp"):
+            return []
+        sps = (False,)
+    zeros = (1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
+    if "zero" in fixed:
+        zeros = (fixed["zero"],)
+    out = []
+    for mb in MICRO_BATCHES:
+        if per_replica % mb or ("micro_batch" in fixed and fixed["micro_batch"] != mb):
+            continue
+        m = per_replica // mb
+        for sched, v in schedules:
+            if sched == "interleaved" and m % lay.pp:
+                continue
+            for sp in sps:
+                for zero in zeros:
+                    out.append(lay.with_(micro_batch=mb, num_micro=m, schedule=sched, virtual=v, sp=sp, zero=zero))
+    return out
+
+
+def search_training(costs: ModelCosts, cluster: Cluster, wl: training.TrainWorkload, *,
+                    objective: str, fixed: dict) -> SearchResult:
+    t0 = time.perf_counter()
+    ok, bad, n = [], [], 0
+    recomputes = [fixed["recompute"]] if "recompute" in fixed else ["none", "selective", "full"]
+    for shape in shapes(costs.cfg, cluster, fixed):
+        for lay in training_variants(costs.cfg, shape, wl, fixed):
+            last = None
+            for rc in recomputes:  # more recomputation is never faster: stop at the first that fits
+                last = training.evaluate(costs, cluster, lay.with_(recompute=rc), wl)
+                n += 1
+                if last.fits:
+                    break
+            (ok if last.fits else bad).append(last)
+    ok.sort(key=lambda r: -r.tokens_per_s)
+    bad.sort(key=lambda r: r.shortfall_bytes)
+    return SearchResult(results=ok, rejected=bad, evaluated=n, seconds=time.perf_counter() - t0)
+
+
+def check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise PlanError(f"--objective {objective!r} is unknown; pick one of {', '.join(OBJECTIVES)}")

@@ -1,0 +1,172 @@
+"""Parameters one rank holds under TP / PP / EP, exactly as shardlm shards them.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, https://arxiv.org/abs/1909.08053 §3)
+in shardlm allows any tp up to the number of query heads:
+
+* query heads split as evenly as possible, the first ``n % tp`` ranks get one more;
+* a rank holds every KV head its query heads read, so a KV head whose group straddles two
+  ranks is replicated on both (GQA, Ainslie et al. 2023, https://arxiv.org/abs/2305.13245);
+* MLP rows and vocabulary rows split with a remainder the same way.
+
+Pipeline stages take contiguous runs of layers (split the same way); the embedding lives
+on the first stage and the LM head plus final norm on the last (a tied head is a second
+copy there when pp > 1, as Megatron-LM does). Routed experts split over ep ranks and
+each expert's rows over etp ranks; the router and MLA's down-projections are replicated.
+Memory is that of the *largest* rank, since every rank must fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardlm.models.config import ModelConfig
+
+
+def split_even(n: int, parts: int) -> list[int]:
+    """n split into ``parts`` sizes as even as possible; the first ``n % parts`` get one more."""
+    q, r = divmod(n, parts)
+    return [q + 1 if i < r else q for i in range(parts)]
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[int, int]]:
+    """(query heads, KV heads) each tp rank holds; KV heads shared across ranks are replicated."""
+    q_per_kv = num_heads // num_kv_heads
+    out, start = [], 0
+    for n in split_even(num_heads, tp):
+        stop = start + n
+        kv = (stop - 1) // q_per_kv - start // q_per_kv + 1
+        out.append((n, kv))
+        start = stop
+    return out
+
+
+@dataclass(frozen=True)
+class RankLayer:
+    """One decoder layer as the largest tp/ep rank holds it (parameter counts)."""
+
+    attn: int
+    """Attention parameters, norms and biases included."""
+    dense: int
+    """Dense MLP or shared-expert parameters (every token uses all of them)."""
+    router: int
+    """MoE router parameters (replicated)."""
+    experts: int
+    """Routed experts held by the largest ep rank."""
+    expert_params: int
+    """Parameters of one routed expert's slice on this rank (rows split over etp)."""
+    q_heads: int
+    """Query heads on the rank."""
+    kv_heads: int
+    """KV heads on the rank (0 for MLA, whose latent cache is replicated instead)."""
+
+    @property
+    def total(self) -> int:
+        return self.attn + self.dense + self.router + self.experts * self.expert_params
+
+
+def _attention_params(cfg: ModelConfig, q: int, kv: int) -> int:
+    h = cfg.hidden_size
+    norms = 2 * h  # input and post-attention RMSNorm
+    if cfg.is_mla:  # DeepSeek-V2/V3 MLA, https://arxiv.org/abs/2405.04434 §2.1
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q_part = (h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * q * qk) if cfg.q_lora_rank else h * q * qk
+        kv_part = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+        kv_part += cfg.kv_lora_rank * q * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return norms + q_part + kv_part + q * cfg.v_head_dim * h
+    d = cfg.head_dim
+    p = norms + h * d * (q + 2 * kv) + q * d * h
+    if cfg.qkv_bias:
+        p += d * (q + 2 * kv)
+    if cfg.o_bias:
+        p += h
+    if cfg.qk_norm:
+        p += 2 * d
+    return p
+
+
+def _mlp_params(cfg: ModelConfig, rows: int) -> int:
+    """SwiGLU MLP with ``rows`` intermediate rows (gate, up, down)."""
+    return 3 * cfg.hidden_size * rows + ((2 * rows + cfg.hidden_size) if cfg.mlp_bias else 0)
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.is_moe and layer >= cfg.first_k_dense
+
+
+def rank_layer(cfg: ModelConfig, layer: int, *, tp: int, ep: int = 1, etp: int = 1) -> RankLayer:
+    """The largest tp rank's share of decoder layer ``layer``."""
+    heads = head_split(cfg.num_heads, cfg.num_kv_heads, tp)
+    moe = is_moe_layer(cfg, layer)
+    ffn = cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size
+    rows = split_even(ffn, tp) if ffn else [0] * tp
+    best = None
+    for (q, kv), r in zip(heads, rows):
+        attn = _attention_params(cfg, q, 0 if cfg.is_mla else kv)
+        dense = _mlp_params(cfg, r) if r else 0
+        if best is None or attn + dense > best[0] + best[1]:
+            best = (attn, dense, q, 0 if cfg.is_mla else kv)
+    attn, dense, q, kv = best
+    if not moe:
+        return RankLayer(attn=attn, dense=dense, router=0, experts=0, expert_params=0, q_heads=q, kv_heads=kv)
+    experts = split_even(cfg.num_experts, ep)[0]
+    expert_rows = split_even(cfg.moe_intermediate_size, etp)[0]
+    return RankLayer(
+        attn=attn, dense=dense, router=cfg.hidden_size * cfg.num_experts, experts=experts,
+        expert_params=_mlp_params(cfg, expert_rows), q_heads=q, kv_heads=kv,
+    )
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges per pipeline stage (first stages take the remainder)."""
+    out, start = [], 0
+    for n in split_even(num_layers, pp):
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def vocab_rows(cfg: ModelConfig, tp: int) -> int:
+    return split_even(cfg.vocab_size, tp)[0]
+
+
+def stage_params(cfg: ModelConfig, *, tp: int, pp: int, ep: int = 1, etp: int = 1) -> list[int]:
+    """Parameters on the largest rank of each pipeline stage."""
+    embed = vocab_rows(cfg, tp) * cfg.hidden_size
+    cache: dict[bool, int] = {}
+    out = []
+    for s, layers in enumerate(stage_layers(cfg.num_layers, pp)):
+        total = 0
+        for layer in layers:
+            moe = is_moe_layer(cfg, layer)
+            if moe not in cache:
+                cache[moe] = rank_layer(cfg, layer, tp=tp, ep=ep, etp=etp).total
+            total += cache[moe]
+        if s == 0:
+            total += embed
+        if s == pp - 1:
+            total += cfg.hidden_size  # final norm
+            if not cfg.tie_word_embeddings or pp > 1:
+                total += embed
+        out.append(total)
+    return out
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """All parameters of the model (tied embeddings counted once)."""
+    return stage_params(cfg, tp=1, pp=1)[0]
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward pass multiplies (top-k experts, one LM head)."""
+    total = vocab_rows(cfg, 1) * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    for layer in range(cfg.num_layers):
+        rl = rank_layer(cfg, layer, tp=1)
+        k = min(cfg.num_experts_per_tok, rl.experts)
+        total += rl.attn + rl.dense + rl.router + k * rl.expert_params
+    return total
+
+
+def largest_layer_params(cfg: ModelConfig) -> int:
+    """The biggest single module (DeepSpeed's ``largest_layer_params``): a decoder layer or the embedding."""
+    kinds = {is_moe_layer(cfg, i): i for i in range(cfg.num_layers)}  # one layer of each kind
+    return max([rank_layer(cfg, i, tp=1).total for i in kinds.values()] + [cfg.vocab_size * cfg.hidden_size])

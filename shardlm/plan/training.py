@@ -1,0 +1,163 @@
+"""Training step time and memory of one layout.
+
+Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
+(2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
+TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
+the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine and the CP KV ring
+(hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
+same communication again; recomputation adds a forward (full) or the attention core (selective).
+
+The pipeline turns stage times into a step with the schedule's closed form, exact for
+uniform stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B);
+interleaved m(F+B) + (p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p.
+Data-parallel gradient sync (all-reduce for ZeRO-0/1; ZeRO-2 reduce-scatters every micro-batch's
+gradients because sharded gradients cannot accumulate whole; ZeRO-3 also all-gathers the
+parameters for every micro-batch's forward and backward; Rajbhandari et al. 2019 §7)
+overlaps with backward up to DP_OVERLAP_FRACTION; the optimizer step streams its states once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardlm.plan import comm
+from shardlm.plan import constants as C
+from shardlm.plan.hardware import Cluster
+from shardlm.plan.layout import Layout
+from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
+from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
+from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
+
+BACKWARD_FLOPS_RATIO = 2.0
+"""Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainWorkload:
+    global_batch: int
+    """Sequences per optimizer step over all replicas."""
+    seq_len: int
+    """Tokens per sequence."""
+    dtype: str = "bf16"
+    """Compute dtype (mixed precision; master weights and Adam states in fp32)."""
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    layout: Layout
+    """The layout evaluated (training knobs included)."""
+    memory: MemoryBreakdown
+    """Per-GPU memory of the busiest rank."""
+    fits: bool
+    """Whether it fits in device memory."""
+    step_s: float = math.inf
+    """One optimizer step."""
+    tokens_per_s: float = 0.0
+    """Training tokens per second over the cluster."""
+    mfu: float = 0.0
+    """Model FLOPs utilisation against the datasheet peak (6 x active params x tokens)."""
+    bubble_fraction: float = 0.0
+    """Idle share of the pipeline part of the step."""
+    forward_s: float = 0.0
+    """One micro-batch forward on the busiest stage."""
+    backward_s: float = 0.0
+    """One micro-batch backward on the busiest stage (recomputation included)."""
+    comm_s: dict | None = None
+    """Exposed communication per kind over the step (tp, ep, cp, dp, pp)."""
+    shortfall_bytes: float = 0.0
+    """Memory over the device when it does not fit."""
+
+
+def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
+    cfg, gpu = costs.cfg, cluster.gpu
+    cap = gpu.memory_bytes
+    mem = training_memory(costs, lay, cap, seq=wl.seq_len)
+    if mem.total > cap:
+        return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
+    a = C.DTYPE_BYTES[wl.dtype]
+    tokens = lay.micro_batch * wl.seq_len / lay.cp
+    stages = {0, lay.pp - 1}  # the first stage has the most layers, the last the LM head
+    fwd, bwd, tp_c, ep_c, cp_c = max((_stage(costs, cluster, lay, wl, s, tokens, a) for s in stages),
+                                     key=lambda t: t[0] + t[1])
+    p, m, v = lay.pp, lay.num_micro, lay.virtual
+    p2p = 0.0
+    if p > 1:
+        pg = lay.group("pp")
+        p2p = max(comm.send_recv(tokens * cfg.hidden_size * a, x, y, cluster) for x, y in zip(pg, pg[1:]))
+    unit = fwd + bwd + 2 * p2p
+    if p == 1:
+        pipe = m * unit
+    elif lay.schedule == "interleaved":
+        pipe = m * unit + (p - 1) * (fwd + bwd) / v + 2 * (v - 1) * p2p * m
+    elif lay.schedule == "zb-h1" and m >= p:
+        b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward
+        pipe = m * unit + (p - 1) * (fwd + b_in - b_w + 2 * p2p)
+    else:
+        pipe = (m + p - 1) * unit
+    bubble = 1 - m * unit / pipe
+    # data-parallel gradient sync over dp x cp replicas of each weight
+    params = weight_bytes(costs, lay, 1)
+    dp_group = [lay.rank(dp=d, cp=c) for d in range(lay.dp) for c in range(lay.cp)]
+    grad_bytes = params * GRAD_BYTES
+    dp_c = 0.0
+    if len(dp_group) > 1:
+        rs = comm.reduce_scatter(grad_bytes, dp_group, cluster)
+        ag = comm.all_gather(params * PARAM_BYTES, dp_group, cluster)
+        if lay.zero <= 1:  # gradients accumulate locally; one all-reduce (= reduce-scatter + all-gather)
+            dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
+        elif lay.zero == 2:  # sharded gradients cannot accumulate whole: a reduce-scatter per micro-batch
+            dp_c = m * rs + ag
+        else:  # ZeRO-3 also gathers the parameters for every micro-batch's forward and backward
+            dp_c = m * rs + 2 * m * ag
+    window = C.DP_OVERLAP_FRACTION * (m * (fwd + bwd) if lay.zero == 3 else m * bwd)
+    dp_exposed = max(0.0, dp_c - window)
+    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    opt = params / shard * (ADAM_STATE_BYTES + GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
+    step_s = pipe + dp_exposed + opt
+    tokens_step = wl.global_batch * wl.seq_len
+    tps = tokens_step / step_s
+    peak = gpu.matmul_flops(wl.dtype) / C.MATMUL_EFFICIENCY if not gpu.calibrated else gpu.matmul_flops(wl.dtype)
+    mfu = 6 * costs.active_params * tps / (cluster.num_gpus * peak)
+    return TrainResult(
+        layout=lay, memory=mem, fits=True, step_s=step_s, tokens_per_s=tps, mfu=mfu, bubble_fraction=bubble,
+        forward_s=fwd, backward_s=bwd,
+        comm_s={"tp": m * 2 * tp_c, "ep": m * 2 * ep_c, "cp": m * 3 * cp_c, "dp": dp_exposed, "pp": m * 2 * p2p},
+    )
+
+
+def _stage(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float,
+           a: int) -> tuple[float, float, float, float, float]:
+    """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
+    cfg, gpu = costs.cfg, cluster.gpu
+    tp_group, ep_group, cp_group = lay.group("tp"), lay.group("ep"), lay.group("cp")
+    ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
+    moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
+    f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
+        if not n:
+            continue
+        rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
+        step = Step(tokens=tokens, ctx=wl.seq_len / 2, decode=False, seqs=lay.micro_batch, moe_tokens=moe_tokens)
+        mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep)
+        t_attn = at.time(gpu, wl.dtype)
+        f_comp += n * mm.time(gpu, wl.dtype)
+        f_attn += n * t_attn
+        tp_c += n * 2 * ar
+        if moe and lay.ep > 1:
+            ep_c += n * 2 * comm.all_to_all(tokens * cfg.num_experts_per_tok * cfg.hidden_size * a, ep_group, cluster)
+        if lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
+            kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
+            ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
+            cp_c += n * max(0.0, ring - t_attn)
+    if stage == lay.pp - 1:  # LM head and loss over every token
+        vocab = costs.vocab_rows(lay.tp)
+        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, wl.dtype)
+    fwd = f_comp + f_attn + tp_c + ep_c + cp_c
+    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + tp_c + ep_c + 2 * cp_c
+    if lay.recompute == "full":
+        bwd += fwd
+    elif lay.recompute == "selective":
+        bwd += f_attn
+    return fwd, bwd, tp_c, ep_c, cp_c
+

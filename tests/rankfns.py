@@ -1,0 +1,40 @@
+"""Functions that run on every rank of a test pool (module level, so ranks can import them)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def make_worker(model: str, tp: int, **options):
+    """This rank's Worker for a tp-only layout over the pool's world."""
+    from shardlm.engine.config import EngineConfig
+    from shardlm.engine.worker import Worker
+
+    config = EngineConfig(model=model, tp=tp, threads=1, **options)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Worker(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=None)
+
+
+def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
+    """(greedy tokens per prompt as one batch, logits at every position of the last prompt, param bytes)."""
+    from shardlm.engine.engine import Request
+    from shardlm.engine.sampling import SamplingParams
+
+    worker = make_worker(model, tp, **options)
+    params = SamplingParams(max_tokens=new_tokens)
+    completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
+    logits = worker.prompt_logits(prompts[-1])
+    return [c.token_ids for c in completions], logits, worker.model.param_bytes()
+
+
+def shard_read_elements(model: str, tp: int) -> tuple[int, int]:
+    """(elements this rank read from the checkpoint, elements of its parameters)."""
+    from shardlm.models.loader import CountingSource, load_model, open_checkpoint
+    from shardlm.parallel.dims import ParallelDims
+
+    ckpt = open_checkpoint(model)
+    dims = ParallelDims(tp=tp).build_mesh("cpu")
+    source = CountingSource(ckpt.source())
+    model = load_model(ckpt, dims, source=source)
+    return source.elements, sum(p.numel() for p in model.parameters())
