@@ -49,7 +49,7 @@ def add_generate(sub) -> None:
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank, e.g. 2GiB")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
-    p.set_defaults(run=run_generate)
+    p.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> int:
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlm", description="Run LLMs split over many devices, and plan the split.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    from shardlm.plan.cli import add_parser as add_plan
+
+    add_plan(sub)
     return parser
 
 
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardlm.errors import RankFailure, UsageError
 
     try:
-        return args.run(args)
+        return args.func(args)
     except UsageError as e:
         print(f"shardlm: error: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,8 @@ class Engine:
         while self.scheduler.has_work():
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
+            if not batch.seqs:  # add() admits only sequences that fit alone, so this is a bug
+                raise RuntimeError("the scheduler found no sequence that can run")
             logits = self.runner.run(batch)
             tokens = sample(logits.cpu(), [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
             self.scheduler.update(batch, tokens)

@@ -34,6 +34,10 @@ class SamplingParams:
     """Extra token ids that end the sequence."""
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise UsageError(f"{name}={v!r} must be a number")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise UsageError(f"max_tokens={self.max_tokens!r} must be a positive integer, e.g. 64")
         if not self.temperature >= 0:  # also rejects NaN

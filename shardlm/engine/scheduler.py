@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.sequence import Sequence, Status
+from shardlm.errors import UsageError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +40,15 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        if -(-(seq.num_tokens + 1) // self.blocks.block_size) > self.blocks.num_blocks:
-            raise ValueError(
-                f"sequence {seq.id} needs {seq.num_tokens + 1} KV slots but the cache holds only "
-                f"{self.blocks.num_blocks * self.blocks.block_size}; raise kv_cache_memory"
+        """Queue a sequence; refuse one that could not finish even with the whole cache."""
+        # its last decode step holds K/V for every token but the final sampled one
+        need = seq.num_tokens + seq.params.max_tokens - len(seq.output_ids) - 1
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if need > capacity:
+            raise UsageError(
+                f"a request of {len(seq.prompt_ids)} prompt tokens and up to {seq.params.max_tokens} new ones "
+                f"needs {need} KV-cache slots but the cache holds {capacity}; raise kv_cache_memory "
+                f"or lower max_tokens"
             )
         self.waiting.append(seq)
 

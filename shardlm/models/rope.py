@@ -40,7 +40,7 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Applies RoPE to q and k at given positions from a cos/sin table built once."""
+    """The cos/sin table of RoPE, built once; ``at(positions)`` looks up one step's rows."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -49,11 +49,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [tokens, 1, head_dim], shared by every layer of the step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] -> both rotated."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

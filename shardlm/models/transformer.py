@@ -17,7 +17,7 @@ from torch import nn
 
 from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention, write_kv
 from shardlm.models.config import ModelConfig
-from shardlm.models.rope import Rotary
+from shardlm.models.rope import Rotary, apply_rotary
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.tensor import (
     ColumnParallelLinear,
@@ -51,20 +51,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = residual = x + residual
-        x32 = x.float()
-        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # one fused kernel; it accumulates in float32 (bitwise equal to HF's float32 recipe
+        # for float32 inputs, within one bf16 ulp for bfloat16)
+        y = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return y if residual is None else (y, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
         super().__init__()
         part = partition_heads(cfg.num_heads, cfg.num_kv_heads, dims.tp, dims.tp_rank)
         self.num_q, self.num_kv, self.head_dim = part.num_q, part.num_kv, cfg.head_dim
         self.heads = GroupedHeads(part.local_kv_of_q())
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
-        self.rotary = rotary
         group = dims.tp_group
         self.qkv = ColumnParallelLinear(cfg.hidden_size, attention_sources(prefix, part, cfg.head_dim),
                                         bias=cfg.qkv_bias, group=group, dtype=dtype)
@@ -75,7 +75,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(f"{prefix}.q_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(f"{prefix}.k_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, positions, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv(x).split([self.num_q * d, self.num_kv * d, self.num_kv * d], dim=-1)
         q = q.view(t, self.num_q, d)  # [tokens, q_heads, d]
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         write_kv(cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
         return self.o(o.reshape(t, self.num_q * d))
@@ -106,20 +106,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, index: int, dtype: torch.dtype, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, index: int, dtype: torch.dtype):
         super().__init__()
         p = f"model.layers.{index}"
         self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, rotary)
+        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype)
         self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dims, f"{p}.mlp", dtype)
 
-    def forward(self, h, residual, positions, meta, cache):
+    def forward(self, h, residual, rope, meta, cache):
         if residual is None:  # first layer of the model: the residual stream starts here
             h, residual = self.input_norm(h), h
         else:
             h, residual = self.input_norm(h, residual)
-        h = self.attn(h, positions, meta, cache)
+        h = self.attn(h, rope, meta, cache)
         h, residual = self.post_norm(h, residual)
         return self.mlp(h), residual
 
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         self.embed = None
         if self.first or (self.last and cfg.tie_word_embeddings):
             self.embed = VocabParallelEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, **tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, self.rotary) for i in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype) for i in self.layer_ids)
         self.norm = self.lm_head = None
         if self.last:
             self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -166,8 +166,9 @@ class Transformer(nn.Module):
         """
         h = self.embed(x) if self.first else x[0]
         residual = None if self.first else x[1]
+        rope = self.rotary.at(positions, h.dtype)
         for layer, cache in zip(self.layers, caches):
-            h, residual = layer(h, residual, positions, meta, cache)
+            h, residual = layer(h, residual, rope, meta, cache)
         if not self.last:
             return h, residual
         h, _ = self.norm(h, residual)

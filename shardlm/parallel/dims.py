@@ -65,11 +65,14 @@ class ParallelDims:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise LayoutError(f"{f.name}={v!r} must be a positive integer (1 turns the axis off)")
-        if (self.dp * self.tp) % (self.ep * self.etp):
+        n = self.dp * self.tp
+        if n % (self.ep * self.etp):
+            valid_etp = [e for e in range(1, n + 1) if n % e == 0]
+            hint = (f"valid ep for etp={self.etp}: {self.valid_ep()}" if n % self.etp == 0 else
+                    f"etp={self.etp} itself does not divide {n}; valid etp: {valid_etp}")
             raise LayoutError(
-                f"ep={self.ep} x etp={self.etp} does not fold into dp x tp = {self.dp * self.tp} ranks: "
-                f"expert layers re-use the attention ranks of a stage, so ep*etp must divide dp*tp; "
-                f"valid ep for etp={self.etp}: {self.valid_ep()}"
+                f"ep={self.ep} x etp={self.etp} does not fold into dp x tp = {n} ranks: "
+                f"expert layers re-use the attention ranks of a stage, so ep*etp must divide dp*tp; {hint}"
             )
 
     # ---- sizes (pure) --------------------------------------------------------------
@@ -103,6 +106,9 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (the inverse of the rank formula above)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside this layout's world of {self.world_size} ranks "
+                              f"(0..{self.world_size - 1})")
         out = {}
         for axis in reversed(MESH_AXES):
             size = getattr(self, axis)

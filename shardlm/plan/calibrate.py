@@ -93,8 +93,14 @@ def _local(threads: int, quick: bool) -> dict:
     min_s = 0.03 if quick else MIN_SECONDS
     size, rows = (256, 1024) if quick else (1024, 4096)
     return {
-        "matmul_flops": {"fp32": _matmul_flops(torch.float32, size, min_s), "bf16": _matmul_flops(torch.bfloat16, size, min_s)},
-        "matvec_Bps": {"fp32": _matvec_Bps(torch.float32, rows, min_s), "bf16": _matvec_Bps(torch.bfloat16, rows, min_s)},
+        "matmul_flops": {
+            "fp32": _matmul_flops(torch.float32, size, min_s),
+            "bf16": _matmul_flops(torch.bfloat16, size, min_s),
+        },
+        "matvec_Bps": {
+            "fp32": _matvec_Bps(torch.float32, rows, min_s),
+            "bf16": _matvec_Bps(torch.bfloat16, rows, min_s),
+        },
         "op_overhead_s": _op_overhead(min_s),
     }
 
@@ -103,8 +109,9 @@ def _pair_worker(rank: int, port: int, quick: bool, out) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     reps = 10 if quick else 50
     times = {}
     for n in ALLREDUCE_SIZES[: 4 if quick else None]:
@@ -120,11 +127,15 @@ def _pair_worker(rank: int, port: int, quick: bool, out) -> None:
             best = min(best, (time.perf_counter() - t0) / reps)
         times[n * 4] = best
     dist.barrier()  # both ranks stream memory at once: what each rank gets when two share the machine
-    bw = {"fp32": _matvec_Bps(torch.float32, 1024 if quick else 4096, 0.03 if quick else MIN_SECONDS),
-          "bf16": _matvec_Bps(torch.bfloat16, 1024 if quick else 4096, 0.03 if quick else MIN_SECONDS)}
+    bw = {
+        "fp32": _matvec_Bps(torch.float32, 1024 if quick else 4096, 0.03 if quick else MIN_SECONDS),
+        "bf16": _matvec_Bps(torch.bfloat16, 1024 if quick else 4096, 0.03 if quick else MIN_SECONDS),
+    }
     dist.barrier()
-    mm = {"fp32": _matmul_flops(torch.float32, 256 if quick else 1024, 0.03 if quick else MIN_SECONDS),
-          "bf16": _matmul_flops(torch.bfloat16, 256 if quick else 1024, 0.03 if quick else MIN_SECONDS)}
+    mm = {
+        "fp32": _matmul_flops(torch.float32, 256 if quick else 1024, 0.03 if quick else MIN_SECONDS),
+        "bf16": _matmul_flops(torch.bfloat16, 256 if quick else 1024, 0.03 if quick else MIN_SECONDS),
+    }
     if rank == 0:
         out.put({"allreduce_s": times, "matvec_Bps": bw, "matmul_flops": mm})
     dist.destroy_process_group()
@@ -214,9 +225,14 @@ def calibrate(*, force: bool = False, quick: bool = False) -> dict:
         pair = _pair(quick) if cores >= 2 else None
         _sanitise(local, pair, cores)
         data = {
-            "schema": SCHEMA, "cores": cores, "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "quick": quick, "memory_bytes": _mem_total(),
-            "threads": local, "pair": pair,
+            "schema": SCHEMA,
+            "cores": cores,
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "quick": quick,
+            "memory_bytes": _mem_total(),
+            "threads": local,
+            "pair": pair,
         }
     finally:
         torch.set_num_threads(prev)
@@ -240,10 +256,17 @@ def machine_spec(ranks: int = 1, data: dict | None = None) -> GpuSpec:
     fit = pair["allreduce_fit"] if pair else {"a_s": 1e-4, "b_s_per_byte": 1e-9}
     link = Link(alpha_s=fit["a_s"] / 2, bandwidth_Bps=1.0 / fit["b_s_per_byte"])  # ring of 2: 2 alpha + S/B
     return GpuSpec(
-        name="this-machine", display=f"this machine ({cores} cores, {ranks} rank{'s' * (ranks > 1)})",
+        name="this-machine",
+        display=f"this machine ({cores} cores, {ranks} rank{'s' * (ranks > 1)})",
         memory_bytes=data["memory_bytes"] / max(ranks, 1),
         flops={k: v / oversub for k, v in flops.items()} | {"float32": flops["fp32"] / oversub},
-        mem_Bps=bw["fp32"] / oversub, intra=link, inter=link, gpus_per_node=max(ranks, 1),
-        op_overhead_s=local["op_overhead_s"] * oversub, collective_launch_s=0.0,
-        source=f"measured, cached in {cache_path()}", calibrated=data,
+        mem_Bps=bw["fp32"] / oversub,
+        intra=link,
+        inter=link,
+        gpus_per_node=max(ranks, 1),
+        op_overhead_s=local["op_overhead_s"] * oversub,
+        collective_launch_s=0.0,
+        gemm_half_rows=0.0,
+        source=f"measured, cached in {cache_path()}",
+        calibrated=data,
     )

@@ -19,7 +19,7 @@ def _presets() -> dict[str, Path]:
     """name or alias -> data file."""
     out: dict[str, Path] = {}
     for path in sorted(DATA.glob(f"{PREFIX}*.json")):
-        name = path.stem[len(PREFIX):]
+        name = path.stem[len(PREFIX) :]
         out[name] = path
         for alias in json.loads(path.read_text()).get("_aliases", []):
             out[alias] = path
@@ -30,7 +30,7 @@ def model_names(with_aliases: bool = False) -> list[str]:
     names = sorted(_presets())
     if with_aliases:
         return names
-    return sorted({p.stem[len(PREFIX):] for p in _presets().values()})
+    return sorted({p.stem[len(PREFIX) :] for p in _presets().values()})
 
 
 def preset_source(name: str) -> str:
@@ -43,7 +43,7 @@ def load_model(name_or_path: str) -> tuple[ModelConfig, str]:
     presets = _presets()
     if key in presets:
         path = presets[key]
-        return ModelConfig.from_json_file(path), path.stem[len(PREFIX):]
+        return ModelConfig.from_json_file(path), path.stem[len(PREFIX) :]
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"

@@ -42,19 +42,32 @@ DESCRIPTION = "Which parallel layout to pick, whether it fits, and how fast it w
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"preset ({', '.join(model_names())}) or path to a HF config.json")
-    p.add_argument("--gpu", required=True, help=f"GPU from the catalog ({', '.join(gpu_names())}) or "
-                   f"'{THIS_MACHINE}' (measured once, cached)")
+    p.add_argument(
+        "--gpu",
+        required=True,
+        help=f"GPU from the catalog ({', '.join(gpu_names())}) or '{THIS_MACHINE}' (measured once, cached)",
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) in total")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the GPU's reference system, 8)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="throughput",
-                   help="throughput: most tokens/s; latency: least TTFT + output_len x TPOT at batch 1")
-    p.add_argument("--dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="weights/compute dtype (default bf16; "
-                   f"float32 on {THIS_MACHINE})")
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="throughput",
+        help="throughput: most tokens/s; latency: least TTFT + output_len x TPOT at batch 1",
+    )
+    p.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        metavar="{" + ",".join(DTYPES) + "}",
+        help=f"weights/compute dtype (default bf16; float32 on {THIS_MACHINE})",
+    )
     g = p.add_argument_group("inference")
     g.add_argument("--prompt-len", type=int, help=f"prompt tokens per request (default {DEFAULTS['prompt_len']})")
     g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
     g.add_argument("--batch", type=int, help="sequences per replica (default: as many as fit / 1 for latency)")
-    g.add_argument("--kv-dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="KV-cache dtype (default: --dtype)")
+    g.add_argument(
+        "--kv-dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="KV-cache dtype (default: --dtype)"
+    )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
     t = p.add_argument_group("training")
@@ -77,8 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="pick a parallel layout: memory, latency, throughput of every layout",
-                              description=DESCRIPTION)
+    p = subparsers.add_parser(
+        "plan", help="pick a parallel layout: memory, latency, throughput of every layout", description=DESCRIPTION
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -93,31 +107,56 @@ def build_request(args):
     from shardlm.plan.errors import PlanError
     from shardlm.plan.planner import PlanRequest
 
-    given = lambda names: [n for n in names if getattr(args, n, None) is not None]
+    def given(names: tuple[str, ...]) -> list[str]:
+        return [n for n in names if getattr(args, n, None) is not None]
+
     if args.train and given(INFER_ONLY):
-        raise PlanError(f"--{given(INFER_ONLY)[0].replace('_', '-')} is an inference flag but --train plans training; "
-                        f"drop one of them")
+        raise PlanError(
+            f"--{given(INFER_ONLY)[0].replace('_', '-')} is an inference flag but --train plans training; "
+            f"drop one of them"
+        )
     if not args.train and given(TRAIN_ONLY):
         raise PlanError(f"--{given(TRAIN_ONLY)[0].replace('_', '-')} is a training flag; add --train or drop it")
     if args.objective == "latency" and (args.max_ttft_ms is not None or args.max_tpot_ms is not None):
-        raise PlanError("--max-ttft-ms/--max-tpot-ms bound the throughput objective; with --objective latency "
-                        "the planner already minimises them: drop the limits or use --objective throughput")
+        raise PlanError(
+            "--max-ttft-ms/--max-tpot-ms bound the throughput objective; with --objective latency "
+            "the planner already minimises them: drop the limits or use --objective throughput"
+        )
     if args.recalibrate and args.gpu != THIS_MACHINE:
         raise PlanError(f"--recalibrate measures {THIS_MACHINE}; it means nothing with --gpu {args.gpu}")
-    for name in ("gpus", "gpus_per_node", "prompt_len", "output_len", "batch", "global_batch", "seq_len",
-                 "micro_batch", "top", "tp", "pp", "dp", "cp", "ep"):
+    for name in (
+        "gpus",
+        "gpus_per_node",
+        "prompt_len",
+        "output_len",
+        "batch",
+        "global_batch",
+        "seq_len",
+        "micro_batch",
+        "top",
+        "tp",
+        "pp",
+        "dp",
+        "cp",
+        "ep",
+    ):
         v = getattr(args, name, None)
         if v is not None and v < (0 if name == "output_len" else 1):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "micro_batch", "recompute")
-             if getattr(args, k, None) is not None}
+    fixed = {
+        k: getattr(args, k)
+        for k in ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "micro_batch", "recompute")
+        if getattr(args, k, None) is not None
+    }
     if args.sp is not None:
         fixed["sp"] = args.sp == "on"
     mesh = [fixed.get(a, 1) for a in ("tp", "pp", "dp", "cp")]
     prod = mesh[0] * mesh[1] * mesh[2] * mesh[3]
     if args.gpus % prod:
-        raise PlanError(f"pinned dims tp x pp x dp x cp = {prod} do not divide --gpus {args.gpus}; "
-                        f"their product must divide the GPU count")
+        raise PlanError(
+            f"pinned dims tp x pp x dp x cp = {prod} do not divide --gpus {args.gpus}; "
+            f"their product must divide the GPU count"
+        )
     if all(a in fixed for a in ("tp", "pp", "dp", "cp")) and prod != args.gpus:
         raise PlanError(f"tp x pp x dp x cp = {prod} but --gpus is {args.gpus}; they must be equal")
     dtype = args.dtype or ("fp32" if args.gpu == THIS_MACHINE else "bf16")
@@ -125,18 +164,35 @@ def build_request(args):
         from shardlm.plan.calibrate import calibrate
 
         calibrate(force=True)
-    common = dict(model=args.model, gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                  objective=args.objective, fixed=fixed, top=args.top)
+    common = dict(
+        model=args.model,
+        gpu=args.gpu,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        objective=args.objective,
+        fixed=fixed,
+        top=args.top,
+    )
     if args.train:
-        wl = TrainWorkload(global_batch=args.global_batch or DEFAULTS["global_batch"],
-                           seq_len=args.seq_len or DEFAULTS["seq_len"], dtype=dtype)
+        wl = TrainWorkload(
+            global_batch=args.global_batch or DEFAULTS["global_batch"],
+            seq_len=args.seq_len or DEFAULTS["seq_len"],
+            dtype=dtype,
+        )
         return PlanRequest(train=True, training=wl, **common)
-    ms = lambda v: None if v is None else v / 1e3
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v / 1e3
+
     wl = InferenceWorkload(
         prompt_len=args.prompt_len or DEFAULTS["prompt_len"],
         output_len=DEFAULTS["output_len"] if args.output_len is None else args.output_len,
-        batch=args.batch, dtype=dtype, kv_dtype=args.kv_dtype, max_ttft_s=ms(args.max_ttft_ms),
-        max_tpot_s=ms(args.max_tpot_ms), pp_overlap=args.gpu != THIS_MACHINE,
+        batch=args.batch,
+        dtype=dtype,
+        kv_dtype=args.kv_dtype,
+        max_ttft_s=ms(args.max_ttft_ms),
+        max_tpot_s=ms(args.max_tpot_ms),
+        pp_overlap=args.gpu != THIS_MACHINE,
     )
     return PlanRequest(train=False, inference=wl, **common)
 

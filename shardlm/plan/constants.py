@@ -25,6 +25,13 @@ in nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.
 NIC_EFFICIENCY = 0.85
 """Fraction of NIC line rate a large inter-node collective reaches (same source as above)."""
 
+GEMM_HALF_ROWS = 128
+"""Rows (tokens) at which a GPU GEMM reaches half of its large-size efficiency: small GEMMs fill
+few tensor-core tiles and wait on memory (NVIDIA, "Matrix Multiplication Background User's
+Guide", https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/
+§2-4: throughput falls steeply once a dimension drops below a few hundred). CPUs have no
+such tiles; the calibrated profile uses 0."""
+
 COLLECTIVE_LAUNCH_S = 5e-6
 """Fixed cost of launching one collective kernel on a GPU (order of magnitude of CUDA
 kernel launch plus NCCL setup for a small message; nccl-tests small-size rows)."""

@@ -93,11 +93,19 @@ def explain(results: list, ctx: dict) -> list[str]:
     else:
         parts = win.decode_parts
         total = parts.total or 1.0
-        shares = {"weight/KV traffic and matmuls": parts.matmul + parts.attention, "TP all-reduces": parts.tp_comm,
-                  "EP all-to-alls": parts.ep_comm, "CP merges": parts.cp_comm, "LM head and logits": parts.head}
+        shares = {
+            "weight/KV traffic and matmuls": parts.matmul + parts.attention,
+            "TP all-reduces": parts.tp_comm,
+            "EP all-to-alls": parts.ep_comm,
+            "CP merges": parts.cp_comm,
+            "LM head and logits": parts.head,
+        }
         top = max(shares, key=shares.get)
-        lead = (f"{win.latency_s * 1e3:,.0f} ms per request ({win.throughput:,.0f} output tokens/s)"
-                if ctx["objective"] == "latency" else f"{win.throughput:,.0f} output tokens/s")
+        lead = (
+            f"{win.latency_s * 1e3:,.0f} ms per request ({win.throughput:,.0f} output tokens/s)"
+            if ctx["objective"] == "latency"
+            else f"{win.throughput:,.0f} output tokens/s"
+        )
         lines.append(
             f"{win.layout.label()} wins: {lead} at batch {win.batch} per replica, "
             f"TTFT {win.ttft_s * 1e3:.0f} ms, TPOT {win.tpot_s * 1e3:.1f} ms; a decode step is "
@@ -139,15 +147,22 @@ def explain(results: list, ctx: dict) -> list[str]:
         )
     broken = departures(win, ctx)
     if not broken:
-        lines.append("It follows the usual rules (TP inside a node, PP across nodes, EP for MoE, DP for throughput, "
-                     "CP/SP only for long context).")
+        lines.append(
+            "It follows the usual rules (TP inside a node, PP across nodes, EP for MoE, DP for throughput, "
+            "CP/SP only for long context)."
+        )
     for rule in broken:
         follower = next((r for r in results if rule not in departures(r, ctx)), None)
         if follower is None:
             lines.append(f"Rule '{rule}' cannot be followed here: no fitting layout does.")
         else:
-            gap = _pct(score(follower, ctx["objective"]), score(win, ctx["objective"])) if ctx["objective"] != "latency" \
+            gap = (
+                _pct(score(follower, ctx["objective"]), score(win, ctx["objective"]))
+                if ctx["objective"] != "latency"
                 else _pct(-score(follower, "latency"), -score(win, "latency")) + " latency"
-            lines.append(f"It departs from '{rule}' because the numbers say so: the best layout that follows it, "
-                         f"{follower.layout.label(train)}, scores {gap}.")
+            )
+            lines.append(
+                f"It departs from '{rule}' because the numbers say so: the best layout that follows it, "
+                f"{follower.layout.label(train)}, scores {gap}."
+            )
     return lines

@@ -49,6 +49,8 @@ class GpuSpec:
     """GPUs of the reference system that share the fast intra-node link."""
     op_overhead_s: float = C.GPU_OP_OVERHEAD_S
     """Fixed dispatch cost per operator (zero on GPUs with CUDA graphs; measured on CPU)."""
+    gemm_half_rows: float = C.GEMM_HALF_ROWS
+    """GEMM rows at which the matmul rate is half its large-GEMM value (0: no size effect)."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
     source: str = ""
@@ -123,10 +125,10 @@ class Cluster:
         if self.gpus_per_node < 1:
             raise PlanError(f"--gpus-per-node {self.gpus_per_node}: need at least one GPU per node")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            below = self.num_gpus // self.gpus_per_node * self.gpus_per_node
             raise PlanError(
                 f"--gpus {self.num_gpus} is not a whole number of nodes of {self.gpus_per_node}; "
-                f"use a multiple of {self.gpus_per_node} (e.g. {self.num_gpus // self.gpus_per_node * self.gpus_per_node or self.gpus_per_node}"
-                f" or {(self.num_gpus // self.gpus_per_node + 1) * self.gpus_per_node})"
+                f"use a multiple of {self.gpus_per_node} (e.g. {below} or {below + self.gpus_per_node})"
             )
 
     @property

@@ -102,8 +102,21 @@ class InferenceResult:
     """Within the request's TTFT/TPOT limits."""
 
 
-def stage_step(costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, *, tokens: float, ctx: float,
-               decode: bool, seqs: float, w_bytes: int, a_bytes: int, kv_bytes: int, dtype: str) -> StepTime:
+def stage_step(
+    costs: ModelCosts,
+    cluster: Cluster,
+    lay: Layout,
+    stage: int,
+    *,
+    tokens: float,
+    ctx: float,
+    decode: bool,
+    seqs: float,
+    w_bytes: int,
+    a_bytes: int,
+    kv_bytes: int,
+    dtype: str,
+) -> StepTime:
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
     out = StepTime()
@@ -117,13 +130,17 @@ def stage_step(costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, *, 
             continue
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
         step = Step(tokens=tokens, ctx=ctx, decode=decode, seqs=seqs, moe_tokens=moe_tokens)
-        mm, at = layer_work(cfg, rl, step, w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, ep=lay.ep)
+        mm, at = layer_work(
+            cfg, rl, step, w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, ep=lay.ep, half_rows=gpu.gemm_half_rows
+        )
         t_attn = at.time(gpu, dtype)
         out.matmul += n * mm.time(gpu, dtype)
         out.attention += n * t_attn
         out.tp_comm += n * 2 * ar
-        if moe and lay.ep > 1:
-            a2a = comm.all_to_all(tokens * cfg.num_experts_per_tok * cfg.hidden_size * a_bytes, ep_group, cluster)
+        if moe and lay.ep > 1:  # each tp rank dispatches its 1/tp share of the (replicated) tokens
+            a2a = comm.all_to_all(
+                tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a_bytes, ep_group, cluster
+            )
             out.ep_comm += n * 2 * a2a
         if lay.cp > 1:
             if decode:  # merge partial softmax results: output + log-sum-exp per head
@@ -138,7 +155,9 @@ def stage_step(costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, *, 
         out.head += ar
     if stage == lay.pp - 1:
         last = seqs if not decode else tokens  # prefill samples only each sequence's last token
-        out.head += Work(flops=2 * last * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * w_bytes, ops=2).time(gpu, dtype)
+        out.head += Work(flops=2 * last * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * w_bytes, ops=2).time(
+            gpu, dtype
+        )
         out.head += comm.all_gather(last * cfg.vocab_size * LOGIT_BYTES, tp_group, cluster)
     return out
 
@@ -163,8 +182,20 @@ def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_)
     dtype = wl.dtype
     mb = lay.pp if (wl.pp_overlap and lay.pp > 1 and seqs >= lay.pp) else 1
     parts = [
-        stage_step(costs, cluster, lay, s, tokens=tokens / mb, ctx=ctx, decode=decode, seqs=seqs / mb,
-                   w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, dtype=dtype)
+        stage_step(
+            costs,
+            cluster,
+            lay,
+            s,
+            tokens=tokens / mb,
+            ctx=ctx,
+            decode=decode,
+            seqs=seqs / mb,
+            w_bytes=w_bytes,
+            a_bytes=a_bytes,
+            kv_bytes=kv_bytes,
+            dtype=dtype,
+        )
         for s in range(lay.pp)
     ]
     p2p = boundary_time(cluster, lay, tokens / mb * costs.cfg.hidden_size * a_bytes)
@@ -177,15 +208,18 @@ def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_)
     return total, _sum(parts)
 
 
-def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWorkload, batch: int | None = None) -> InferenceResult:
+def evaluate(
+    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWorkload, batch: int | None = None
+) -> InferenceResult:
     w_bytes = C.DTYPE_BYTES[wl.dtype]
     a_bytes = max(2, w_bytes)  # fp8 weights still compute in 16-bit activations
     kv_bytes = C.DTYPE_BYTES[wl.kv_dtype or wl.dtype]
     bytes_ = (w_bytes, a_bytes, kv_bytes)
     cap = cluster.gpu.memory_bytes
     seq_len = wl.prompt_len + wl.output_len
-    fixed = inference_fixed(costs, lay, cap, prompt_len=wl.prompt_len, batch_hint=batch or wl.batch or 1,
-                            w_bytes=w_bytes, a_bytes=a_bytes)
+    fixed = inference_fixed(
+        costs, lay, cap, prompt_len=wl.prompt_len, batch_hint=batch or wl.batch or 1, w_bytes=w_bytes, a_bytes=a_bytes
+    )
     per_seq = kv_bytes_per_seq_token(costs, lay, kv_bytes) * seq_len
     free = cap - fixed.total
     max_batch = int(free // per_seq) if free > 0 else 0
@@ -198,20 +232,47 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWork
         return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=max_batch, shortfall_bytes=mem.total - cap)
     # TTFT: one prompt's prefill (chunked); a round's prefill work: all b prompts
     chunk = min(C.PREFILL_CHUNK_TOKENS, wl.prompt_len)
-    t_chunk, _ = pipeline_time(costs, cluster, lay, wl, tokens=chunk / lay.cp, ctx=wl.prompt_len / 2,
-                               decode=False, seqs=max(1.0, chunk / wl.prompt_len), bytes_=bytes_)
+    t_chunk, _ = pipeline_time(
+        costs,
+        cluster,
+        lay,
+        wl,
+        tokens=chunk / lay.cp,
+        ctx=wl.prompt_len / 2,
+        decode=False,
+        seqs=max(1.0, chunk / wl.prompt_len),
+        bytes_=bytes_,
+    )
     ttft = math.ceil(wl.prompt_len / chunk) * t_chunk
     round_chunk = min(C.PREFILL_CHUNK_TOKENS, b * wl.prompt_len)
-    t_round_chunk, _ = pipeline_time(costs, cluster, lay, wl, tokens=round_chunk / lay.cp, ctx=wl.prompt_len / 2,
-                                     decode=False, seqs=max(1.0, round_chunk / wl.prompt_len), bytes_=bytes_)
+    t_round_chunk, _ = pipeline_time(
+        costs,
+        cluster,
+        lay,
+        wl,
+        tokens=round_chunk / lay.cp,
+        ctx=wl.prompt_len / 2,
+        decode=False,
+        seqs=max(1.0, round_chunk / wl.prompt_len),
+        bytes_=bytes_,
+    )
     prefill_round = math.ceil(b * wl.prompt_len / round_chunk) * t_round_chunk
     ctx = (wl.prompt_len + wl.output_len / 2) / lay.cp
     tpot, parts = pipeline_time(costs, cluster, lay, wl, tokens=b, ctx=ctx, decode=True, seqs=b, bytes_=bytes_)
     cycle = prefill_round + wl.output_len * tpot
     res = InferenceResult(
-        layout=lay, memory=MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * b}), fits=True,
-        max_batch=max_batch, batch=b, ttft_s=ttft, tpot_s=tpot, latency_s=ttft + wl.output_len * tpot,
-        throughput=lay.dp * b * wl.output_len / cycle, decode_parts=parts,
+        layout=lay,
+        memory=MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * b}),
+        fits=True,
+        max_batch=max_batch,
+        batch=b,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        latency_s=ttft + wl.output_len * tpot,
+        throughput=lay.dp * b * wl.output_len / cycle,
+        decode_parts=parts,
     )
-    res.meets_limits = (wl.max_ttft_s is None or ttft <= wl.max_ttft_s) and (wl.max_tpot_s is None or tpot <= wl.max_tpot_s)
+    res.meets_limits = (wl.max_ttft_s is None or ttft <= wl.max_ttft_s) and (
+        wl.max_tpot_s is None or tpot <= wl.max_tpot_s
+    )
     return res

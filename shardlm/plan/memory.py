@@ -86,14 +86,17 @@ def prefill_working_set(costs: ModelCosts, lay: Layout, chunk_tokens: float, a_b
     return chunk_tokens / lay.cp * width * a_bytes
 
 
-def inference_fixed(costs: ModelCosts, lay: Layout, capacity: float, *, prompt_len: int, batch_hint: int,
-                    w_bytes: int, a_bytes: int) -> MemoryBreakdown:
+def inference_fixed(
+    costs: ModelCosts, lay: Layout, capacity: float, *, prompt_len: int, batch_hint: int, w_bytes: int, a_bytes: int
+) -> MemoryBreakdown:
     """Everything but the KV cache (which decides how many sequences fit)."""
     chunk = min(C.PREFILL_CHUNK_TOKENS, prompt_len * batch_hint)
     act = prefill_working_set(costs, lay, chunk, a_bytes)
     comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world > 1 else 0.0
     return MemoryBreakdown(
-        weights=weight_bytes(costs, lay, w_bytes), activations=act, comm_buffers=comm,
+        weights=weight_bytes(costs, lay, w_bytes),
+        activations=act,
+        comm_buffers=comm,
         reserve=C.MEMORY_RESERVE_FRACTION * capacity,
     )
 

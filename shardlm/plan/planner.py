@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shardlm.plan.inference import InferenceWorkload
-from shardlm.plan.training import TrainWorkload
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.explain import departures, explain, rerank
 from shardlm.plan.hardware import THIS_MACHINE, Cluster, gpu_names, load_gpu
+from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
+from shardlm.plan.training import TrainWorkload
 
 GROWTH = (2, 4, 8, 16, 32, 64)
 """Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
@@ -72,10 +72,12 @@ class Plan:
 
 
 def make_cluster(req: PlanRequest) -> Cluster:
+    if req.gpu == THIS_MACHINE:  # the ranks share this machine's cores, memory and bus
+        from shardlm.plan.calibrate import machine_spec
+
+        return Cluster(gpu=machine_spec(req.gpus), num_gpus=req.gpus, gpus_per_node=req.gpus)
     gpu = load_gpu(req.gpu)
     per_node = req.gpus_per_node or min(req.gpus, gpu.gpus_per_node)
-    if req.gpu == THIS_MACHINE:
-        per_node = req.gpus  # all local ranks share the machine
     return Cluster(gpu=gpu, num_gpus=req.gpus, gpus_per_node=per_node)
 
 
@@ -96,8 +98,16 @@ def plan(req: PlanRequest) -> Plan:
     if not found.results:
         raise _nothing_fits(costs, cluster, req, name, found)
     ranked = distinct_meshes(rerank(found.results, ctx))
-    return Plan(request=req, model_name=name, cfg=cfg, cluster=cluster, search=found, ranked=ranked,
-                explanation=explain(ranked, ctx), context=ctx)
+    return Plan(
+        request=req,
+        model_name=name,
+        cfg=cfg,
+        cluster=cluster,
+        search=found,
+        ranked=ranked,
+        explanation=explain(ranked, ctx),
+        context=ctx,
+    )
 
 
 def distinct_meshes(results: list) -> list:
@@ -129,8 +139,10 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
         free = _search(costs, cluster, req, {})
         r = found.rejected[0]
         pinned = " ".join(f"{k}={v}" for k, v in req.fixed.items())
-        msg = (f"{pinned} cannot fit {name} on {gpu.name}: its best layout needs {_gb(r.memory.total)} per GPU, "
-               f"{_gb(r.shortfall_bytes)} over the {_gb(gpu.memory_bytes)} it has")
+        msg = (
+            f"{pinned} cannot fit {name} on {gpu.name}: its best layout needs {_gb(r.memory.total)} per GPU, "
+            f"{_gb(r.shortfall_bytes)} over the {_gb(gpu.memory_bytes)} it has"
+        )
         if free.results:
             alts = ", ".join(x.layout.label(req.train) for x in free.results[:3])
             return PlanError(f"{msg}; layouts that fit: {alts}")
@@ -139,14 +151,20 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
     need = found.rejected[0].memory.total if found.rejected else float("nan")
     what = f"{name} does not fit on {req.gpus} x {gpu.name} in any layout"
     if not found.rejected:
-        return PlanError(f"{what}: no layout is valid for {req.gpus} GPUs (heads {costs.cfg.num_heads}, layers "
-                         f"{costs.cfg.num_layers}); try a GPU count with more divisors")
-    detail = (f"{what}: the leanest layout, {found.rejected[0].layout.label(req.train)}, needs {_gb(need)} per GPU, "
-              f"{_gb(short)} more than the {_gb(gpu.memory_bytes)} there")
+        return PlanError(
+            f"{what}: no layout is valid for {req.gpus} GPUs (heads {costs.cfg.num_heads}, layers "
+            f"{costs.cfg.num_layers}); try a GPU count with more divisors"
+        )
+    detail = (
+        f"{what}: the leanest layout, {found.rejected[0].layout.label(req.train)}, needs {_gb(need)} per GPU, "
+        f"{_gb(short)} more than the {_gb(gpu.memory_bytes)} there"
+    )
     hints = []
     for k in GROWTH:
         n = req.gpus * k
-        bigger = Cluster(gpu=gpu, num_gpus=n, gpus_per_node=min(n, cluster.gpus_per_node) if n >= cluster.gpus_per_node else n)
+        bigger = Cluster(
+            gpu=gpu, num_gpus=n, gpus_per_node=min(n, cluster.gpus_per_node) if n >= cluster.gpus_per_node else n
+        )
         if _search(costs, bigger, req, {}).results:
             hints.append(f"{n} x {gpu.name}")
             break

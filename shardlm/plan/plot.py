@@ -58,10 +58,19 @@ def schedule_plot(plan, path: Path) -> Path:
         if lay.schedule == "interleaved":
             m -= m % lay.pp
         t_b, t_w = (best.backward_s / 2, best.backward_s / 2) if lay.schedule == "zb-h1" else (best.backward_s, 0.0)
-        tl = simulate(lay.schedule, stages=lay.pp, micro=max(m, lay.pp if lay.schedule == "interleaved" else 1),
-                      t_f=best.forward_s, t_b=t_b, t_w=t_w, virtual=lay.virtual)
-        title = (f"{lay.schedule} schedule, {lay.pp} stages, {tl.micro} of {lay.num_micro} micro-batches: "
-                 f"bubble {tl.bubble_fraction * 100:.1f}%")
+        tl = simulate(
+            lay.schedule,
+            stages=lay.pp,
+            micro=max(m, lay.pp if lay.schedule == "interleaved" else 1),
+            t_f=best.forward_s,
+            t_b=t_b,
+            t_w=t_w,
+            virtual=lay.virtual,
+        )
+        title = (
+            f"{lay.schedule} schedule, {lay.pp} stages, {tl.micro} of {lay.num_micro} micro-batches: "
+            f"bubble {tl.bubble_fraction * 100:.1f}%"
+        )
     elif lay.pp > 1:
         stage_t = best.tpot_s / lay.pp
         tl = simulate("gpipe", stages=lay.pp, micro=lay.pp * 2, t_f=stage_t, t_b=0.0)
@@ -73,22 +82,43 @@ def schedule_plot(plan, path: Path) -> Path:
             if e.end > e.start:
                 ax.barh(e.stage, e.end - e.start, left=e.start, color=COLORS[e.kind], edgecolor="white", lw=0.5)
                 if tl.micro <= 12:
-                    ax.text((e.start + e.end) / 2, e.stage, str(e.micro), ha="center", va="center", fontsize=7, color="white")
+                    ax.text(
+                        (e.start + e.end) / 2,
+                        e.stage,
+                        str(e.micro),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
         ax.set_yticks(range(tl.stages), [f"stage {s}" for s in range(tl.stages)])
         ax.invert_yaxis()
         ax.set_xlabel("seconds")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in COLORS.items() if any(e.kind == k and e.end > e.start for e in tl.events)]
+        handles = [
+            plt.Rectangle((0, 0), 1, 1, color=c)
+            for k, c in COLORS.items()
+            if any(e.kind == k and e.end > e.start for e in tl.events)
+        ]
         names = [k for k in COLORS if any(e.kind == k and e.end > e.start for e in tl.events)]
         ax.legend(handles, names, fontsize=8, loc="upper right")
     else:  # one stage: where the step's time goes
         if plan.request.train:
-            parts = {"forward": best.forward_s * lay.num_micro, "backward": best.backward_s * lay.num_micro,
-                     **{f"{k} comm": v for k, v in (best.comm_s or {}).items() if v}}
+            parts = {
+                "forward": best.forward_s * lay.num_micro,
+                "backward": best.backward_s * lay.num_micro,
+                **{f"{k} comm": v for k, v in (best.comm_s or {}).items() if v},
+            }
             title = f"one training step ({lay.num_micro} micro-batches, no pipeline)"
         else:
             d = best.decode_parts
-            parts = {"matmuls": d.matmul, "attention": d.attention, "TP comm": d.tp_comm, "EP comm": d.ep_comm,
-                     "CP comm": d.cp_comm, "LM head": d.head}
+            parts = {
+                "matmuls": d.matmul,
+                "attention": d.attention,
+                "TP comm": d.tp_comm,
+                "EP comm": d.ep_comm,
+                "CP comm": d.cp_comm,
+                "LM head": d.head,
+            }
             title = "one decode step (no pipeline)"
         left = 0.0
         for name, v in parts.items():

@@ -7,8 +7,15 @@ import math
 
 from shardlm.plan.memory import FIELDS
 
-SHORT = {"weights": "wts", "kv_cache": "kv", "activations": "act", "gradients": "grad", "optimizer": "opt",
-         "comm_buffers": "comm", "reserve": "rsv"}
+SHORT = {
+    "weights": "wts",
+    "kv_cache": "kv",
+    "activations": "act",
+    "gradients": "grad",
+    "optimizer": "opt",
+    "comm_buffers": "comm",
+    "reserve": "rsv",
+}
 
 
 def _gb(x: float) -> str:
@@ -30,7 +37,12 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
     for i, r in enumerate(plan.ranked[: plan.request.top], 1):
         row = [str(i), r.layout.label(train)]
         if train:
-            row += [f"{r.tokens_per_s:,.0f}", f"{r.mfu * 100:.0f}%", f"{r.step_s:.2f}", f"{r.bubble_fraction * 100:.1f}%"]
+            row += [
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.mfu * 100:.0f}%",
+                f"{r.step_s:.2f}",
+                f"{r.bubble_fraction * 100:.1f}%",
+            ]
         else:
             row += [f"{r.throughput:,.0f}", str(r.batch), _ms(r.ttft_s), _ms(r.tpot_s)]
         row += [_gb(getattr(r.memory, f)) for f in mem_fields] + [_gb(r.memory.total)]
@@ -40,20 +52,33 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
 
 def title(plan) -> str:
     req, c = plan.request, plan.cluster
-    what = (f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens" if req.train else
-            f"inference, prompt {req.inference.prompt_len} + output {req.inference.output_len} tokens, {req.inference.dtype}")
-    return (f"{plan.model_name} on {c.num_gpus} x {c.gpu.name} ({c.num_nodes} node{'s' * (c.num_nodes > 1)} of "
-            f"{c.gpus_per_node}); {what}; objective {req.objective}")
+    what = (
+        f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens"
+        if req.train
+        else f"inference, prompt {req.inference.prompt_len} + output {req.inference.output_len} tokens, "
+        f"{req.inference.dtype}"
+    )
+    return (
+        f"{plan.model_name} on {c.num_gpus} x {c.gpu.name} ({c.num_nodes} node{'s' * (c.num_nodes > 1)} of "
+        f"{c.gpus_per_node}); {what}; objective {req.objective}"
+    )
 
 
 def text(plan) -> str:
     head, body = rows(plan)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
-    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     lines = [title(plan), "", fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in body]
     s = plan.search
-    lines += ["", f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
-                  f"{len(plan.search.results):,} fit", ""]
+    lines += [
+        "",
+        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"{len(plan.search.results):,} fit",
+        "",
+    ]
     lines += plan.explanation
     return "\n".join(lines)
 
@@ -77,8 +102,10 @@ def print_table(plan, console=None) -> None:
         table.add_row(*r)
     console.print(table)
     s = plan.search
-    console.print(f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
-                  f"{len(plan.search.results):,} fit")
+    console.print(
+        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"{len(plan.search.results):,} fit"
+    )
     for line in plan.explanation:
         console.print(line)
 
@@ -91,25 +118,53 @@ def to_data(plan) -> dict:
     req, train = plan.request, plan.request.train
     items = []
     for r in plan.ranked[: req.top]:
-        d = {"layout": {**r.layout.dims(), "label": r.layout.label(train)},
-             "memory_bytes": r.memory.as_dict(), "rule_departures": plan.departures(r)}
+        d = {
+            "layout": {**r.layout.dims(), "label": r.layout.label(train)},
+            "memory_bytes": r.memory.as_dict(),
+            "rule_departures": plan.departures(r),
+        }
         if train:
             lay = r.layout
-            d["layout"].update(sp=lay.sp, zero=lay.zero, schedule=lay.schedule, virtual=lay.virtual,
-                               micro_batch=lay.micro_batch, num_micro=lay.num_micro, recompute=lay.recompute)
-            d.update(tokens_per_s=r.tokens_per_s, step_s=r.step_s, mfu=r.mfu, bubble_fraction=r.bubble_fraction,
-                     comm_s=r.comm_s)
+            d["layout"].update(
+                sp=lay.sp,
+                zero=lay.zero,
+                schedule=lay.schedule,
+                virtual=lay.virtual,
+                micro_batch=lay.micro_batch,
+                num_micro=lay.num_micro,
+                recompute=lay.recompute,
+            )
+            d.update(
+                tokens_per_s=r.tokens_per_s,
+                step_s=r.step_s,
+                mfu=r.mfu,
+                bubble_fraction=r.bubble_fraction,
+                comm_s=r.comm_s,
+            )
         else:
-            d.update(throughput_tokens_per_s=r.throughput, batch_per_replica=r.batch, max_batch=r.max_batch,
-                     ttft_s=_num(r.ttft_s), tpot_s=_num(r.tpot_s), latency_s=_num(r.latency_s))
+            d.update(
+                throughput_tokens_per_s=r.throughput,
+                batch_per_replica=r.batch,
+                max_batch=r.max_batch,
+                ttft_s=_num(r.ttft_s),
+                tpot_s=_num(r.tpot_s),
+                latency_s=_num(r.latency_s),
+            )
         items.append(d)
     c = plan.cluster
     return {
-        "model": plan.model_name, "gpu": c.gpu.name, "gpus": c.num_gpus, "gpus_per_node": c.gpus_per_node,
-        "mode": "training" if train else "inference", "objective": req.objective,
+        "model": plan.model_name,
+        "gpu": c.gpu.name,
+        "gpus": c.num_gpus,
+        "gpus_per_node": c.gpus_per_node,
+        "mode": "training" if train else "inference",
+        "objective": req.objective,
         "workload": vars(req.training) if train else vars(req.inference),
-        "searched": plan.search.evaluated, "search_seconds": plan.search.seconds, "fitting": len(plan.search.results),
-        "layouts": items, "explanation": plan.explanation,
+        "searched": plan.search.evaluated,
+        "search_seconds": plan.search.seconds,
+        "fitting": len(plan.search.results),
+        "layouts": items,
+        "explanation": plan.explanation,
     }
 
 

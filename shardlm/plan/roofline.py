@@ -14,7 +14,15 @@ from functools import cached_property
 
 from shardlm.models.config import ModelConfig
 from shardlm.plan.hardware import GpuSpec
-from shardlm.plan.shard import RankLayer, active_params, is_moe_layer, rank_layer, split_even, stage_layers, total_params
+from shardlm.plan.shard import (
+    RankLayer,
+    active_params,
+    is_moe_layer,
+    rank_layer,
+    split_even,
+    stage_layers,
+    total_params,
+)
 
 OPS_PER_LAYER = 74
 """Tensor operators shardlm's runner issues per decoder layer per decode step (counted with a
@@ -23,16 +31,10 @@ KV write and attention, and the views between them). On GPUs with CUDA graphs th
 nothing (GPU_OP_OVERHEAD_S = 0); on CPU each costs the calibrated ``op_overhead_s``."""
 
 
-GEMM_HALF_ROWS = 128
-"""Rows (tokens) at which a GEMM reaches half of its large-size efficiency: small GEMMs fill
-few tiles and wait on memory (NVIDIA, "Matrix Multiplication Background User's Guide",
-https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/ §2-4:
-throughput falls steeply once a dimension drops below a few hundred)."""
-
-
-def gemm_efficiency(rows: float) -> float:
-    """Share of the large-GEMM rate a GEMM with ``rows`` rows reaches (1 for huge, 1/2 at 128)."""
-    return rows / (rows + GEMM_HALF_ROWS)
+def gemm_efficiency(rows: float, half_rows: float) -> float:
+    """Share of the large-GEMM rate a GEMM with ``rows`` rows reaches: 1 for huge GEMMs, 1/2 at
+    ``half_rows`` (GpuSpec.gemm_half_rows)."""
+    return 1.0 if half_rows <= 0 else rows / (rows + half_rows)
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,14 @@ class Step:
     """Tokens entering the rank's expert-parallel group (for experts touched and routed FLOPs)."""
 
 
-def layer_work(cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: int, ep: int) -> tuple[Work, Work]:
-    """(matmul work, attention-core work) of one layer on the largest rank."""
+def layer_work(
+    cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: int, ep: int, half_rows: float
+) -> tuple[Work, Work]:
+    """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
+    the size-dependent GEMM efficiency of the device (``half_rows``)."""
     h = cfg.hidden_size
     dense = rl.attn + rl.dense + rl.router
-    # FLOPs are charged at the GEMM's size-dependent efficiency (``gemm_efficiency``)
-    flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens)
+    flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)
     wbytes = dense * w_bytes
     if rl.experts:
         k = cfg.num_experts_per_tok
@@ -104,7 +108,7 @@ def layer_work(cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_b
         wbytes += touched * rl.expert_params * w_bytes
         routed = step.moe_tokens * k / ep  # tokens routed to this rank's experts
         per_expert = routed / max(touched, 1e-9)
-        flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert)
+        flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
     matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1)
     per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)

@@ -113,8 +113,17 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[Op]]:
     raise PlanError(f"unknown pipeline schedule {schedule!r}; pick gpipe, 1f1b, interleaved or zb-h1")
 
 
-def simulate(schedule: str, *, stages: int, micro: int, t_f: float, t_b: float, t_w: float = 0.0,
-             virtual: int = 1, p2p_s: float = 0.0) -> Timeline:
+def simulate(
+    schedule: str,
+    *,
+    stages: int,
+    micro: int,
+    t_f: float,
+    t_b: float,
+    t_w: float = 0.0,
+    virtual: int = 1,
+    p2p_s: float = 0.0,
+) -> Timeline:
     """Run the schedule. ``t_f``/``t_b`` are per stage per micro-batch (a chunk takes 1/virtual);
     for ZB-H1, ``t_b`` is the input-gradient part and ``t_w`` the weight-gradient part."""
     p, m, v = stages, micro, virtual if schedule == "interleaved" else 1

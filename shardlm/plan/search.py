@@ -71,8 +71,9 @@ def _score(res, objective: str) -> float:
     return res.throughput if hasattr(res, "throughput") else res.tokens_per_s
 
 
-def search_inference(costs: ModelCosts, cluster: Cluster, wl: inference.InferenceWorkload, *,
-                     objective: str, fixed: dict[str, int]) -> SearchResult:
+def search_inference(
+    costs: ModelCosts, cluster: Cluster, wl: inference.InferenceWorkload, *, objective: str, fixed: dict[str, int]
+) -> SearchResult:
     t0 = time.perf_counter()
     ok, bad, n = [], [], 0
     for lay in shapes(costs.cfg, cluster, fixed):
@@ -136,8 +137,9 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
     return out
 
 
-def search_training(costs: ModelCosts, cluster: Cluster, wl: training.TrainWorkload, *,
-                    objective: str, fixed: dict) -> SearchResult:
+def search_training(
+    costs: ModelCosts, cluster: Cluster, wl: training.TrainWorkload, *, objective: str, fixed: dict
+) -> SearchResult:
     t0 = time.perf_counter()
     ok, bad, n = [], [], 0
     recomputes = [fixed["recompute"]] if "recompute" in fixed else ["none", "selective", "full"]

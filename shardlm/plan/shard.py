@@ -111,8 +111,13 @@ def rank_layer(cfg: ModelConfig, layer: int, *, tp: int, ep: int = 1, etp: int =
     experts = split_even(cfg.num_experts, ep)[0]
     expert_rows = split_even(cfg.moe_intermediate_size, etp)[0]
     return RankLayer(
-        attn=attn, dense=dense, router=cfg.hidden_size * cfg.num_experts, experts=experts,
-        expert_params=_mlp_params(cfg, expert_rows), q_heads=q, kv_heads=kv,
+        attn=attn,
+        dense=dense,
+        router=cfg.hidden_size * cfg.num_experts,
+        experts=experts,
+        expert_params=_mlp_params(cfg, expert_rows),
+        q_heads=q,
+        kv_heads=kv,
     )
 
 

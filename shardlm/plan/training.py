@@ -78,8 +78,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     a = C.DTYPE_BYTES[wl.dtype]
     tokens = lay.micro_batch * wl.seq_len / lay.cp
     stages = {0, lay.pp - 1}  # the first stage has the most layers, the last the LM head
-    fwd, bwd, tp_c, ep_c, cp_c = max((_stage(costs, cluster, lay, wl, s, tokens, a) for s in stages),
-                                     key=lambda t: t[0] + t[1])
+    fwd, bwd, tp_c, ep_c, cp_c = max(
+        (_stage(costs, cluster, lay, wl, s, tokens, a) for s in stages), key=lambda t: t[0] + t[1]
+    )
     p, m, v = lay.pp, lay.num_micro, lay.virtual
     p2p = 0.0
     if p > 1:
@@ -120,14 +121,22 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     peak = gpu.matmul_flops(wl.dtype) / C.MATMUL_EFFICIENCY if not gpu.calibrated else gpu.matmul_flops(wl.dtype)
     mfu = 6 * costs.active_params * tps / (cluster.num_gpus * peak)
     return TrainResult(
-        layout=lay, memory=mem, fits=True, step_s=step_s, tokens_per_s=tps, mfu=mfu, bubble_fraction=bubble,
-        forward_s=fwd, backward_s=bwd,
+        layout=lay,
+        memory=mem,
+        fits=True,
+        step_s=step_s,
+        tokens_per_s=tps,
+        mfu=mfu,
+        bubble_fraction=bubble,
+        forward_s=fwd,
+        backward_s=bwd,
         comm_s={"tp": m * 2 * tp_c, "ep": m * 2 * ep_c, "cp": m * 3 * cp_c, "dp": dp_exposed, "pp": m * 2 * p2p},
     )
 
 
-def _stage(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float,
-           a: int) -> tuple[float, float, float, float, float]:
+def _stage(
+    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float, a: int
+) -> tuple[float, float, float, float, float]:
     """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
     cfg, gpu = costs.cfg, cluster.gpu
     tp_group, ep_group, cp_group = lay.group("tp"), lay.group("ep"), lay.group("cp")
@@ -139,20 +148,26 @@ def _stage(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, 
             continue
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
         step = Step(tokens=tokens, ctx=wl.seq_len / 2, decode=False, seqs=lay.micro_batch, moe_tokens=moe_tokens)
-        mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep)
+        mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
         t_attn = at.time(gpu, wl.dtype)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
         if moe and lay.ep > 1:
-            ep_c += n * 2 * comm.all_to_all(tokens * cfg.num_experts_per_tok * cfg.hidden_size * a, ep_group, cluster)
+            ep_c += (
+                n
+                * 2
+                * comm.all_to_all(tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a, ep_group, cluster)
+            )
         if lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
             ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
             cp_c += n * max(0.0, ring - t_attn)
     if stage == lay.pp - 1:  # LM head and loss over every token
         vocab = costs.vocab_rows(lay.tp)
-        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, wl.dtype)
+        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(
+            gpu, wl.dtype
+        )
     fwd = f_comp + f_attn + tp_c + ep_c + cp_c
     bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + tp_c + ep_c + 2 * cp_c
     if lay.recompute == "full":
@@ -160,4 +175,3 @@ def _stage(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, 
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_c, ep_c, cp_c
-

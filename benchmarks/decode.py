@@ -1,0 +1,98 @@
+"""Batch-1 decode speed of SmolLM2: shardlm vs HF transformers, measured in the same run.
+
+For each dtype it prints tokens/s of shardlm (tp=1) and of HF ``generate`` on the same
+weights (HF loads the same GGUF), their ratio, and the floor: the time of the model's
+own matrix-vector products alone, run back to back on its real shapes (every weight
+byte read once per token at the bandwidth these kernels reach). Both engines are
+timed the same way, as wall time of (1 + N) generated tokens minus that of 1 token,
+so prefill and the first token do not count. Best of --repeats runs.
+
+    python benchmarks/decode.py [--tokens 64] [--dtypes float32,bfloat16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shardlm import LLM, SamplingParams
+
+PROMPT = "Explain tensor parallelism in one paragraph."
+
+
+def best_rate(run, tokens: int, repeats: int) -> float:
+    """tokens/s of decode alone: (t(1 + tokens) - t(1)) over `tokens`, best of `repeats`."""
+    run(1)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(1)
+        t1 = time.perf_counter()
+        run(1 + tokens)
+        t2 = time.perf_counter()
+        best = max(best, tokens / ((t2 - t1) - (t1 - t0)))
+    return best
+
+
+def floor_rate(model, repeats: int) -> tuple[float, float]:
+    """(tokens/s if a token cost only its matvecs, GB/s those matvecs reach)."""
+    weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2]
+    weights = list({id(w): w for w in weights}.values())  # a tied head is read for the LM head only once
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for x, w in zip(xs, weights):
+            F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 1.0 / best, nbytes / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M, batch 1, "
+          f"{args.tokens} decode tokens, best of {args.repeats}", flush=True)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        llm = LLM("smollm2", dtype=dtype)
+        ids = llm.encode(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
+
+        def ours(n: int) -> None:
+            llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+
+        shard = best_rate(ours, args.tokens, args.repeats)
+        floor, gbs = floor_rate(llm.worker.model, args.repeats)
+        path = llm.checkpoint.path
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  dtype=getattr(torch, dtype)).eval()
+        x = torch.tensor([ids])
+
+        def theirs(n: int) -> None:
+            with torch.inference_mode():
+                hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+
+        ref = best_rate(theirs, args.tokens, args.repeats)
+        rows.append((dtype, ref, shard, floor, gbs))
+        del hf, llm
+
+    print(f"\n{'dtype':<9} {'HF tok/s':>9} {'shardlm':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} "
+          f"{'shardlm/floor':>14} {'HF/floor':>9}")
+    for dtype, ref, shard, floor, gbs in rows:
+        print(f"{dtype:<9} {ref:>9.1f} {shard:>9.1f} {shard / ref:>5.2f}x {floor:>7.1f} {gbs:>6.1f} "
+              f"{shard / floor:>13.0%} {ref / floor:>9.0%}")
+    print("\nfloor: tokens/s if a token cost only its matrix-vector products (every weight byte once)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""ParallelDims: field validation, world-size checks, rank <-> coordinate maths, expert folding.
+
+Pure unit tests: no process group is created. Everything here is integer bookkeeping,
+so every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch.distributed as dist
+
+from shardlm.errors import UsageError
+from shardlm.parallel.dims import MESH_AXES, LayoutError, ParallelDims, factorisations
+
+FIELDS = ("dp", "pp", "cp", "tp", "ep", "etp")
+
+
+def rank_of(dims: ParallelDims, c: dict[str, int]) -> int:
+    """The documented rank formula: rank = ((dp*PP + pp)*CP + cp)*TP + tp."""
+    return ((c["dp"] * dims.pp + c["pp"]) * dims.cp + c["cp"]) * dims.tp + c["tp"]
+
+
+# ---- field validation ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", FIELDS)
+@pytest.mark.parametrize("bad", [0, -1, -4, True, False, 2.0, 1.5, "2", None])
+def test_each_field_rejects_bad_values_naming_field_and_value(name, bad):
+    with pytest.raises(LayoutError) as err:
+        ParallelDims(**{name: bad})
+    msg = str(err.value)
+    assert f"{name}={bad!r}" in msg, msg
+    assert "positive integer" in msg
+    # the error is a usage error (the CLI prints it and exits 2), not a crash
+    assert isinstance(err.value, UsageError) and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_each_field_accepts_a_valid_value(name):
+    # can-fail guard for the test above: a good value of the same field is accepted.
+    # (ep/etp must fold into dp*tp, so give them room.)
+    kw = {name: 2}
+    if name in ("ep", "etp"):
+        kw["tp"] = 2
+    dims = ParallelDims(**kw)
+    assert getattr(dims, name) == 2
+
+
+def test_positional_arguments_are_refused():
+    # keyword-only config: ParallelDims(2, 2) would silently mean dp=2, pp=2 otherwise
+    with pytest.raises(TypeError):
+        ParallelDims(2, 2)  # type: ignore[misc]
+
+
+# ---- factorisations and the world size ---------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 6, 8, 12])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_factorisations_are_exactly_the_ordered_tuples_with_that_product(world, n):
+    got = factorisations(world, n)
+    brute = [t for t in itertools.product(range(1, world + 1), repeat=n) if math.prod(t) == world]
+    assert sorted(got) == sorted(brute)
+    assert len(set(got)) == len(got)  # no duplicates
+    assert len(got) >= 1
+
+
+def test_factorisations_known_value():
+    assert factorisations(4, 2) == [(1, 4), (2, 2), (4, 1)]
+
+
+def test_check_world_size_accepts_matching_world():
+    ParallelDims(dp=2, pp=3, cp=1, tp=2).check_world_size(12)  # must not raise
+    ParallelDims().check_world_size(1)
+
+
+@pytest.mark.parametrize("dims_kw,world", [({"tp": 2}, 4), ({"dp": 2, "pp": 2}, 6), ({}, 8)])
+def test_check_world_size_message_lists_layout_counts_and_valid_factorisations(dims_kw, world):
+    dims = ParallelDims(**dims_kw)
+    with pytest.raises(LayoutError) as err:
+        dims.check_world_size(world)
+    msg = str(err.value)
+    assert f"needs {dims.world_size} ranks" in msg, msg
+    assert f"world has {world}" in msg, msg
+    for axis, v in dims_kw.items():
+        assert f"{axis}={v}" in msg
+    # every (dp, pp, tp) factorisation of the real world size is offered, each a valid layout
+    for dp, pp, tp in factorisations(world, 3):
+        assert f"(dp={dp}, pp={pp}, tp={tp})" in msg, (dp, pp, tp, msg)
+        ParallelDims(dp=dp, pp=pp, tp=tp).check_world_size(world)
+    # and nothing else is offered (no invalid suggestion slips in)
+    offered = re.findall(r"\(dp=(\d+), pp=(\d+), tp=(\d+)\)", msg)
+    assert all(int(a) * int(b) * int(c) == world for a, b, c in offered)
+    assert len(offered) == len(factorisations(world, 3))
+
+
+# ---- rank <-> coordinates ----------------------------------------------------------
+
+LAYOUTS = [
+    dict(),
+    dict(tp=4),
+    dict(dp=2, pp=3, cp=1, tp=2),
+    dict(dp=1, pp=2, cp=2, tp=2),
+    dict(dp=3, pp=1, cp=2, tp=1),
+    dict(dp=2, pp=2, cp=2, tp=3),
+    dict(dp=5, pp=1, cp=1, tp=1),
+]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS, ids=lambda kw: "x".join(f"{k}{v}" for k, v in kw.items()) or "single")
+def test_coords_is_the_inverse_of_the_rank_formula(kw):
+    dims = ParallelDims(**kw)
+    seen = set()
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        assert tuple(c) == MESH_AXES  # ordered outermost first
+        for axis in MESH_AXES:
+            assert 0 <= c[axis] < getattr(dims, axis), (rank, c)
+        assert rank_of(dims, c) == rank, (rank, c)
+        seen.add(tuple(c.values()))
+    # a bijection onto the full grid: every coordinate is hit exactly once
+    assert len(seen) == dims.world_size == math.prod(dims.shape())
+
+
+def test_coords_known_values_tp_innermost_dp_outermost():
+    # can-fail guard: a transposed formula (tp outermost) would still be a bijection,
+    # so pin down concrete values. dp=2, pp=3, cp=1, tp=2 -> 12 ranks.
+    dims = ParallelDims(dp=2, pp=3, tp=2)
+    assert dims.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(1) == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}  # neighbours differ in tp
+    assert dims.coords(2) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
+    assert dims.coords(6) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(11) == {"dp": 1, "pp": 2, "cp": 0, "tp": 1}
+
+
+@pytest.mark.parametrize("rank", [-1, 12, 13])
+def test_coords_rejects_ranks_outside_the_world(rank):
+    dims = ParallelDims(dp=2, pp=3, tp=2)
+    with pytest.raises((LayoutError, ValueError, IndexError)):
+        dims.coords(rank)
+
+
+# ---- expert folding: ep * etp must divide dp * tp ----------------------------------
+
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 2), (1, 6), (3, 4), (8, 1)])
+def test_ep_etp_fold_rule_every_choice(dp, tp):
+    n = dp * tp
+    checked_bad = 0
+    for ep in range(1, n + 3):
+        for etp in range(1, n + 3):
+            if n % (ep * etp) == 0:
+                dims = ParallelDims(dp=dp, tp=tp, ep=ep, etp=etp)
+                assert dims.edp * ep * etp == n
+                assert ep in dims.valid_ep()
+                continue
+            with pytest.raises(LayoutError) as err:
+                ParallelDims(dp=dp, tp=tp, ep=ep, etp=etp)
+            msg = str(err.value)
+            assert f"ep={ep}" in msg and f"etp={etp}" in msg, msg
+            assert f"dp x tp = {n}" in msg, msg
+            valid = [e for e in range(1, n + 1) if n % (e * etp) == 0]
+            if valid:
+                assert f"valid ep for etp={etp}: {valid}" in msg, msg
+            checked_bad += 1
+    assert checked_bad > 0  # the loop did exercise the error path
+
+
+def test_ep_folds_over_dp_times_tp_not_pp_or_cp():
+    # 8 ranks in all, but only dp*tp = 2 of them per stage/context slice fold into experts
+    with pytest.raises(LayoutError, match=r"valid ep for etp=1: \[1, 2\]"):
+        ParallelDims(dp=1, pp=2, cp=2, tp=2, ep=4)
+    assert ParallelDims(dp=1, pp=2, cp=2, tp=2, ep=2).edp == 1
+    assert ParallelDims(dp=2, tp=2, ep=2).edp == 2
+
+
+def test_ep_error_always_suggests_something_valid():
+    with pytest.raises(LayoutError) as err:
+        ParallelDims(tp=3, etp=2)
+    msg = str(err.value)
+    assert "etp=2" in msg
+    assert "[]" not in msg, msg
+
+
+# ---- a 1-rank layout needs no torch.distributed --------------------------------------
+
+def test_single_rank_layout_has_none_groups_without_distributed():
+    assert not dist.is_initialized()  # precondition: nothing below may rely on a process group
+    dims = ParallelDims().build_mesh("cpu")
+    assert dims.mesh is None
+    assert not dist.is_initialized()  # build_mesh did not start one
+    for axis in MESH_AXES:
+        assert dims.group(axis) is None
+        assert getattr(dims, f"{axis}_group") is None
+        assert getattr(dims, f"{axis}_rank") == 0
+        assert getattr(dims, f"{axis}_size") == 1
+    assert dims.global_rank == 0
+    assert dims.world_size == 1 and dims.edp == 1
+
+
+def test_multi_rank_layout_without_mesh_refuses_groups():
+    # can-fail guard for the test above: a 2-rank layout must not pretend to be one rank
+    assert not dist.is_initialized()
+    dims = ParallelDims(tp=2)
+    with pytest.raises(LayoutError, match="build_mesh"):
+        dims.tp_group
+    with pytest.raises(LayoutError, match="build_mesh"):
+        dims.dp_rank
+    with pytest.raises(LayoutError, match="torch.distributed"):
+        dims.build_mesh("cpu")
+
+
+def test_unknown_axis_is_named():
+    with pytest.raises(KeyError, match="'ep'"):
+        ParallelDims().group("ep")
+
+
+def test_frozen_and_compares_by_sizes():
+    a, b = ParallelDims(dp=2, tp=2), ParallelDims(tp=2, dp=2)
+    assert a == b and a != ParallelDims(dp=2, tp=1)
+    with pytest.raises(Exception):
+        a.tp = 4  # type: ignore[misc]

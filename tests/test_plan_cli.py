@@ -1,0 +1,182 @@
+"""`shardlm plan` end to end: search, recommendations, JSON, plots, and bad input (exit 2)."""
+
+import argparse
+import json
+import time
+
+import pytest
+
+from shardlm.plan import cli
+from shardlm.plan.catalog import load_model
+from shardlm.plan.hardware import Cluster, load_gpu
+from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.search import search_training
+from shardlm.plan.training import TrainWorkload
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_add_parser_registers_plan():
+    parser = argparse.ArgumentParser(prog="shardlm")
+    sub = parser.add_subparsers(dest="cmd")
+    cli.add_parser(sub)
+    args = parser.parse_args(["plan", "--model", "smollm2", "--gpu", "h100", "--gpus", "2", "--json"])
+    assert args.func is cli.run and args.gpus == 2 and args.json
+
+
+def test_llama_70b_two_nodes_throughput(capsys):
+    code, out, err = run(
+        [
+            "--model",
+            "llama-3-70b",
+            "--gpu",
+            "h100-sxm",
+            "--gpus",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--prompt-len",
+            "2048",
+            "--output-len",
+            "256",
+            "--objective",
+            "throughput",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    best = data["layouts"][0]
+    # TP stays inside a node, the winner replicates (DP) for throughput, and the numbers are sane
+    assert best["layout"]["tp"] <= 8 and best["layout"]["dp"] >= 2
+    assert best["rule_departures"] == []
+    assert best["throughput_tokens_per_s"] > 1000 and 0 < best["tpot_s"] < 0.2
+    mem = best["memory_bytes"]
+    assert mem["total"] <= 80e9 and mem["weights"] == pytest.approx(70.55e9 * 2 / best["layout"]["tp"], rel=0.02)
+    assert any("wins" in line for line in data["explanation"])
+    assert any("Runner-up" in line for line in data["explanation"])
+
+
+def test_latency_prefers_wide_tp_inside_a_node(capsys):
+    code, out, err = run(
+        ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "16", "--objective", "latency", "--json"], capsys
+    )
+    assert code == 0, err
+    best = json.loads(out)["layouts"][0]
+    assert best["layout"]["tp"] == 8 and best["batch_per_replica"] == 1
+
+
+def test_deepseek_v3_uses_expert_parallelism(capsys):
+    code, out, err = run(
+        ["--model", "deepseek-v3", "--gpu", "h200", "--gpus", "16", "--objective", "throughput", "--json"], capsys
+    )
+    assert code == 0, err
+    best = json.loads(out)["layouts"][0]
+    assert best["layout"]["ep"] > 1
+    assert best["memory_bytes"]["total"] <= 141e9
+
+
+def test_training_plan_and_plots(capsys, tmp_path):
+    code, out, err = run(
+        [
+            "--model",
+            "llama-3-8b",
+            "--gpu",
+            "a100-80g",
+            "--gpus",
+            "8",
+            "--train",
+            "--global-batch",
+            "64",
+            "--seq-len",
+            "4096",
+            "--pp",
+            "2",
+            "--plot",
+            str(tmp_path),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "tokens/s" in out and "zero" in out and "pp2" in out
+    for name in ("memory.png", "schedule.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_table_output_for_config_path(capsys, tmp_path):
+    from shardlm.plan.catalog import _presets
+
+    path = tmp_path / "config.json"
+    path.write_text(_presets()["qwen2.5-72b"].read_text())
+    code, out, err = run(["--model", str(path), "--gpu", "a100-80g", "--gpus", "4", "--prompt-len", "512"], capsys)
+    assert code == 0, err
+    assert "TPOT ms" in out and "tp4" in out
+
+
+def test_training_search_speed():
+    cfg, _ = load_model("llama-3-70b")
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=64, gpus_per_node=8)
+    t0 = time.perf_counter()
+    res = search_training(
+        ModelCosts(cfg), cluster, TrainWorkload(global_batch=512, seq_len=4096), objective="throughput", fixed={}
+    )
+    assert res.evaluated > 5000 and res.rate > 1000, f"{res.evaluated} layouts at {res.rate:.0f}/s"
+    assert time.perf_counter() - t0 < 20
+    best = res.results[0]
+    assert best.layout.tp <= 8 and best.mfu < 0.7
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--model", "llama3-70b", "--gpu", "h100", "--gpus", "8"], "did you mean 'llama-3-70b'"),
+        (["--model", "llama-3-70b", "--gpu", "h10", "--gpus", "8"], "did you mean 'h100-sxm'"),
+        (["--model", "llama-3.1-405b", "--gpu", "a100-80g", "--gpus", "4"], "it would fit on"),
+        (["--model", "llama-3-70b", "--gpu", "a100-80g", "--gpus", "8", "--tp", "1", "--pp", "1"], "layouts that fit"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "8"], "add --train"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--train", "--prompt-len", "8"], "inference flag"),
+        (
+            ["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--objective", "latency", "--max-tpot-ms", "5"],
+            "throughput objective",
+        ),
+        (["--model", "llama-3-8b", "--gpu", "a100-80g", "--gpus", "8", "--dtype", "fp8"], "no fp8"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "3"], "divide --gpus 8"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "12", "--gpus-per-node", "8"], "whole number of nodes"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--max-tpot-ms", "0.01"], "meets the limits"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "0"], "positive integer"),
+        (["--model", "./nope/config.json", "--gpu", "h100", "--gpus", "8"], "does not exist"),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--recalibrate"], "this-machine"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert needle in err, err
+
+
+def test_never_fits_says_by_how_much(capsys):
+    code, _, err = run(["--model", "llama-3.1-405b", "--gpu", "a100-80g", "--gpus", "4"], capsys)
+    assert code == 2
+    assert "GB more than the 80.0 GB" in err and "16 x a100-80g" in err
+
+
+def test_405b_two_nodes_follows_tp_inside_pp_across(capsys):
+    code, out, err = run(["--model", "llama-3.1-405b", "--gpu", "h100-sxm", "--gpus", "16", "--json"], capsys)
+    assert code == 0, err
+    best = json.loads(out)["layouts"][0]["layout"]
+    assert (best["tp"], best["pp"]) == (8, 2)
+
+
+def test_departure_is_explained_with_numbers(capsys):
+    # batch-1 latency over two nodes: TP16 beats TP8 x PP2 (PP does not shorten a token's path)
+    code, out, err = run(
+        ["--model", "llama-3.1-405b", "--gpu", "h100-sxm", "--gpus", "16", "--objective", "latency"], capsys
+    )
+    assert code == 0, err
+    assert "departs from 'TP inside a node' because the numbers say so" in out and "tp8 pp2 dp1" in out

@@ -1,0 +1,53 @@
+"""Pipeline schedule simulator against the closed-form bubble fractions."""
+
+import pytest
+
+from shardlm.plan.errors import PlanError
+from shardlm.plan.schedule import bubble_fraction, simulate
+
+CASES = [(2, 4), (4, 8), (4, 16), (8, 16), (3, 6), (8, 32)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", CASES)
+def test_gpipe_and_1f1b_bubble(schedule, p, m):
+    # (p-1)/(m+p-1): Huang et al. 2019 §2.3; Narayanan et al. 2021 §2.2.1
+    tl = simulate(schedule, stages=p, micro=m, t_f=1.0, t_b=2.0)
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction(schedule, p=p, m=m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2), (3, 6, 3), (4, 4, 3)])
+def test_interleaved_bubble(p, m, v):
+    # Narayanan et al. 2021 §2.2.2: bubble time (p-1)/v of a stage's (F+B) -> (p-1)/(v m + p - 1)
+    tl = simulate("interleaved", stages=p, micro=m, t_f=1.0, t_b=2.0, virtual=v)
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", CASES)
+def test_zb_h1_bubble_and_memory(p, m):
+    # Qi et al. 2023 §3: with T_F = T_B = T_W the bubble is (p-1) T_F, a third of 1F1B's, and
+    # no stage holds more than p micro-batches (1F1B's peak on the first stage)
+    tl = simulate("zb-h1", stages=p, micro=m, t_f=1.0, t_b=1.0, t_w=1.0)
+    assert tl.makespan == pytest.approx(3 * m + p - 1)
+    assert tl.bubble_fraction == pytest.approx(bubble_fraction("zb-h1", p=p, m=m))
+    assert max(tl.peak_in_flight(s) for s in range(p)) <= p
+
+
+def test_in_flight_memory_per_schedule():
+    p, m = 4, 8
+    assert [simulate("1f1b", stages=p, micro=m, t_f=1, t_b=2).peak_in_flight(s) for s in range(p)] == [4, 3, 2, 1]
+    assert simulate("gpipe", stages=p, micro=m, t_f=1, t_b=2).peak_in_flight(0) == m
+    # interleaved, 2 chunks: 2(p + (p-1)/v) - 1 chunk-activations ~ p + (p-1)/v micro-batches (Korthikanti §4.2.3)
+    assert simulate("interleaved", stages=p, micro=m, t_f=1, t_b=2, virtual=2).peak_in_flight(0) == 11
+
+
+def test_p2p_latency_lengthens_the_step():
+    a = simulate("1f1b", stages=4, micro=8, t_f=1.0, t_b=2.0)
+    b = simulate("1f1b", stages=4, micro=8, t_f=1.0, t_b=2.0, p2p_s=0.1)
+    assert b.makespan > a.makespan
+
+
+def test_interleaved_needs_multiple_of_p():
+    with pytest.raises(PlanError, match="multiple of 4"):
+        simulate("interleaved", stages=4, micro=6, t_f=1, t_b=2, virtual=2)

@@ -1,0 +1,73 @@
+"""Planner time model: alpha-beta collectives, roofline decode, limits."""
+
+import pytest
+
+from shardlm.plan import comm
+from shardlm.plan.catalog import load_model
+from shardlm.plan.hardware import Cluster, load_gpu
+from shardlm.plan.inference import InferenceWorkload, evaluate
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.search import search_inference
+
+
+@pytest.fixture
+def two_nodes():
+    return Cluster(gpu=load_gpu("h100-sxm"), num_gpus=16, gpus_per_node=8)
+
+
+def test_ring_all_reduce_inside_a_node(two_nodes):
+    g, n, size = two_nodes.gpu, 8, 1e9
+    expected = g.collective_launch_s + 2 * (n - 1) * g.intra.alpha_s + 2 * (n - 1) / n * size / g.intra.bandwidth_Bps
+    assert comm.all_reduce(size, list(range(8)), two_nodes) == pytest.approx(expected)
+
+
+def test_hierarchical_all_reduce_across_nodes(two_nodes):
+    g, size = two_nodes.gpu, 1e9
+    got = comm.all_reduce(size, list(range(16)), two_nodes)
+    # reduce-scatter + all-gather over 8 GPUs inside each node, all-reduce of 1/8 across the 2 nodes
+    intra = 2 * (7 * g.intra.alpha_s + 7 / 8 * size / g.intra.bandwidth_Bps)
+    inter = 2 * g.inter.alpha_s + size / 8 / g.inter.bandwidth_Bps
+    assert got == pytest.approx(g.collective_launch_s + intra + inter)
+    assert got > comm.all_reduce(size, list(range(8)), two_nodes)
+    # one GPU per node: the flat ring runs over the NICs
+    assert comm.all_reduce(size, [0, 8], two_nodes) == pytest.approx(
+        g.collective_launch_s + 2 * g.inter.alpha_s + size / g.inter.bandwidth_Bps
+    )
+
+
+def test_decode_at_batch_one_is_weight_bandwidth_bound():
+    cfg, _ = load_model("llama-3-8b")
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=8)
+    res = evaluate(ModelCosts(cfg), cluster, Layout(), InferenceWorkload(prompt_len=128, output_len=128), batch=1)
+    # every weight but the embedding table (a lookup) streams from memory once per token
+    weight_time = (8.03e9 - cfg.vocab_size * cfg.hidden_size) * 2 / cluster.gpu.mem_Bps
+    assert res.tpot_s == pytest.approx(weight_time, rel=0.02)
+    assert res.ttft_s > 0 and res.memory.kv_cache == pytest.approx(32 * 2 * 8 * 128 * 2 * 256)
+
+
+def test_tpot_limit_caps_the_batch(two_nodes):
+    cfg, _ = load_model("llama-3-70b")
+    costs = ModelCosts(cfg)
+    free = search_inference(
+        costs, two_nodes, InferenceWorkload(prompt_len=2048, output_len=256), objective="throughput", fixed={}
+    )
+    limited = search_inference(
+        costs,
+        two_nodes,
+        InferenceWorkload(prompt_len=2048, output_len=256, max_tpot_s=0.02),
+        objective="throughput",
+        fixed={},
+    )
+    best = limited.results[0]
+    assert best.tpot_s <= 0.02 and best.batch < free.results[0].batch
+    assert best.throughput < free.results[0].throughput
+
+
+def test_pipeline_does_not_shorten_a_token_but_adds_capacity(two_nodes):
+    cfg, _ = load_model("llama-3-70b")
+    costs, wl = ModelCosts(cfg), InferenceWorkload(prompt_len=1024, output_len=128)
+    tp8 = evaluate(costs, two_nodes, Layout(tp=8, dp=2), wl, batch=1)
+    pp2 = evaluate(costs, two_nodes, Layout(tp=8, pp=2), wl, batch=1)
+    assert pp2.tpot_s >= tp8.tpot_s * 0.99
+    assert pp2.max_batch > 2 * tp8.max_batch
