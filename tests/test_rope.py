@@ -94,11 +94,10 @@ def test_llama3_bands_all_exercised():
 
 
 def rotate(rot: Rotary, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    """Rotary's q/k rotation: ``rot.at`` (cos/sin shared by the layers of a step) then
-    ``apply_rotary``; older trees had ``rot(positions, q, k)``."""
-    if hasattr(rot, "at"):
-        return rope.apply_rotary(q, k, *rot.at(positions, q.dtype))
-    return rot(positions, q, k)
+    """Rotary's q/k rotation as the model does it: q and k heads side by side, one
+    ``apply_rotary`` with the step's (cos, signed sin) from ``rot.at``."""
+    qk = rope.apply_rotary(torch.cat([q, k], dim=1), *rot.at(positions, q.dtype))
+    return qk[:, : q.shape[1]], qk[:, q.shape[1]:]
 
 
 @pytest.mark.parametrize("name", list(ROPES))
@@ -121,7 +120,9 @@ def test_rotary_matches_hf_apply_rotary_pos_emb(name):
 
     # also the cos/sin tables themselves
     torch.testing.assert_close(rot.cos[positions], cos[0], **EXACT)
-    torch.testing.assert_close(rot.sin[positions], sin[0], **EXACT)
+    half = head_dim // 2  # the table folds rotate_half's sign into sin: [-sin, +sin]
+    torch.testing.assert_close(rot.sin_signed[positions, :half], -sin[0, :, :half], **EXACT)
+    torch.testing.assert_close(rot.sin_signed[positions, half:], sin[0, :, half:], **EXACT)
     torch.testing.assert_close(q_ours, q_hf, **EXACT)
     torch.testing.assert_close(k_ours, k_hf, **EXACT)
     # can-fail guard: the rotation does something (position 0 is the identity, others are not)

@@ -80,7 +80,7 @@ def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[tor
     """Keys and values of the first ``length`` positions of one sequence: [kv_heads, length, d] each."""
     bs, h, d = cache.shape[2:]
     blocks = table[: (length + bs - 1) // bs]
-    kv = cache[:, blocks].view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
+    kv = cache.index_select(1, blocks).view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
@@ -138,7 +138,7 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads
     else:
         bs, h = cache.shape[2], cache.shape[3]
         tables = meta.decode_block_tables[:, : (meta.decode_max_context + bs - 1) // bs]
-        kv = cache[:, tables].view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
+        kv = cache.index_select(1, tables.flatten()).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
         lens = meta.decode_context_lens
         k_pos = torch.arange(kv.shape[3], device=q.device)
         mask = k_pos[None, :] < lens[:, None]  # [B, S]

@@ -40,25 +40,29 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """The cos/sin table of RoPE, built once; ``at(positions)`` looks up one step's rows."""
+    """The cos/sin table of RoPE, built once; ``at(positions)`` looks up one step's rows.
+
+    rotate_half(x) = [-x2, x1] equals roll(x, d/2) * [-1, +1], so the table stores sin
+    with that sign folded in and ``apply_rotary`` needs one roll instead of chunk/neg/cat.
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
+        half = cfg.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin_signed", emb.sin() * sign, persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [tokens, 1, head_dim], shared by every layer of the step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """(cos, signed sin), each [tokens, 1, head_dim], shared by every layer of the step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] -> both rotated."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] (q and k heads together) -> x * cos + rotate_half(x) * sin.
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    Plain multiply and add, not addcmul: a fused multiply-add would round differently from HF.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

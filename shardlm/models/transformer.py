@@ -57,6 +57,25 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, residual)
 
 
+class QKNorm(nn.Module):
+    """Qwen3's RMSNorm over head_dim of every q and k head, with q_norm's weight on the
+    q heads and k_norm's on the k heads, applied to both at once."""
+
+    def __init__(self, prefix: str, part, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.prefix, self.eps, self.num_q, self.num_kv = prefix, cfg.rms_norm_eps, part.num_q, part.num_kv
+        self.weight = nn.Parameter(torch.empty(part.num_q + part.num_kv, cfg.head_dim, dtype=dtype),
+                                   requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight[: self.num_q] = src.read(f"{self.prefix}.q_norm.weight")
+            self.weight[self.num_q:] = src.read(f"{self.prefix}.k_norm.weight")
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(qk, qk.shape[-1:], None, self.eps) * self.weight  # [tokens, heads, d]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
         super().__init__()
@@ -70,20 +89,17 @@ class Attention(nn.Module):
                                         bias=cfg.qkv_bias, group=group, dtype=dtype)
         self.o = RowParallelLinear(f"{prefix}.o_proj", output_cols(part, cfg.head_dim), cfg.hidden_size,
                                    bias=cfg.o_bias, group=group, dtype=dtype)
-        self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(f"{prefix}.q_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(f"{prefix}.k_norm", cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.qk_norm = QKNorm(prefix, part, cfg, dtype) if cfg.qk_norm else None
 
     def forward(self, x, rope, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv(x).split([self.num_q * d, self.num_kv * d, self.num_kv * d], dim=-1)
-        q = q.view(t, self.num_q, d)  # [tokens, q_heads, d]
-        k = k.view(t, self.num_kv, d)  # [tokens, kv_heads, d]
-        v = v.view(t, self.num_kv, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        t, d, nq, nkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
+        qkv = self.qkv(x)  # [tokens, (q_heads + 2 kv_heads) * d]
+        qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)  # q heads, then k heads: rotated together
+        v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, :nq], qk[:, nq:]  # [tokens, q_heads, d], [tokens, kv_heads, d]
         write_kv(cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
         return self.o(o.reshape(t, self.num_q * d))
