@@ -36,6 +36,10 @@ def add_generate(sub) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
+    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -72,14 +76,16 @@ def run_generate(args) -> int:
     tokenizer = ckpt.tokenizer()
     chat = not args.no_chat and bool(tokenizer.chat_template)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    options = dict(tp=args.tp, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
+    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
                    max_model_len=args.max_model_len)
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
-    check_layout(EngineConfig(model=str(ckpt.path), **options), ckpt)
+    layout = check_layout(EngineConfig(model=str(ckpt.path), **options), ckpt)
     if speaker:
+        world = layout.world_size
+        axes = ", ".join(f"{a}={getattr(layout, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(layout, a) > 1)
         log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
-            f"on {args.tp} rank{'s' if args.tp > 1 else ''} (tp={args.tp}, {args.dtype})")
+            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {args.dtype})")
     with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
         for t in texts:
             llm.encode(t)  # reject a prompt that does not fit before generating anything
@@ -107,7 +113,8 @@ def run_generate(args) -> int:
         s = llm.last_stats
         timing = {"load_s": round(llm.load_s, 3), "ttft_s": round(s.first_token_s or 0.0, 4),
                   "decode_tok_s": round(s.decode_tokens / s.decode_s, 2) if s.decode_s else None,
-                  "wall_s": round(wall, 3), "tp": args.tp, "dtype": args.dtype,
+                  "wall_s": round(wall, 3), "tp": args.tp, "pp": args.pp, "dp": args.dp, "ep": args.ep,
+                  "dtype": args.dtype,
                   "param_bytes_per_rank": llm.param_bytes}
         if args.json:
             print(json.dumps({"timing": timing}))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.errors import UsageError
+from shardlm.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,6 +22,10 @@ class EngineConfig:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas."""
+    ep: int = 1
+    """Expert-parallel ranks for MoE layers, folded over dp x tp (ep * etp must divide dp * tp)."""
+    etp: int = 1
+    """Expert-tensor-parallel ranks: each expert's weights split this many ways."""
     dtype: str = "float32"
     """Weights, activations and KV cache: float32, bfloat16 or float16."""
     max_model_len: int | None = None
@@ -55,6 +60,10 @@ class EngineConfig:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
+
+    def dims(self) -> ParallelDims:
+        """The layout (validated; the mesh is built by each rank)."""
+        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, etp=self.etp)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -37,7 +37,7 @@ class RequestOutput:
 
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     """Reject a layout the model cannot take, before any rank starts."""
-    dims = ParallelDims(dp=config.dp, pp=config.pp, tp=config.tp)
+    dims = config.dims()
     if config.pp > 1 or config.dp > 1:
         raise LayoutError(f"pp={config.pp}, dp={config.dp}: pipeline and data parallel inference are not "
                           "implemented yet; use tp alone for now")

@@ -16,7 +16,6 @@ from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
-from shardlm.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class Worker:
             self.device = torch.device("cpu")
         if world > 1:
             init_distributed(rank, world, init_method, device_type, config.timeout_s)
-        self.dims = ParallelDims(dp=config.dp, pp=config.pp, tp=config.tp).build_mesh(device_type)
+        self.dims = config.dims().build_mesh(device_type)
         ckpt = open_checkpoint(config.model)
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
         start = time.perf_counter()
