@@ -24,6 +24,14 @@ def byte_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
+def layer_counts(text: str) -> tuple[int, ...]:
+    """'10,10,10' -> (10, 10, 10)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of layer counts; write e.g. 10,10,10") from None
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -37,6 +45,10 @@ def add_generate(sub) -> None:
                    help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
+    p.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by parameters)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="batches in flight through the pipeline (default: pp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
@@ -76,7 +88,8 @@ def run_generate(args) -> int:
     tokenizer = ckpt.tokenizer()
     chat = not args.no_chat and bool(tokenizer.chat_template)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
+    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
+                   micro_batches=args.micro_batches, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
                    max_model_len=args.max_model_len)
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
@@ -112,7 +125,8 @@ def run_generate(args) -> int:
                 print(f"--- {prompt}\n{out.text}\n")
         s = llm.last_stats
         timing = {"load_s": round(llm.load_s, 3), "ttft_s": round(s.first_token_s or 0.0, 4),
-                  "decode_tok_s": round(s.decode_tokens / s.decode_s, 2) if s.decode_s else None,
+                  "decode_tok_s": round(s.decode_tok_s, 2) if s.decode_tok_s else None,
+                  "generated_tokens": s.generated_tokens,
                   "wall_s": round(wall, 3), "tp": args.tp, "pp": args.pp, "dp": args.dp, "ep": args.ep,
                   "dtype": args.dtype,
                   "param_bytes_per_rank": llm.param_bytes}
@@ -136,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlm.plan.cli import add_parser as add_plan
 
     add_plan(sub)
+
     return parser
 
 

@@ -36,14 +36,19 @@ from shardlm.errors import RankFailure
 
 
 def torchrun_env() -> dict[str, int] | None:
-    """Rank, world size and local rank when started by torchrun, else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+    """Rank, world size and local rank when this process is already one rank of a run
+    (started by torchrun, or the caller initialised torch.distributed itself), else None."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
         return None
     return {
-        "rank": int(os.environ["RANK"]),
-        "world": int(os.environ["WORLD_SIZE"]),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+        "rank": rank,
+        "world": world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     }
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from reference import build_tiny
+import math
+
+from reference import SMOLLM2_QUESTIONS, build_tiny, load_hf_smollm2, smollm2_reference
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +20,22 @@ def tiny(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    return load_hf_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2(hf_smollm2, tmp_path_factory):
+    """(GGUF path, chat prompts as ids, HF's greedy reference, parameter count of the model)."""
+    from shardlm.models.gguf import GGUFFile
+    from shardlm.models.loader import open_checkpoint
+
+    ckpt = open_checkpoint("smollm2")
+    tok = ckpt.tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in SMOLLM2_QUESTIONS]
+    gguf = GGUFFile(ckpt.path)
+    total = sum(math.prod(gguf.shape(n)) for n in gguf.tensor_names)  # elements of the whole model
+    return str(ckpt.path), prompts, smollm2_reference(hf_smollm2, tmp_path_factory.mktemp("smollm2"), prompts), total

@@ -18,6 +18,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from collections import OrderedDict
 from typing import Any, Callable
@@ -77,18 +78,23 @@ class RankPool:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
         while len(out) + len(errors) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=timeout if not errors else 5)
+                rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 missing = sorted(set(range(self.world)) - set(out) - set(errors))
-                if errors:
+                if errors and time.monotonic() > min(deadline, errors_at + 5):
                     break  # peers of a failed rank are stuck in a collective: report the failure
-                raise TimeoutError(
-                    f"{fn.__name__} on {self.world} ranks: ranks {missing} gave no result within "
-                    f"{timeout:.0f}s (dead ranks: {dead or 'none'})"
-                ) from None
+                if dead or time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{fn.__name__} on {self.world} ranks: ranks {missing} gave no result "
+                        f"({'dead ranks: ' + str(dead) if dead else f'within {timeout:.0f}s'})"
+                    ) from None
+                continue
+            if not ok and not errors:
+                errors_at = time.monotonic()
             (out if ok else errors)[rank] = value
         if errors:
             rank = min(errors)

@@ -25,7 +25,7 @@ def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens:
     params = SamplingParams(max_tokens=new_tokens)
     completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
     logits = worker.prompt_logits(prompts[-1])
-    return [c.token_ids for c in completions], logits, worker.model.param_bytes()
+    return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
 
 
 def shard_read_elements(model: str, tp: int) -> tuple[int, int]:
@@ -38,3 +38,12 @@ def shard_read_elements(model: str, tp: int) -> tuple[int, int]:
     source = CountingSource(ckpt.source())
     model = load_model(ckpt, dims, source=source)
     return source.elements, sum(p.numel() for p in model.parameters())
+
+
+def llm_greedy(model: str, prompts: list[list[int]], new_tokens: int, **layout):
+    """Greedy tokens per prompt through the public LLM API on this rank (SPMD over the pool)."""
+    from shardlm import LLM, SamplingParams
+
+    llm = LLM(model, threads=1, **layout)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens))
+    return [o.token_ids for o in outputs], llm.param_bytes, llm.worker.layers

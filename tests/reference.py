@@ -25,7 +25,7 @@ PROMPTS = [  # token ids of different lengths: 1 token, short, longer than every
 ]
 NEW_TOKENS = 32
 
-_COMMON = dict(vocab_size=251, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+_COMMON = dict(vocab_size=251, hidden_size=96, intermediate_size=200, num_hidden_layers=6,
                max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
                eos_token_id=None, pad_token_id=None)
 
@@ -76,12 +76,20 @@ def _record(model, directory: Path, prompts: list[list[int]], **generate_kw) -> 
     return ref
 
 
-def smollm2_reference(directory: Path, prompts: list[list[int]]) -> Reference:
+SMOLLM2_QUESTIONS = ["Explain tensor parallelism in one paragraph.", "What is the capital of France?",
+                     "Write a haiku about GPUs."]
+
+
+def load_hf_smollm2():
     """HF's own GGUF loading (dequantize, un-permute) of the embedded SmolLM2; slow (~30 s)."""
     from transformers import AutoModelForCausalLM
 
     from shardlm.models.registry import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def smollm2_reference(model, directory: Path, prompts: list[list[int]]) -> Reference:
     return _record(model, directory, prompts)
+

@@ -143,13 +143,10 @@ def test_unpermute_equals_transformers_tensor_processor(ours, reader, layer):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(PATH.parent, gguf_file=PATH.name)  # ~20 s
+def hf_model(hf_smollm2):
+    return hf_smollm2  # HF's own GGUF loading (conftest, shared by the session)
 
 
-@pytest.mark.slow  # loading the HF model from GGUF takes 20-50 s on 2 cores
 @pytest.mark.parametrize("layer", [0, 29])
 def test_read_unpermute_equals_hf_q_k(ours, hf_model, layer):
     cfg = hf_model.config
@@ -167,7 +164,6 @@ def test_read_unpermute_equals_hf_q_k(ours, hf_model, layer):
     assert torch.equal(unpermute_qk(shard, 3), attn.q_proj.weight.data[3 * head_dim : 6 * head_dim])
 
 
-@pytest.mark.slow
 def test_embedding_equals_hf(ours, hf_model):
     rows = slice(1000, 1100)
     assert torch.equal(ours.read("token_embd.weight", rows=rows), hf_model.model.embed_tokens.weight.data[rows])

@@ -8,30 +8,12 @@ tp = 2 and 4 split the 9 heads unevenly (5+4, 3+2+2+2) and replicate KV heads.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from multirank import run_ranks
 from rankfns import greedy_and_logits, shard_read_elements
-from reference import NEW_TOKENS, smollm2_reference
-
-QUESTIONS = ["Explain tensor parallelism in one paragraph.", "What is the capital of France?",
-             "Write a haiku about GPUs."]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    from shardlm.models.gguf import GGUFFile
-    from shardlm.models.loader import open_checkpoint
-
-    ckpt = open_checkpoint("smollm2")
-    tok = ckpt.tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-    gguf = GGUFFile(ckpt.path)
-    total = sum(math.prod(gguf.shape(n)) for n in gguf.tensor_names)  # elements of the whole model
-    return str(ckpt.path), prompts, smollm2_reference(tmp_path_factory.mktemp("smollm2"), prompts), total
+from reference import NEW_TOKENS
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])

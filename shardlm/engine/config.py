@@ -22,6 +22,10 @@ class EngineConfig:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas."""
+    pp_layers: tuple[int, ...] | None = None
+    """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by parameters."""
+    micro_batches: int | None = None
+    """Batches in flight through the pipeline; default pp (enough to keep every stage busy)."""
     ep: int = 1
     """Expert-parallel ranks for MoE layers, folded over dp x tp (ep * etp must divide dp * tp)."""
     etp: int = 1
@@ -52,6 +56,8 @@ class EngineConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
+        if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
+            raise UsageError(f"micro_batches={self.micro_batches!r} must be a positive integer, e.g. {self.pp}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

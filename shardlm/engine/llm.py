@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from shardlm.engine.config import EngineConfig
-from shardlm.engine.engine import Request, StepStats
+from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
 from shardlm.launch import LocalRanks, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
-from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.data import gather_replicas
+from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import partition_heads
 
 Prompt = str | list[int]
@@ -38,11 +40,9 @@ class RequestOutput:
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     """Reject a layout the model cannot take, before any rank starts."""
     dims = config.dims()
-    if config.pp > 1 or config.dp > 1:
-        raise LayoutError(f"pp={config.pp}, dp={config.dp}: pipeline and data parallel inference are not "
-                          "implemented yet; use tp alone for now")
-    partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
     ckpt.config.check_supported()
+    partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
+    stage_layers(ckpt.config, config.pp, config.pp_layers)
     return dims
 
 
@@ -55,7 +55,7 @@ class LLM:
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
         self._tokenizer = tokenizer
         self._ranks: LocalRanks | None = None
-        self.last_stats: StepStats | None = None
+        self.last_stats: RunStats | None = None
         start = time.perf_counter()
         env = torchrun_env()
         world = self.dims.world_size
@@ -75,6 +75,8 @@ class LLM:
                                  local_world=rank["local_world"], init_method="env://" if env else None)
             infos = [self.worker.ready_info()]
         self.load_s = time.perf_counter() - start
+        # the first rank of each replica speaks for it (all its ranks hold the same results)
+        self._replica_leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
         self.param_bytes = [i["param_bytes"] for i in infos]
         self.kv_blocks = infos[0]["kv_blocks"]
 
@@ -133,16 +135,20 @@ class LLM:
         return self.generate([self.chat_prompt(c) for c in conversations], params, **kw)
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
-        if self._ranks is None:
-            completions, self.last_stats = self.worker.generate(requests, on_token)
-            return completions
-        try:
-            results = self._ranks.call("generate", requests, on_token=on_token)
-        except BaseException:
-            self.close()  # a failed run cannot be resumed: its ranks may be stuck in a collective
-            raise
-        completions, self.last_stats = results[0]  # every rank of a replica agrees; rank 0 speaks
-        return completions
+        if self._ranks is None:  # one process, or torchrun: gather the replicas' results once
+            per_replica = gather_replicas(self.worker.generate(requests, on_token), self.worker.dims)
+        else:
+            try:
+                results = self._ranks.call("generate", requests, on_token=on_token)
+            except BaseException:
+                self.close()  # a failed run cannot be resumed: its ranks may be stuck in a collective
+                raise
+            per_replica = [results[r] for r in self._replica_leaders]
+        done: dict[int, Completion] = {}
+        for completions, _ in per_replica:  # replicas served disjoint requests
+            done.update(completions)
+        self.last_stats = merge_stats([stats for _, stats in per_replica])
+        return [done[i] for i in range(len(requests))]
 
     def close(self) -> None:
         if self._ranks is not None:
@@ -154,3 +160,12 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def merge_stats(parts: list[RunStats]) -> RunStats:
+    """One run's timing from its replicas': they ran side by side, so token counts add up."""
+    first = [p.first_token_s for p in parts if p.first_token_s is not None]
+    return RunStats(elapsed_s=max(p.elapsed_s for p in parts), first_token_s=min(first) if first else None,
+                    prompt_tokens=sum(p.prompt_tokens for p in parts),
+                    generated_tokens=sum(p.generated_tokens for p in parts),
+                    decode_s=max(p.decode_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts))

@@ -18,6 +18,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         attn = model.layers[0].attn if len(model.layers) else None
         shape = (2, num_blocks, block_size, attn.num_kv, attn.head_dim) if attn else (0,)
         # torch.empty only reserves address space: pages are touched as tokens arrive
@@ -80,9 +81,14 @@ class ModelRunner:
                 torch.tensor(last_rows, device=dev))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
-        """Logits [seqs, vocab] (float32) for the next token of every sequence in the batch,
-        or with ``all_positions`` for every token of the step ([tokens, vocab])."""
+    def run(self, batch: Batch, hidden: torch.Tensor | None = None, all_positions: bool = False):
+        """This stage's part of one step. The first stage starts from token ids, the others
+        from the previous stage's ``hidden`` ([2 (hidden, residual), tokens, dim]).
+
+        Returns float32 logits [seqs, vocab] for each sequence's next token on the last
+        stage (with ``all_positions``: [tokens, vocab]), else (hidden, residual).
+        """
         ids, positions, meta, last_rows = self.prepare(batch)
-        logits = self.model(ids, positions, meta, self.caches, None if all_positions else last_rows)
-        return logits.float()
+        out = self.model(ids if hidden is None else hidden, positions, meta, self.caches,
+                         None if all_positions else last_rows)
+        return out.float() if self.model.last else out

@@ -31,6 +31,10 @@ class Batch:
     seqs: list[Sequence]
     is_prefill: bool
 
+    def num_tokens(self) -> int:
+        """Tokens this step feeds through the model."""
+        return sum(s.num_tokens - s.num_computed for s in self.seqs) if self.is_prefill else len(self.seqs)
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig()):

@@ -9,13 +9,15 @@ import torch
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.config import EngineConfig
-from shardlm.engine.engine import Engine, Request, StepStats
+from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
+from shardlm.parallel.data import assign
+from shardlm.parallel.pipeline import StageLinks, stage_layers
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class Completion:
 
 def max_model_len(config: EngineConfig, max_positions: int) -> int:
     return min(config.max_model_len or max_positions, max_positions)
+
+
+def replica_of(requests: list[Request], dp: int) -> list[int]:
+    """The replica serving each request: least outstanding work (prompt + requested tokens)."""
+    return assign([len(r.prompt_ids) + r.params.max_tokens for r in requests], dp)
 
 
 class Worker:
@@ -44,9 +51,10 @@ class Worker:
         self.dims = config.dims().build_mesh(device_type)
         ckpt = open_checkpoint(config.model)
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
+        self.layers = stage_layers(ckpt.config, config.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()
         self.model = load_model(ckpt, self.dims, dtype=config.torch_dtype, device=self.device,
-                                max_positions=self.max_model_len)
+                                max_positions=self.max_model_len, layers=self.layers)
         self.load_s = time.perf_counter() - start
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.torch_dtype)
@@ -57,7 +65,7 @@ class Worker:
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                     max_num_batched_tokens=config.max_num_batched_tokens),
-                             device=self.device)
+                             links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp)
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: EngineConfig) -> Worker:
@@ -65,10 +73,12 @@ class Worker:
         return cls(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=init_method)
 
     def ready_info(self) -> dict:
-        return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks}
+        return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks,
+                "layers": (self.layers.start, self.layers.stop), "coords": self.dims.coords(self.dims.global_rank)}
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits [len(prompt_ids), vocab] at every position of one prompt (for tests and scoring)."""
+        """Logits [len(prompt_ids), vocab] at every position of one prompt (one-stage layouts;
+        for tests and scoring)."""
         seq = Sequence(-1, prompt_ids, SamplingParams(max_tokens=1))
         blocks = self.engine.blocks
         blocks.grow(seq, seq.num_tokens)
@@ -77,6 +87,9 @@ class Worker:
         finally:
             blocks.free(seq)
 
-    def generate(self, requests: list[Request], on_token=None) -> tuple[list[Completion], StepStats]:
-        seqs, stats = self.engine.run(requests, on_token)
-        return [Completion(s.output_ids, s.finish_reason) for s in seqs], stats
+    def generate(self, requests: list[Request], on_token=None) -> tuple[dict[int, Completion], RunStats]:
+        """Serve this rank's replica's share of ``requests``: {request index: completion}."""
+        mine = {i: r for i, (r, d) in enumerate(zip(requests, replica_of(requests, self.dims.dp)))
+                if d == self.dims.dp_rank}
+        seqs, stats = self.engine.run(mine, on_token)
+        return {s.id: Completion(s.output_ids, s.finish_reason) for s in seqs}, stats
