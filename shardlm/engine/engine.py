@@ -48,6 +48,7 @@ class RunStats:
     generated_tokens: int = 0
     decode_s: float = 0.0  # from the first sampled token to the end
     decode_tokens: int = 0  # tokens generated after each sequence's first
+    busy_s: float = 0.0  # this rank computing (model and sampling), not waiting on other stages
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -78,6 +79,7 @@ class Engine:
         for seq, j in zip(seqs, assign([s.num_tokens + s.params.max_tokens for s in seqs], m)):
             scheds[j].add(seq)
         start = time.perf_counter()
+        self.busy_s = 0.0
         pending: list[tuple[Batch, list[int] | None] | None] = [None] * m
         while True:
             stepped = False
@@ -103,7 +105,9 @@ class Engine:
                 if not stepped:  # add() admits only sequences that fit alone, so this is a bug
                     raise RuntimeError("no micro-batch found a sequence that can run")
         self.links.flush()
-        return seqs, _stats(seqs, start)
+        stats = _stats(seqs, start)
+        stats.busy_s = self.busy_s
+        return seqs, stats
 
     def _step(self, batch: Batch) -> list[int] | None:
         """Run this stage's part of one step; the last stage samples (and sends) the tokens."""
@@ -111,11 +115,15 @@ class Engine:
         if not self.links.first:
             shape = (2, batch.num_tokens(), self.runner.model.cfg.hidden_size)
             hidden = self.links.recv_hidden(shape, self.runner.dtype, self.runner.device)
+        t0 = time.perf_counter()
         out = self.runner.run(batch, hidden)
         if not self.links.last:
-            self.links.send_hidden(torch.stack(out))  # [2 (hidden, residual), tokens, hidden]
+            hidden = torch.stack(out)  # [2 (hidden, residual), tokens, hidden]
+            self.busy_s += time.perf_counter() - t0
+            self.links.send_hidden(hidden)
             return None
         tokens = sample(out.cpu(), [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
+        self.busy_s += time.perf_counter() - t0
         self.links.send_tokens(tokens, self.runner.device)
         return tokens
 

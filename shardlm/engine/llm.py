@@ -56,6 +56,7 @@ class LLM:
         self._tokenizer = tokenizer
         self._ranks: LocalRanks | None = None
         self.last_stats: RunStats | None = None
+        self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives
         start = time.perf_counter()
         env = torchrun_env()
         world = self.dims.world_size
@@ -136,7 +137,9 @@ class LLM:
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once
-            per_replica = gather_replicas(self.worker.generate(requests, on_token), self.worker.dims)
+            mine = self.worker.generate(requests, on_token)
+            per_replica = gather_replicas(mine, self.worker.dims)
+            self.last_rank_stats = [mine[1]]
         else:
             try:
                 results = self._ranks.call("generate", requests, on_token=on_token)
@@ -144,6 +147,7 @@ class LLM:
                 self.close()  # a failed run cannot be resumed: its ranks may be stuck in a collective
                 raise
             per_replica = [results[r] for r in self._replica_leaders]
+            self.last_rank_stats = [stats for _, stats in results]
         done: dict[int, Completion] = {}
         for completions, _ in per_replica:  # replicas served disjoint requests
             done.update(completions)

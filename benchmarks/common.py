@@ -1,0 +1,34 @@
+"""Shared by the benchmarks: a batch of SmolLM2 chat prompts and a timed generate."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from shardlm import LLM, SamplingParams
+
+QUESTIONS = [
+    "Explain tensor parallelism in one paragraph.", "What is the capital of France?",
+    "Write a haiku about GPUs.", "Why is the sky blue?", "List three uses of a hash map.",
+    "What does a compiler do?", "Summarise the plot of Hamlet.", "How do vaccines work?",
+    "What is gradient descent?", "Give two tips for writing clean code.", "What is a prime number?",
+    "Describe the water cycle.", "What is the difference between TCP and UDP?", "Who was Ada Lovelace?",
+    "What is photosynthesis?", "How does a transistor work?",
+]
+
+
+def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+    return [llm.encode(llm.chat_prompt([{"role": "user", "content": q}])) for q in (QUESTIONS * 4)[:n]]
+
+
+def timed(llm: LLM, prompts, max_tokens: int) -> tuple[float, int]:
+    """(wall seconds, generated tokens) of one generate; every prompt runs to max_tokens."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    out = llm.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in out)
+
+
+def load_note() -> str:
+    return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"

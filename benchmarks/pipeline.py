@@ -1,0 +1,50 @@
+"""Pipeline parallel throughput on SmolLM2: micro-batched pp=2 vs one micro-batch vs pp=1.
+
+A batch of chat prompts, each generating --tokens tokens, in the same run:
+* pp=1: one process, all cores;
+* pp=2, 1 micro-batch: the whole batch walks stage 0 then stage 1, the other one idle;
+* pp=2, m micro-batches: m batches in flight, so both stages work at once.
+Each stage's measured idle fraction (1 - its compute time / wall time) is printed next
+to the formula for one pass, (p - 1) / (m + p - 1).
+
+    python benchmarks/pipeline.py [--prompts 16] [--tokens 48] [--micro-batches 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import chat_prompts, load_note, timed
+
+from shardlm import LLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--micro-batches", default="2,4")
+    args = ap.parse_args()
+    runs = [("pp=1", dict(pp=1), 1), ("pp=2, 1 micro-batch", dict(pp=2, micro_batches=1), 1)]
+    runs += [(f"pp=2, {m} micro-batches", dict(pp=2, micro_batches=m), m) for m in map(int, args.micro_batches.split(","))]
+    print(f"SmolLM2-135M float32, {args.prompts} prompts x {args.tokens} tokens; {load_note()}", flush=True)
+    rows = []
+    for name, layout, m in runs:
+        with LLM("smollm2", **layout) as llm:
+            prompts = chat_prompts(llm, args.prompts)
+            wall, tokens = timed(llm, prompts, args.tokens)
+            idle = [1 - s.busy_s / s.elapsed_s for s in llm.last_rank_stats]
+        p = layout["pp"]
+        rows.append((name, tokens / wall, idle, (p - 1) / (m + p - 1)))
+        print(f"  {name}: {tokens / wall:.1f} tok/s", flush=True)
+    base = {name: rate for name, rate, _, _ in rows}
+    print(f"\n{'layout':<24} {'tok/s':>7} {'vs pp=1':>8} {'vs 1 mb':>8}  idle per stage (measured | formula)")
+    for name, rate, idle, formula in rows:
+        stages = " ".join(f"{f:.0%}" for f in idle)
+        print(f"{name:<24} {rate:>7.1f} {rate / base['pp=1']:>7.2f}x {rate / base['pp=2, 1 micro-batch']:>7.2f}x"
+              f"  {stages} | {formula:.0%}")
+    print(f"\n{load_note()} after the run")
+
+
+if __name__ == "__main__":
+    main()
