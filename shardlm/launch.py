@@ -83,24 +83,46 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
+class DriverLink:
+    """A rank's connection to its driver: replies and events out, commands in."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def send(self, kind: str, value: Any) -> None:
+        self.conn.send((kind, value))
+
+    def poll(self, timeout: float) -> list[Any]:
+        """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
+        out = []
+        while self.conn.poll(timeout if not out else 0):
+            out.append(self.conn.recv())
+        return out
+
+
 def _rank_main(fd: int) -> None:
-    """A rank process started by LocalRanks: build the worker, then serve the driver's commands."""
-    conn = Connection(fd)
+    """A rank process started by LocalRanks: build the worker, then run the driver's commands:
+    ``generate`` (rank 0 streams its tokens) and ``serve`` (requests arrive until stopped)."""
+    link = DriverLink(Connection(fd))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     code = 0
     try:
-        rank, world, init_method, make_worker, args = conn.recv()
+        rank, world, init_method, make_worker, args = link.conn.recv()
         worker = make_worker(rank, world, init_method, *args)
-        conn.send(("ready", worker.ready_info()))
-        # rank 0 streams each sampled token to the driver as it comes
-        stream = (lambda i, tok: conn.send(("token", (i, tok)))) if rank == 0 else None
-        while (cmd := conn.recv()) is not None:
+        link.send("ready", worker.ready_info())
+        while (cmd := link.conn.recv()) is not None:
             name, payload = cmd
-            conn.send(("done", getattr(worker, name)(payload, stream)))
+            if name == "generate":
+                stream = (lambda i, tok: link.send("token", (i, tok))) if rank == 0 else None
+                link.send("done", worker.generate(payload, stream))
+            elif name == "serve":
+                link.send("done", worker.serve(link))
+            else:
+                raise ValueError(f"unknown command {name!r}")
     except EOFError:
         code = 3  # the driver went away
     except BaseException:  # noqa: BLE001 - reported to the driver, which stops the run
-        conn.send(("error", traceback.format_exc()))
+        link.send("error", traceback.format_exc())
         code = 1
     os._exit(code)  # skip interpreter teardown: peers may already be gone
 

@@ -2,10 +2,11 @@
 
 Every rank of the replica runs this same loop on the same requests (SPMD). The
 schedulers are deterministic and every rank learns every sampled token, so the ranks
-agree on every step without exchanging a plan.
+agree on every step without exchanging a plan. Requests may arrive between rounds
+(``add``), which is how the server feeds it; ``run`` is the offline loop.
 
 Pipeline stages keep ``micro_batches`` independent batches in flight (vLLM's
-"virtual engines"): the requests are split between micro-batches, each with its own
+"virtual engines"): requests are split between micro-batches, each with its own
 scheduler, visited round-robin. A stage runs micro-batch j's step, sends the hidden
 states on and moves to micro-batch j+1 while the next stage works on j. Micro-batch
 j's next step waits only for j's own tokens, which come back from the last stage
@@ -25,7 +26,6 @@ from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence
-from shardlm.parallel.data import assign
 from shardlm.parallel.pipeline import StageLinks
 
 
@@ -55,7 +55,7 @@ class RunStats:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
 
 
-TokenCallback = Callable[[int, int], None]  # (request index, token id)
+TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
 
 class Engine:
@@ -63,53 +63,72 @@ class Engine:
                  config: SchedulerConfig, links: StageLinks, micro_batches: int = 1):
         self.runner = runner
         self.blocks = blocks
-        self.config = config
         self.links = links
-        self.micro_batches = micro_batches
         self.eos_ids = eos_ids
-
-    def run(self, requests: dict[int, Request], on_token: TokenCallback | None = None) -> tuple[list[Sequence], RunStats]:
-        """Generate for requests keyed by their index; returns sequences in key order."""
-        seqs = []
-        for i, r in sorted(requests.items()):
-            gen = None if r.params.greedy else torch.Generator(device="cpu").manual_seed(r.seed)
-            seqs.append(Sequence(i, r.prompt_ids, r.params, eos_ids=self.eos_ids, generator=gen))
-        m = max(1, min(self.micro_batches, len(seqs)))
-        scheds = [Scheduler(self.blocks, self.config) for _ in range(m)]
-        for seq, j in zip(seqs, assign([s.num_tokens + s.params.max_tokens for s in seqs], m)):
-            scheds[j].add(seq)
-        start = time.perf_counter()
+        self.scheds = [Scheduler(blocks, config) for _ in range(micro_batches)]
+        self.pending: list[tuple[Batch, list[int | None] | None] | None] = [None] * micro_batches
+        self.seqs: dict[int, Sequence] = {}  # unfinished, by request id
+        self.aborted: set[int] = set()
         self.busy_s = 0.0
-        pending: list[tuple[Batch, list[int] | None] | None] = [None] * m
-        while True:
-            stepped = False
-            for j, sched in enumerate(scheds):
-                if pending[j] is not None:  # this micro-batch's previous step: learn its tokens
-                    batch, tokens = pending[j]
-                    pending[j] = None
-                    if tokens is None:  # sampled by the last stage
-                        tokens = self.links.recv_tokens(len(batch.seqs), self.runner.device)
-                    sched.update(batch, tokens)
-                    if on_token is not None:
-                        for seq, tok in zip(batch.seqs, tokens):
-                            on_token(seq.id, tok)
-                if not sched.has_work():
-                    continue
-                batch = sched.schedule()
-                if batch.seqs:  # empty: it waits for KV blocks another micro-batch holds
-                    pending[j] = (batch, self._step(batch))
-                    stepped = True
-            if not any(pending):
-                if not any(s.has_work() for s in scheds):
-                    break
-                if not stepped:  # add() admits only sequences that fit alone, so this is a bug
-                    raise RuntimeError("no micro-batch found a sequence that can run")
-        self.links.flush()
-        stats = _stats(seqs, start)
-        stats.busy_s = self.busy_s
-        return seqs, stats
 
-    def _step(self, batch: Batch) -> list[int] | None:
+    # ---- requests in, between rounds ---------------------------------------------------
+    def add(self, rid: int, request: Request) -> Sequence:
+        """Queue a request on the micro-batch with the least outstanding work (the same on every rank)."""
+        p = request.params
+        gen = None if p.greedy else torch.Generator(device="cpu").manual_seed(request.seed)
+        seq = Sequence(rid, request.prompt_ids, p, eos_ids=self.eos_ids, generator=gen)
+        work = [sum(s.num_tokens + s.params.max_tokens - len(s.output_ids) for s in (*sc.waiting, *sc.running))
+                for sc in self.scheds]
+        self.scheds[work.index(min(work))].add(seq)
+        self.seqs[rid] = seq
+        return seq
+
+    def abort(self, rid: int) -> None:
+        """Drop a request; applied when its micro-batch has no step in flight."""
+        if rid in self.seqs:
+            self.aborted.add(rid)
+
+    def has_work(self) -> bool:
+        return any(self.pending) or any(s.has_work() for s in self.scheds)
+
+    # ---- one round: a step of every micro-batch that has work ---------------------------
+    def step_round(self, on_token: TokenCallback | None = None) -> list[Sequence]:
+        """Returns the sequences that finished (or were aborted) this round."""
+        done: list[Sequence] = []
+        stepped = False
+        for j, sched in enumerate(self.scheds):
+            if self.pending[j] is not None:  # this micro-batch's previous step: learn its tokens
+                done += self._finish_step(sched, *self.pending[j], on_token)
+                self.pending[j] = None
+            for seq in [s for s in (*sched.waiting, *sched.running) if s.id in self.aborted]:
+                sched.abort(seq)
+                done.append(seq)
+            if not sched.has_work():
+                continue
+            batch = sched.schedule()
+            if batch.seqs:  # empty: it waits for KV blocks another micro-batch holds
+                self.pending[j] = (batch, self._step(batch))
+                stepped = True
+        for seq in done:
+            self.seqs.pop(seq.id, None)
+            self.aborted.discard(seq.id)
+        if not stepped and not any(self.pending) and any(s.has_work() for s in self.scheds):
+            raise RuntimeError("no micro-batch found a sequence that can run")  # add() admits only what fits
+        return done
+
+    def _finish_step(self, sched: Scheduler, batch: Batch, tokens, on_token) -> list[Sequence]:
+        samples = batch.samples()
+        if tokens is None:  # sampled by the last stage
+            got = iter(self.links.recv_tokens(sum(samples), self.runner.device) if any(samples) else [])
+            tokens = [next(got) if s else None for s in samples]
+        done = sched.update(batch, tokens)
+        if on_token is not None:
+            for seq, tok in zip(batch.seqs, tokens):
+                if tok is not None:
+                    on_token(seq.id, tok)
+        return done
+
+    def _step(self, batch: Batch) -> list[int | None] | None:
         """Run this stage's part of one step; the last stage samples (and sends) the tokens."""
         hidden = None
         if not self.links.first:
@@ -122,10 +141,27 @@ class Engine:
             self.busy_s += time.perf_counter() - t0
             self.links.send_hidden(hidden)
             return None
-        tokens = sample(out.cpu(), [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
+        samples = batch.samples()
+        picked = [s for s, yes in zip(batch.seqs, samples) if yes]
+        drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked]) if picked else [])
+        tokens = [next(drawn) if yes else None for yes in samples]
         self.busy_s += time.perf_counter() - t0
-        self.links.send_tokens(tokens, self.runner.device)
+        if picked:
+            self.links.send_tokens([t for t in tokens if t is not None], self.runner.device)
         return tokens
+
+    # ---- offline ------------------------------------------------------------------------
+    def run(self, requests: dict[int, Request], on_token: TokenCallback | None = None) -> tuple[list[Sequence], RunStats]:
+        """Generate for requests keyed by their index; returns sequences in key order."""
+        seqs = [self.add(i, r) for i, r in sorted(requests.items())]
+        start = time.perf_counter()
+        self.busy_s = 0.0
+        while self.has_work():
+            self.step_round(on_token)
+        self.links.flush()
+        stats = _stats(seqs, start)
+        stats.busy_s = self.busy_s
+        return seqs, stats
 
 
 def _stats(seqs: list[Sequence], start: float) -> RunStats:

@@ -44,41 +44,40 @@ class ModelRunner:
             self.zeroed_blocks = highest + 1
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat token ids, positions, metadata and the row of each sequence's last token."""
+        """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
+        last token of each sequence that reaches its end this step (a prompt chunk that
+        does not is computed for its K/V only)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_rows: list[int] = []
+        rows: list[int] = []
         bs = self.block_size
         meta = AttentionMetadata(slot_mapping=None, block_size=bs)
         dev = self.device
-        if batch.is_prefill:
-            for seq in batch.seqs:
-                start, total = seq.num_computed, seq.num_tokens
-                table = seq.block_table
-                meta.prefills.append(PrefillSeq(start=len(ids), length=total - start, context_len=total,
+        decodes = []
+        for seq, n, samples in zip(batch.seqs, batch.counts, batch.samples()):
+            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
+            if n == 1 and seq.is_decoding:  # the batch lists these last
+                decodes.append(seq)
+            else:
+                meta.prefills.append(PrefillSeq(start=len(ids), length=n, context_len=end,
                                                 block_table=torch.tensor(table, device=dev)))
-                ids.extend(seq.token_ids()[start:])
-                positions.extend(range(start, total))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, total))
-                last_rows.append(len(ids) - 1)
-            meta.num_prefill_tokens = len(ids)
-        else:
-            max_blocks = max(len(s.block_table) for s in batch.seqs)
-            for seq in batch.seqs:
-                p = seq.num_tokens - 1
-                ids.append(seq.output_ids[-1])  # decode follows a prefill, which sampled a token
-                positions.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-                last_rows.append(len(ids) - 1)
+            ids.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if samples:
+                rows.append(len(ids) - 1)
+        meta.num_prefill_tokens = len(ids) - len(decodes)
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
             meta.decode_block_tables = torch.tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs], device=dev)
-            meta.decode_context_lens = torch.tensor([s.num_tokens for s in batch.seqs], device=dev)
-            meta.decode_max_context = max(s.num_tokens for s in batch.seqs)
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], device=dev)
+            meta.decode_context_lens = torch.tensor([s.num_computed + 1 for s in decodes], device=dev)
+            meta.decode_max_context = max(s.num_computed + 1 for s in decodes)
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         meta.slot_mapping = torch.tensor(slots, device=dev)
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                torch.tensor(last_rows, device=dev))
+                torch.tensor(rows, device=dev, dtype=torch.long))
 
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None, all_positions: bool = False):

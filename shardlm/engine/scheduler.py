@@ -1,11 +1,14 @@
-"""Which sequences run in the next step (pure Python; unit-tested without ranks).
+"""Which sequences run in the next step, and how many of their tokens (pure Python).
 
-Continuous batching (Yu et al. 2022, Orca, OSDI): sequences join and leave the
-running batch between steps. A step is either a prefill of newly admitted
-sequences (as many as the token budget and free KV blocks allow) or one decode
-token for every running sequence. When a decode step runs out of blocks, the
-newest running sequence is preempted: its blocks are freed and it goes back to the
-front of the queue to be recomputed later, with nothing it generated lost.
+Continuous batching (Yu et al. 2022, Orca, OSDI) with chunked prefill (Agrawal et al.
+2023, Sarathi, https://arxiv.org/abs/2308.16369): every step has a budget of
+``max_num_batched_tokens``. Decoding sequences come first, one token each, so a long
+prompt never stalls them; the rest of the budget goes to prompts, in chunks when a
+prompt is longer than what is left. New sequences join between steps.
+
+When a decoding sequence needs a KV block and none is free, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of the
+queue to be recomputed later, with nothing it generated lost.
 """
 
 from __future__ import annotations
@@ -23,17 +26,24 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_num_batched_tokens: int = 8192
-    """Most prompt tokens prefilled in one step (a longer single prompt still runs alone)."""
+    """Most tokens fed through the model in one step; longer prompts are prefilled in chunks."""
 
 
 @dataclass
 class Batch:
+    """One step: ``seqs[i]`` feeds ``counts[i]`` tokens, starting at its ``num_computed``.
+    Prefill chunks come first, then single-token decodes."""
+
     seqs: list[Sequence]
-    is_prefill: bool
+    counts: list[int]
 
     def num_tokens(self) -> int:
         """Tokens this step feeds through the model."""
-        return sum(s.num_tokens - s.num_computed for s in self.seqs) if self.is_prefill else len(self.seqs)
+        return sum(self.counts)
+
+    def samples(self) -> list[bool]:
+        """Whether each sequence reaches its last token this step (so a token is sampled)."""
+        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.counts)]
 
 
 class Scheduler:
@@ -60,35 +70,54 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
-        admitted: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            new = seq.num_tokens - seq.num_computed
-            if admitted and tokens + new > self.config.max_num_batched_tokens:
-                break
-            if not self.blocks.can_grow(seq, seq.num_tokens):
-                break
-            self.blocks.grow(seq, seq.num_tokens)
-            seq.status = Status.RUNNING
-            admitted.append(self.waiting.popleft())
-            tokens += new
-        if admitted:
-            self.running.extend(admitted)
-            return Batch(admitted, is_prefill=True)
-        decoding: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted below
-            while not self.blocks.can_grow(seq, seq.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.blocks.grow(seq, seq.num_tokens)
-                decoding.append(seq)
-        return Batch(decoding, is_prefill=False)
+            if not seq.is_decoding:  # a prompt prefilled in chunks: continue it below
+                continue
+            if len(decodes) >= self.config.max_num_seqs:
+                break
+            if self._make_room(seq, seq.num_tokens):
+                decodes.append(seq)
+                budget -= 1
+        for seq in self.running:  # prompts already started, in admission order
+            if seq.status is Status.RUNNING and not seq.is_decoding and budget > 0:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if self.blocks.can_grow(seq, seq.num_computed + n):
+                    self.blocks.grow(seq, seq.num_computed + n)
+                    chunks.append((seq, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.reuse_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + n):
+                self.blocks.free(seq)  # give back the prefix it borrowed; try again next step
+                break
+            self.blocks.grow(seq, seq.num_computed + n)
+            self.blocks.count_lookup(seq)
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            chunks.append((seq, n))
+            budget -= n
+        # the runner wants prefill chunks first, then single-token steps over a cached context
+        # (a prompt whose last token is all that is left after a cache hit is one of those)
+        decodes += [s for s, n in chunks if n == 1 and s.is_decoding]
+        chunks = [(s, n) for s, n in chunks if not (n == 1 and s.is_decoding)]
+        return Batch([s for s, _ in chunks] + decodes, [n for _, n in chunks] + [1] * len(decodes))
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq`` to ``num_tokens``, preempting the newest running sequences as needed."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -96,11 +125,26 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def update(self, batch: Batch, tokens: list[int]) -> list[Sequence]:
-        """Record one sampled token per sequence; returns the sequences that finished."""
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (client gone); its blocks are freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.finish("abort")
+
+    def update(self, batch: Batch, tokens: list[int | None]) -> list[Sequence]:
+        """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a
+        prompt chunk that did not reach the end). Returns the sequences that finished."""
         done = []
-        for seq, token in zip(batch.seqs, tokens):
-            seq.num_computed = seq.num_tokens
+        for seq, n, token in zip(batch.seqs, batch.counts, tokens):
+            if seq.status is Status.FINISHED:  # aborted while its step was in flight
+                continue
+            seq.num_computed += n
+            self.blocks.commit(seq)
+            if token is None:
+                continue
             seq.append(token)
             if seq.status is Status.FINISHED:
                 self.blocks.free(seq)

@@ -29,7 +29,9 @@ class Sequence:
         self.generator = generator
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache names of its full blocks, in order
         self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached = 0  # of the prompt, tokens found in the prefix cache
         self.finish_reason: str | None = None
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
@@ -42,6 +44,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without copying the whole history."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     def append(self, token: int) -> None:
         """Record a sampled token and decide whether the sequence is done."""
         if self.first_token_time is None:
@@ -51,6 +62,11 @@ class Sequence:
             self.finish("stop")
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish("length")
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is in the cache: the next step feeds one token."""
+        return self.num_computed == self.num_tokens - 1
 
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED

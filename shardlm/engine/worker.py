@@ -83,9 +83,15 @@ class Worker:
         blocks = self.engine.blocks
         blocks.grow(seq, seq.num_tokens)
         try:
-            return self.runner.run(Batch([seq], is_prefill=True), all_positions=True)
+            return self.runner.run(Batch([seq], [seq.num_tokens]), all_positions=True)
         finally:
             blocks.free(seq)
+
+    def serve(self, link) -> None:
+        """Serve requests that the driver sends until it says stop (see serve_loop)."""
+        from shardlm.engine.serve_loop import serve
+
+        serve(self, link)
 
     def generate(self, requests: list[Request], on_token=None) -> tuple[dict[int, Completion], RunStats]:
         """Serve this rank's replica's share of ``requests``: {request index: completion}."""

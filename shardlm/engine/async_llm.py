@@ -1,0 +1,200 @@
+"""The serving front end: requests arrive at any time, tokens stream back as they come.
+
+``AsyncLLM`` starts the ranks (always as child processes, so the event loop never
+computes), puts them in their serving loop (``serve_loop``), and routes each request
+to the replica with the least outstanding work. A reader thread turns the leaders'
+events into per-request asyncio queues. A rank that fails or dies fails every
+request in flight with ``EngineDead`` and marks the engine unhealthy; it never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from shardlm.engine.config import EngineConfig
+from shardlm.engine.engine import Request
+from shardlm.engine.llm import check_layout
+from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.worker import Worker, max_model_len
+from shardlm.errors import RankFailure, UsageError
+from shardlm.launch import LocalRanks
+from shardlm.models.loader import Checkpoint, open_checkpoint
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the server accepts; retry later (HTTP 429)."""
+
+
+class EngineDead(RuntimeError):
+    """A rank failed; the engine cannot serve any more (HTTP 503)."""
+
+
+@dataclass
+class StreamOutput:
+    token_ids: list[int]  # new tokens since the previous output
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last output)
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    replica: int
+    work: int  # tokens counted against the replica until the request finishes
+
+
+class AsyncLLM:
+    def __init__(self, model: str | Checkpoint = "smollm2", *, max_queue: int = 1024, **options):
+        ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+        self.config = EngineConfig(model=str(ckpt.path), **options)
+        self.checkpoint = ckpt
+        self.dims = check_layout(self.config, ckpt)
+        self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
+        self.max_queue = max_queue
+        self.tokenizer = ckpt.tokenizer()
+        start = time.perf_counter()
+        self._ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
+        try:
+            infos = self._ranks.collect("ready")
+        except BaseException:
+            self._ranks.close()
+            raise
+        self.load_s = time.perf_counter() - start
+        self.kv_blocks = infos[0]["kv_blocks"]
+        self.param_bytes = [i["param_bytes"] for i in infos]
+        self._leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+        self._ids = itertools.count()
+        self._streams: dict[int, _Stream] = {}
+        self._load = [0] * len(self._leaders)  # outstanding tokens per replica
+        self._lock = threading.Lock()
+        self.error: str | None = None
+        self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
+                      "prefix_cache_hits": 0, "prefix_cache_queries": 0}
+        self._replica_stats = [dict(self.stats) for _ in self._leaders]
+        for conn in self._ranks.conns:
+            conn.send(("serve", None))
+        self._reader = threading.Thread(target=self._read, name="shardlm-events", daemon=True)
+        self._reader.start()
+
+    # ---- requests ------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request that cannot be served, with a message for the client (HTTP 400)."""
+        if not prompt_ids:
+            raise UsageError("the prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise UsageError(f"the prompt has {len(prompt_ids)} tokens but this model's context is "
+                             f"{self.max_model_len}; shorten the prompt")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise UsageError(f"this model's context is {self.max_model_len} tokens, but the prompt has "
+                             f"{len(prompt_ids)} and max_tokens is {params.max_tokens}; lower max_tokens to "
+                             f"{self.max_model_len - len(prompt_ids)} or less")
+        need = len(prompt_ids) + params.max_tokens - 1
+        capacity = self.kv_blocks * self.config.block_size
+        if need > capacity:
+            raise UsageError(f"the request needs {need} KV-cache slots but the cache holds {capacity}")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
+        """Stream the completion of one prompt. Leaving the loop early cancels the request."""
+        if self.error is not None:
+            raise EngineDead(self.error)
+        self.check(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if len(self._streams) >= self.max_queue:
+                raise QueueFull(f"{len(self._streams)} requests are in flight (max_queue={self.max_queue})")
+            rid = next(self._ids)
+            replica = self._load.index(min(self._load))
+            work = len(prompt_ids) + params.max_tokens
+            self._load[replica] += work
+            stream = self._streams[rid] = _Stream(asyncio.Queue(), loop, replica, work)
+        seed = params.seed if params.seed is not None else self.config.seed + rid
+        self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed))))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished and self.error is None:
+                self._send(replica, ("abort", rid))  # client went away: free its blocks
+            self._drop(rid)
+
+    def _send(self, replica: int, message) -> None:
+        with self._lock:
+            self._ranks.conns[self._leaders[replica]].send(message)
+
+    def _drop(self, rid: int) -> None:
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._load[stream.replica] -= stream.work
+
+    # ---- events from the ranks -------------------------------------------------------------
+    def _read(self) -> None:
+        conns = self._ranks.conns
+        try:
+            while True:
+                for conn in wait(conns):
+                    rank = conns.index(conn)
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        raise RankFailure(f"rank {rank} died ({self._ranks._exit_status(rank)})") from None
+                    if kind == "error":
+                        raise RankFailure(f"rank {rank} failed:\n{value.rstrip()}")
+                    if kind == "done":  # the serving loop ended (after stop)
+                        return
+                    if kind == "events":
+                        self._dispatch(self._leaders.index(rank), *value)
+        except RankFailure as e:
+            self._fail(str(e))
+
+    def _dispatch(self, replica: int, tokens, finished, stats) -> None:
+        self._replica_stats[replica] = stats
+        self.stats = {k: sum(s[k] for s in self._replica_stats) for k in stats}
+        outs: dict[int, StreamOutput] = {}
+        for rid, tok in tokens:
+            outs.setdefault(rid, StreamOutput([])).token_ids.append(tok)
+        for rid, reason, cached in finished:
+            out = outs.setdefault(rid, StreamOutput([]))
+            out.finish_reason, out.cached_tokens = reason, cached
+        with self._lock:
+            targets = [(self._streams.get(rid), out) for rid, out in outs.items()]
+        for stream, out in targets:
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDead(message))
+
+    def shutdown(self) -> None:
+        """Stop serving and every rank (in-flight requests end with EngineDead)."""
+        if self.error is None:
+            for leader in self._leaders:
+                try:
+                    self._ranks.conns[leader].send(("stop", None))
+                except OSError:
+                    pass
+            self._reader.join(timeout=10)
+            self._fail("the server is shutting down")
+        self._ranks.close()
