@@ -33,7 +33,7 @@ class BlockManager:
         self.hash_of: dict[int, int] = {}  # block -> hash of the full block it holds
         self.block_of: dict[int, int] = {}  # hash -> block
         self.hits = 0  # tokens served from the prefix cache
-        self.queries = 0  # prompt tokens looked up
+        self.queries = 0  # tokens looked up, per admission (a preempted sequence counts again)
 
     @property
     def num_free(self) -> int:

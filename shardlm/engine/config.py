@@ -41,7 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     """Most sequences decoded together."""
     max_num_batched_tokens: int = 8192
-    """Most prompt tokens prefilled in one step."""
+    """Most prompt tokens prefilled in one step; longer prompts are prefilled in chunks."""
     seed: int = 0
     """Base seed; a request without its own seed uses seed + its index."""
     device: str = "auto"

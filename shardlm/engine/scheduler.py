@@ -26,7 +26,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences in one step."""
     max_num_batched_tokens: int = 8192
-    """Most tokens fed through the model in one step; longer prompts are prefilled in chunks."""
+    """Most prompt tokens fed through the model in one step (longer prompts are prefilled in
+    chunks); decoding sequences always get their one token, bounded by max_num_seqs."""
 
 
 @dataclass
@@ -70,6 +71,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        """The next step. If running sequences hold every block and none can grow (prompt chunks
+        waiting for blocks, possibly held by another micro-batch sharing the cache), the newest
+        is preempted and the step rebuilt without admitting anyone, so the freed blocks go to
+        the others; add() guarantees that any one sequence fits, so the oldest always finishes."""
+        admit = True
+        while True:
+            batch = self._build(admit)
+            if batch.seqs or not self.running:
+                return batch
+            self._preempt(self.running[-1])
+            admit = False
+
+    def _build(self, admit: bool) -> Batch:
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
@@ -90,7 +104,7 @@ class Scheduler:
                     self.blocks.grow(seq, seq.num_computed + n)
                     chunks.append((seq, n))
                     budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
