@@ -8,7 +8,7 @@ excluded; best of --repeats runs). What it predicts: ``shardlm plan --gpu this-m
 the same layout and batch (roofline of each layer with the measured matmul rate, matrix-vector
 bandwidth and per-op cost, plus gloo all-reduce alpha-beta; ranks split the cores). It prints
 both, the error of each layout and the mean absolute error (target <= 25%). Layouts the engine
-refuses (e.g. pp > 1 before pipeline inference lands) are listed as skipped. Run it on a quiet
+refuses are listed as skipped. Run it on a quiet
 machine: other processes slow the measured runs (the load average is printed per layout).
 
     python benchmarks/planner_vs_measured.py [--batch 4] [--output-len 64] [--recalibrate]
@@ -35,9 +35,8 @@ def predict(ranks: int, tp: int, pp: int, *, batch: int, prompt_len: int, output
 
     cfg, _ = load_model("smollm2")
     cluster = Cluster(gpu=machine_spec(ranks), num_gpus=ranks, gpus_per_node=ranks)
-    wl = InferenceWorkload(
-        prompt_len=prompt_len, output_len=output_len, batch=batch, dtype="fp32", pp_overlap=False
-    )  # shardlm's runner runs stages one after another
+    # shardlm keeps pp micro-batches in flight, like the planner's default
+    wl = InferenceWorkload(prompt_len=prompt_len, output_len=output_len, batch=batch, dtype="fp32")
     res = evaluate(ModelCosts(cfg), cluster, Layout(tp=tp, pp=pp), wl, batch=batch)
     return batch / res.tpot_s
 
@@ -45,13 +44,8 @@ def predict(ranks: int, tp: int, pp: int, *, batch: int, prompt_len: int, output
 def measure(tp: int, pp: int, *, batch: int, prompt_len: int, output_len: int, repeats: int) -> float | str:
     """Measured decode tokens/s (the best of ``repeats`` runs: the calibration takes the best of
     its trials too, and other processes only ever slow a run down), or why it could not run."""
+    from shardlm import LLM, SamplingParams
     from shardlm.errors import UsageError
-
-    try:
-        from shardlm import LLM, SamplingParams
-    except ImportError:  # before the package exports them
-        from shardlm.engine.llm import LLM
-        from shardlm.engine.sampling import SamplingParams
 
     try:
         llm = LLM("smollm2", tp=tp, pp=pp, dtype="float32")
@@ -63,8 +57,7 @@ def measure(tp: int, pp: int, *, batch: int, prompt_len: int, output_len: int, r
         best = 0.0
         for _ in range(repeats):
             llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
-            st = llm.last_stats
-            best = max(best, st.decode_tokens / st.decode_s)
+            best = max(best, llm.last_stats.decode_tok_s)
         return best
     finally:
         llm.close()

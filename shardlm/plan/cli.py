@@ -192,7 +192,6 @@ def build_request(args):
         kv_dtype=args.kv_dtype,
         max_ttft_s=ms(args.max_ttft_ms),
         max_tpot_s=ms(args.max_tpot_ms),
-        pp_overlap=args.gpu != THIS_MACHINE,
     )
     return PlanRequest(train=False, inference=wl, **common)
 

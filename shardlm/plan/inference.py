@@ -11,9 +11,9 @@ logits; stages hand hidden states on with send/recv.
 A replica serves a batch of B sequences as a round: prefill every prompt (in chunks of
 PREFILL_CHUNK_TOKENS), then ``output_len`` decode steps; throughput is the round's output
 over its length. TTFT is one prompt's prefill (continuous batching starts a request as soon
-as its prefill is done, so it does not wait for the batch's other prompts). With ``pp_overlap`` (vLLM-style
-engines) the batch is cut into pp micro-batches that keep every stage busy; without it
-(shardlm's own runner) the stages run one after another. DP multiplies throughput.
+as its prefill is done, so it does not wait for the batch's other prompts). With ``pp_overlap`` (vLLM and
+shardlm) the batch is cut into pp micro-batches that keep every stage busy; without it the
+stages run one after another. DP multiplies throughput.
 """
 
 from __future__ import annotations
