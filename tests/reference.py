@@ -93,3 +93,21 @@ def load_hf_smollm2():
 def smollm2_reference(model, directory: Path, prompts: list[list[int]]) -> Reference:
     return _record(model, directory, prompts)
 
+
+# Tiny MoE models (tests/moe_reference.py builds them). Their routers' top-k choices must
+# not be razor-thin either: with these seeds and initializer_range=0.2 the smallest gap
+# between the k-th and (k+1)-th router logit over every routed token is >= 5e-4, while
+# layouts move router logits by ~1e-6; moe_reference records and the tests assert it.
+# qwen3_moe has 6 experts, so ep=4 splits them unevenly (2, 2, 1, 1).
+_MOE_COMMON = dict(_COMMON, num_hidden_layers=2)
+TINY_MOE_MODELS = {
+    "mixtral": ("MixtralConfig", dict(_MOE_COMMON, num_attention_heads=6, num_key_value_heads=2,
+                                      num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE_COMMON, num_attention_heads=6, num_key_value_heads=2, num_experts=8,
+                                         num_experts_per_tok=4, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=128, norm_topk_prob=False,
+                                         mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True)),
+}

@@ -26,7 +26,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
-RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class ConfigError(UsageError):
@@ -65,14 +65,23 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # ---- mixture of experts (parsed for the planner; runtime in the MoE issue) ----
+    # ---- mixture of experts ----
     num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
     num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
+    """Width of one routed expert's SwiGLU."""
     shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token also takes (Qwen2-MoE; 0: none)."""
     first_k_dense: int = 0
     """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)."""
+    decoder_sparse_step: int = 1
+    """Every this-many-th layer is MoE, the rest dense (Qwen-MoE's decoder_sparse_step)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP in an MoE model (Qwen-MoE's mlp_only_layers)."""
     norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to one."""
     # ---- multi-head latent attention (DeepSeek-V3), parsed for the planner ----
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -105,13 +114,24 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` has routed experts (else a dense MLP)."""
+        return (self.is_moe and index >= self.first_k_dense and index not in self.mlp_only_layers
+                and (index + 1) % max(self.decoder_sparse_step, 1) == 0)
+
     def check_supported(self) -> None:
         """Raise unless the runtime model can run this config."""
-        if self.family not in RUNTIME_FAMILIES or self.is_moe or self.is_mla:
+        if self.family not in RUNTIME_FAMILIES or self.is_mla:
             raise ConfigError(
                 f"architecture family {self.family!r} is not runnable yet; shardlm runs "
                 f"{', '.join(RUNTIME_FAMILIES)} (the planner still accepts it)"
             )
+        if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                              f"num_experts={self.num_experts}")
+        if self.shared_expert_intermediate_size and self.family != "qwen2_moe":
+            raise ConfigError(f"a shared expert (shared_expert_intermediate_size="
+                              f"{self.shared_expert_intermediate_size}) is implemented for qwen2_moe only")
         if self.hidden_act not in ("silu", "swish"):
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; shardlm runs SwiGLU (silu) MLPs")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -179,6 +199,8 @@ class ModelConfig:
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
             or (cfg.get("n_shared_experts", 0) or 0) * (cfg.get("moe_intermediate_size", 0) or 0),
             first_k_dense=cfg.get("first_k_dense_replace", 0) or 0,
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "mixtral")),
             kv_lora_rank=cfg.get("kv_lora_rank") or 0,
             q_lora_rank=cfg.get("q_lora_rank") or 0,

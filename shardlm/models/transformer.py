@@ -1,4 +1,5 @@
-"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM2.
+"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2 and the MoE
+families Mixtral, Qwen2-MoE and Qwen3-MoE (whose MLP is a ``SparseMoE``, see moe.py).
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al.
 2023, https://arxiv.org/abs/2302.13971). The families differ only in QKV bias
@@ -17,6 +18,7 @@ from torch import nn
 
 from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention, write_kv
 from shardlm.models.config import ModelConfig
+from shardlm.models.moe import SparseMoE
 from shardlm.models.rope import Rotary, apply_rotary
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.tensor import (
@@ -128,7 +130,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype)
         self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dims, f"{p}.mlp", dtype)
+        self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else MLP(cfg, dims, f"{p}.mlp", dtype)
 
     def forward(self, h, residual, rope, meta, cache):
         if residual is None:  # first layer of the model: the residual stream starts here

@@ -4,8 +4,11 @@ Mesh axes, outermost first: ``dp, pp, cp, tp``. Ranks that differ only in their
 tp coordinate are adjacent (rank = ((dp*PP + pp)*CP + cp)*TP + tp), so a tp group
 lives inside a node, where links are fastest, and pp crosses nodes. Expert
 parallelism does not add an axis: expert layers re-fold the dp x tp ranks of a
-stage as edp x ep x etp ("parallel folding", Megatron-Core), so ``ep * etp`` must
-divide ``dp * tp``.
+stage as edp x ep x etp ("parallel folding", Megatron-Core, Liu et al. 2025,
+https://arxiv.org/abs/2504.14960), so ``ep * etp`` must divide ``dp * tp``. A rank's
+stage index s = dp_rank * tp + tp_rank is read as s = (edp_rank * ep + ep_rank) * etp
++ etp_rank: etp innermost, so an expert's tensor-parallel slices sit on neighbouring
+(tp-adjacent) ranks, and when ep * etp divides tp an expert group lies inside one tp group.
 
 A ParallelDims with every size 1 needs no process group at all; its groups are
 ``None`` (a one-rank group) and every collective on them is a no-op.
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_AXES = ("dp", "pp", "cp", "tp")
+EXPERT_AXES = ("edp", "ep", "etp")  # the folded dp x tp ranks of a stage, outermost first
+EXPERT_GROUPS = ("ep", "etp", "edp", "ep_etp")  # ep_etp: the ep x etp ranks that hold one copy of all experts
 
 
 class LayoutError(UsageError):
@@ -57,6 +62,7 @@ class ParallelDims:
     etp: int = 1
     """Expert-tensor-parallel ranks (folded over dp x tp); each expert split this many ways."""
     _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    _expert_groups: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,6 +122,30 @@ class ParallelDims:
             rank //= size
         return {a: out[a] for a in MESH_AXES}
 
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """(edp, ep, etp) coordinates of a global rank: its stage index re-folded (see above)."""
+        c = self.coords(rank)
+        s = c["dp"] * self.tp + c["tp"]
+        return {"edp": s // (self.ep * self.etp), "ep": s // self.etp % self.ep, "etp": s % self.etp}
+
+    def group_ranks(self, kind: str) -> list[list[int]]:
+        """Every group of a mesh axis or expert group kind, as ascending global ranks (pure)."""
+        if kind in MESH_AXES:
+            vary = (kind,)
+            key = lambda r: tuple(v for a, v in self.coords(r).items() if a != kind)  # noqa: E731
+        elif kind in EXPERT_GROUPS:
+            vary = ("ep", "etp") if kind == "ep_etp" else (kind,)
+
+            def key(r: int) -> tuple[int, ...]:
+                c, e = self.coords(r), self.expert_coords(r)
+                return (c["pp"], c["cp"], *(v for a, v in e.items() if a not in vary))
+        else:
+            raise KeyError(f"unknown group {kind!r}; mesh axes are {MESH_AXES}, expert groups {EXPERT_GROUPS}")
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            groups.setdefault(key(r), []).append(r)
+        return sorted(groups.values())
+
     # ---- the mesh --------------------------------------------------------------
     def build_mesh(self, device_type: str) -> ParallelDims:
         """Create the named DeviceMesh (collective over the world). Returns self."""
@@ -133,7 +163,29 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_AXES)
         object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_expert_groups", self._build_expert_groups())
         return self
+
+    def _build_expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """One process group per expert group kind (collective: every rank creates every group,
+        in the same order). A kind whose groups are one rank is None; one whose groups are
+        exactly the tp or dp groups (or an earlier kind's) reuses them instead of new sockets."""
+        me = dist.get_rank()
+        known = {tuple(map(tuple, self.group_ranks(a))): self._mesh.get_group(a) for a in ("tp", "dp")}
+        out: dict[str, dist.ProcessGroup | None] = {}
+        for kind in EXPERT_GROUPS:
+            groups = self.group_ranks(kind)
+            key = tuple(map(tuple, groups))
+            if len(groups[0]) == 1:
+                out[kind] = None
+            elif key not in known:
+                mine = None
+                for ranks in groups:
+                    g = dist.new_group(ranks)
+                    mine = g if me in ranks else mine
+                known[key] = mine
+            out.setdefault(kind, known.get(key))
+        return out
 
     @property
     def mesh(self) -> DeviceMesh | None:
@@ -154,6 +206,20 @@ class ParallelDims:
             return 0
         return self._mesh.get_local_rank(axis)
 
+    def expert_group(self, kind: str) -> dist.ProcessGroup | None:
+        """The ep, etp, edp or ep_etp group of this rank (None when it has one rank)."""
+        if kind not in EXPERT_GROUPS:
+            raise KeyError(f"unknown expert group {kind!r}; expert groups are {EXPERT_GROUPS}")
+        self.group("tp")  # raises when a multi-rank layout has no mesh yet
+        return None if self._expert_groups is None else self._expert_groups[kind]
+
+    def expert_rank(self, axis: str) -> int:
+        """This rank's coordinate on an expert axis (edp, ep or etp)."""
+        if axis not in EXPERT_AXES:
+            raise KeyError(f"unknown expert axis {axis!r}; expert axes are {EXPERT_AXES}")
+        self.group("tp")
+        return self.expert_coords(self.global_rank)[axis]
+
     @property
     def global_rank(self) -> int:
         return dist.get_rank() if self._mesh is not None else 0
@@ -171,3 +237,13 @@ class ParallelDims:
     pp_size = property(lambda s: s.pp)
     cp_size = property(lambda s: s.cp)
     tp_size = property(lambda s: s.tp)
+    ep_group = property(lambda s: s.expert_group("ep"))
+    etp_group = property(lambda s: s.expert_group("etp"))
+    edp_group = property(lambda s: s.expert_group("edp"))
+    ep_etp_group = property(lambda s: s.expert_group("ep_etp"))
+    ep_rank = property(lambda s: s.expert_rank("ep"))
+    etp_rank = property(lambda s: s.expert_rank("etp"))
+    edp_rank = property(lambda s: s.expert_rank("edp"))
+    ep_size = property(lambda s: s.ep)
+    etp_size = property(lambda s: s.etp)
+    edp_size = property(lambda s: s.edp)

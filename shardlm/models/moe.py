@@ -1,0 +1,156 @@
+"""Sparse mixture-of-experts blocks: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+y = sum over the top-k experts e of w_e * SwiGLU_e(x) (Shazeer et al. 2017,
+https://arxiv.org/abs/1701.06538; Mixtral, Jiang et al. 2024, https://arxiv.org/abs/2401.04088),
+with the router's probabilities p = softmax(x W_r^T) in float32 and w = the top-k of p,
+renormalised to sum to one for Mixtral (= softmax over the top-k logits) and when
+``norm_topk_prob`` is set (Qwen3-MoE), left as they are otherwise (Qwen1.5/Qwen2-MoE).
+Qwen2-MoE adds a shared expert every token goes through, scaled by sigmoid(x w_g).
+
+No collectives here: the routed experts are an ``ExpertParallelSwiGLU`` (parallel/expert.py),
+which decides which rank computes what; the shared expert is a tensor-parallel SwiGLU.
+The router is replicated: it runs wherever the tokens are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.models.config import ModelConfig
+from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.eplb import ExpertPlacement
+from shardlm.parallel.expert import ExpertParallelSwiGLU
+from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TensorSource, linear, shard_range
+
+
+def block_prefix(cfg: ModelConfig, layer_prefix: str, src: TensorSource) -> str:
+    """Where a layer's MoE tensors live: Mixtral checkpoints say ``block_sparse_moe``, the
+    rest (and transformers 5's own in-memory names) ``mlp``."""
+    legacy = f"{layer_prefix}.block_sparse_moe"
+    return legacy if cfg.family == "mixtral" and src.has(f"{legacy}.gate.weight") else f"{layer_prefix}.mlp"
+
+
+def expert_reader(cfg: ModelConfig, layer_prefix: str):
+    """read(src, e, rows) -> (gate rows, up rows, down columns) of logical expert e.
+
+    Checkpoints keep one 2-D tensor per expert (Mixtral: experts.{e}.w1/w3/w2 = gate/up/down;
+    Qwen: experts.{e}.gate_proj/up_proj/down_proj), which is what transformers writes too.
+    A fused 3-D layout (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) is read
+    one expert at a time (that expert's whole rows: with etp > 1 more than the rank keeps).
+    """
+    names = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    width = cfg.moe_intermediate_size
+
+    def read(src: TensorSource, e: int, rows: slice):
+        p = f"{block_prefix(cfg, layer_prefix, src)}.experts"
+        gate, up, down = (f"{p}.{e}.{n}.weight" for n in names)
+        if src.has(gate):
+            return src.read(gate, rows=rows), src.read(up, rows=rows), src.read(down, cols=rows)
+        fused = src.read(f"{p}.gate_up_proj", rows=slice(e, e + 1))[0]  # [2I, H]
+        down = src.read(f"{p}.down_proj", rows=slice(e, e + 1))[0]  # [H, I]
+        return fused[rows], fused[width + rows.start: width + rows.stop], down[:, rows]
+
+    return read
+
+
+class Router(nn.Module):
+    """Top-k routing with a replicated [experts, hidden] gate."""
+
+    def __init__(self, cfg: ModelConfig, layer_prefix: str, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.layer_prefix, self.k = cfg, layer_prefix, cfg.num_experts_per_tok
+        self.normalise = cfg.norm_topk_prob or cfg.family == "mixtral"  # HF's Mixtral always renormalises
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:
+        with torch.no_grad():
+            self.weight.copy_(src.read(f"{block_prefix(self.cfg, self.layer_prefix, src)}.gate.weight"))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k], expert ids [tokens, k]), highest probability first."""
+        probs = F.softmax(linear(x, self.weight).float(), dim=-1)  # [tokens, experts]
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # HF's Mixtral scales by float32 weights, Qwen by weights in the model's dtype
+        return (weights if self.cfg.family == "mixtral" else weights.to(x.dtype)), ids
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE: sigmoid(x w_g) * SwiGLU(x), the SwiGLU split over tp like a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
+        super().__init__()
+        self.prefix = prefix
+        rows = shard_range(cfg.shared_expert_intermediate_size, dims.tp, dims.tp_rank)
+        p = f"{prefix}.shared_expert"
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [(f"{p}.gate_proj", rows), (f"{p}.up_proj", rows)],
+                                            bias=False, group=dims.tp_group, dtype=dtype)
+        self.down = RowParallelLinear(f"{p}.down_proj", rows, cfg.hidden_size, bias=False,
+                                      group=dims.tp_group, dtype=dtype)
+        self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    def load(self, src: TensorSource) -> None:  # the gate only; gate_up and down load themselves
+        with torch.no_grad():
+            self.gate_weight.copy_(src.read(f"{self.prefix}.shared_expert_gate.weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [tokens, local shared width] each
+        return torch.sigmoid(linear(x, self.gate_weight)) * self.down(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """The MLP of an MoE decoder layer: routed experts (+ Qwen2-MoE's shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, layer_prefix: str, dtype: torch.dtype,
+                 placement: ExpertPlacement | None = None, dispatch: str = "auto"):
+        super().__init__()
+        self.router = Router(cfg, layer_prefix, dtype)
+        self.experts = ExpertParallelSwiGLU(
+            num_experts=cfg.num_experts, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            read=expert_reader(cfg, layer_prefix), dims=dims, dtype=dtype, placement=placement, dispatch=dispatch)
+        self.shared = (SharedExpert(cfg, dims, f"{layer_prefix}.mlp", dtype)
+                       if cfg.shared_expert_intermediate_size else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)  # [tokens, k] each
+        y = self.experts(x, ids, weights)  # [tokens, hidden]
+        return y if self.shared is None else y + self.shared(x)
+
+
+def check_expert_layout(cfg: ModelConfig, ep: int, etp: int) -> None:
+    """Reject ep/etp the model cannot take (before any rank starts)."""
+    if not cfg.is_moe:
+        if ep > 1 or etp > 1:
+            raise LayoutError(f"ep={ep}, etp={etp}: {cfg.family} is a dense model without experts; use ep=1 etp=1")
+        return
+    ExpertPlacement.contiguous(cfg.num_experts, ep)  # ep <= experts, naming the valid ones
+    if etp > cfg.moe_intermediate_size:
+        raise LayoutError(f"etp={etp} is larger than the expert width {cfg.moe_intermediate_size}; "
+                          f"use etp <= {cfg.moe_intermediate_size}")
+
+
+def needs_lockstep(model: nn.Module) -> bool:
+    """Whether dp replicas share expert collectives (all-to-all over ranks of several replicas),
+    so that every replica must run a forward (a real one, or ``idle_forward``) whenever any does."""
+    return any(b.experts.dispatch == "all_to_all" for b in moe_blocks(model))
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoE]:
+    """The model's MoE blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@torch.inference_mode()
+def idle_forward(model: nn.Module) -> None:
+    """DP attention: what a dp replica with no sequences runs for each step the others run.
+
+    Every MoE block gets an empty batch, so this rank still joins the block's expert
+    collectives (with zero counts) in layer order, exactly as a real step would.
+    Attention, dense layers and the LM head talk only inside the replica, so they are skipped.
+    """
+    for block in moe_blocks(model):
+        w = block.router.weight
+        block(w.new_zeros((0, w.shape[1])))
