@@ -130,6 +130,8 @@ def run_generate(args) -> int:
                   "wall_s": round(wall, 3), "tp": args.tp, "pp": args.pp, "dp": args.dp, "ep": args.ep,
                   "dtype": args.dtype,
                   "param_bytes_per_rank": llm.param_bytes}
+        if s.expert_load is not None:  # MoE: tokens per expert / ep rank and max/mean imbalance per layer
+            timing["expert_load"] = s.expert_load
         if args.json:
             print(json.dumps({"timing": timing}))
         else:

@@ -182,16 +182,3 @@ def read_and_held(path: str, tp: int, dp: int, ep: int, etp: int = 1):
     repeated = sum(m.weight.numel() - 2 * m.weight.shape[1] for m in model.modules() if isinstance(m, QKNorm))
     params = sum(p.numel() for p in model.parameters()) - repeated
     return source.elements, params, held, [b.experts.local_experts for b in blocks]
-
-
-def engine_greedy(path: str, tp: int, dp: int, ep: int, prompts: list[list[int]], new_tokens: int):
-    """{prompt index: tokens} of this rank's replica through the engine's Worker, plus whether the
-    model needs replicas in lockstep."""
-    from rankfns import make_worker
-    from shardlm.engine.engine import Request
-    from shardlm.engine.sampling import SamplingParams
-    from shardlm.models.moe import needs_lockstep
-
-    worker = make_worker(path, tp, dp=dp, ep=ep)
-    done, _ = worker.generate([Request(p, SamplingParams(max_tokens=new_tokens), 0) for p in prompts])
-    return {i: c.token_ids for i, c in done.items()}, needs_lockstep(worker.model)

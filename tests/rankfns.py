@@ -47,3 +47,12 @@ def llm_greedy(model: str, prompts: list[list[int]], new_tokens: int, **layout):
     llm = LLM(model, threads=1, **layout)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens))
     return [o.token_ids for o in outputs], llm.param_bytes, llm.worker.layers
+
+
+def llm_generate(model: str, prompts: list[list[int]], max_tokens: list[int], **layout):
+    """(greedy tokens per prompt with its own max_tokens, the run's expert load) via the LLM API."""
+    from shardlm import LLM, SamplingParams
+
+    llm = LLM(model, threads=1, **layout)
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    return [o.token_ids for o in outputs], llm.last_stats.expert_load

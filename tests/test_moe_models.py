@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rankfns import dp_greedy_and_logits, engine_greedy
+from moe_rankfns import dp_greedy_and_logits
 from moe_reference import cached_tiny_moe
 from multirank import run_ranks
-from rankfns import greedy_and_logits
+from rankfns import greedy_and_logits, llm_generate
 from reference import NEW_TOKENS, PROMPTS, TINY_MOE_MODELS
 from shardlm.parallel.collectives import split_sizes
 
@@ -81,19 +81,16 @@ def test_moe_matches_hf(tiny_moe, layout, name):
     assert held == [split_sizes(experts, ep)[r % ep] * (total // experts) for r in range(tp * dp)]
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 4), (1, 4, 4)], ids=lambda t: "tp%d-dp%d-ep%d" % t)
-def test_moe_engine_dp_when_replicas_take_equal_steps(tiny_moe, layout):
-    """Through the engine's Worker. Its replicas run independent loops; all-to-all layouts need
-    them in lockstep (``needs_lockstep``), which these requests give by construction: every
-    replica gets prompts of one prefill step and the same max_tokens, so the same step count.
-    Replicas that could finish at different steps need the engine to call ``idle_forward``."""
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 4), (1, 4, 4), (2, 2, 2)], ids=lambda t: "tp%d-dp%d-ep%d" % t)
+def test_moe_engine_dp_with_uneven_requests(tiny_moe, layout):
+    """Through the public LLM API. Requests of different lengths make the replicas need
+    different numbers of steps; with all-to-all dispatch they step in lockstep and an idle
+    replica joins the expert collectives with empty batches (DP attention)."""
     ref = tiny_moe("mixtral")
     tp, dp, ep = layout
-    results = run_ranks(tp * dp, engine_greedy, str(ref.path), tp, dp, ep, PROMPTS, NEW_TOKENS)
-    served = set()
-    for rank, (tokens, lockstep) in enumerate(results):
-        assert lockstep and tokens, rank
-        for i, t in tokens.items():
-            assert t == ref.tokens[i], f"prompt {i} on rank {rank} of {layout} disagrees with HF"
-        served |= set(tokens)
-    assert served == set(range(len(PROMPTS)))
+    max_tokens = [NEW_TOKENS, 3, 17, 1]
+    for tokens, load in run_ranks(tp * dp, llm_generate, str(ref.path), PROMPTS, max_tokens, tp=tp, dp=dp, ep=ep):
+        assert tokens == [t[:n] for t, n in zip(ref.tokens, max_tokens)]  # greedy: shorter runs are prefixes
+        # the expert load is reported, each (token, expert) pair counted once: k per token routed
+        routed = sum(len(p) + n - 1 for p, n in zip(PROMPTS, max_tokens))
+        assert [sum(layer) for layer in load["expert_tokens"]] == [2 * routed] * len(load["expert_tokens"])

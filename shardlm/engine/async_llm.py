@@ -25,6 +25,7 @@ from shardlm.engine.worker import Worker, max_model_len
 from shardlm.errors import RankFailure, UsageError
 from shardlm.launch import LocalRanks
 from shardlm.models.loader import Checkpoint, open_checkpoint
+from shardlm.parallel.eplb import imbalance
 
 
 class QueueFull(RuntimeError):
@@ -58,7 +59,7 @@ class AsyncLLM:
         self.dims = check_layout(self.config, ckpt)
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
         self.max_queue = max_queue
-        self.tokenizer = ckpt.tokenizer()
+        self._tokenizer = None
         start = time.perf_counter()
         self._ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
         try:
@@ -76,7 +77,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self.error: str | None = None
         self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
-                      "prefix_cache_hits": 0, "prefix_cache_queries": 0}
+                      "prefix_cache_hits": 0, "prefix_cache_queries": 0, "expert_load": None}
         self._replica_stats = [dict(self.stats) for _ in self._leaders]
         for conn in self._ranks.conns:
             conn.send(("serve", None))
@@ -84,6 +85,13 @@ class AsyncLLM:
         self._reader.start()
 
     # ---- requests ------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded on first use (token-id clients never need it)."""
+        if self._tokenizer is None:
+            self._tokenizer = self.checkpoint.tokenizer()
+        return self._tokenizer
+
     @property
     def healthy(self) -> bool:
         return self.error is None
@@ -167,7 +175,8 @@ class AsyncLLM:
 
     def _dispatch(self, replica: int, tokens, finished, stats) -> None:
         self._replica_stats[replica] = stats
-        self.stats = {k: sum(s[k] for s in self._replica_stats) for k in stats}
+        numbers = {k: sum(s[k] for s in self._replica_stats) for k, v in stats.items() if k != "expert_load"}
+        self.stats = {**numbers, "expert_load": merge_expert_loads([s.get("expert_load") for s in self._replica_stats])}
         outs: dict[int, StreamOutput] = {}
         for rid, tok in tokens:
             outs.setdefault(rid, StreamOutput([])).token_ids.append(tok)
@@ -198,3 +207,18 @@ class AsyncLLM:
             self._reader.join(timeout=10)
             self._fail("the server is shutting down")
         self._ranks.close()
+
+
+def merge_expert_loads(loads: list[dict | None]) -> dict | None:
+    """One MoE load report from the replicas' (each counts its own tokens unless it already
+    covers all replicas): tokens per expert and per ep rank, and max/mean per layer."""
+    loads = [x for x in loads if x is not None]
+    if not loads:
+        return None
+    if loads[0]["all_replicas"]:
+        return loads[0]
+    add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in loads))]  # noqa: E731
+    ranks = add("rank_tokens")
+    return {"expert_tokens": add("expert_tokens"), "rank_tokens": ranks,
+            "imbalance": [round(imbalance(r), 4) for r in ranks], "comm_s": max(x["comm_s"] for x in loads),
+            "all_replicas": True}

@@ -30,6 +30,10 @@ class EngineConfig:
     """Expert-parallel ranks for MoE layers, folded over dp x tp (ep * etp must divide dp * tp)."""
     etp: int = 1
     """Expert-tensor-parallel ranks: each expert's weights split this many ways."""
+    eplb_interval: int = 0
+    """Serving, MoE: re-place experts from the observed load every this many rounds (0: never)."""
+    eplb_redundant: int = 0
+    """Serving, MoE: extra expert slots per layer for replicas of the hottest experts (EPLB)."""
     dtype: str = "float32"
     """Weights, activations and KV cache: float32, bfloat16 or float16."""
     max_model_len: int | None = None
@@ -56,6 +60,9 @@ class EngineConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
+        for name in ("eplb_interval", "eplb_redundant"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise UsageError(f"{name}={getattr(self, name)!r} must be a non-negative integer (0 turns it off)")
         if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
             raise UsageError(f"micro_batches={self.micro_batches!r} must be a positive integer, e.g. {self.pp}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):

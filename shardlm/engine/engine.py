@@ -11,6 +11,12 @@ scheduler, visited round-robin. A stage runs micro-batch j's step, sends the hid
 states on and moves to micro-batch j+1 while the next stage works on j. Micro-batch
 j's next step waits only for j's own tokens, which come back from the last stage
 (see ``StageLinks``). With one stage this is the plain loop with one micro-batch.
+
+DP attention (MoE): when expert layers exchange tokens across replicas (all-to-all over
+ranks of several replicas), the replicas step in lockstep: before each micro-batch step
+the ranks agree over their dp group whether any replica runs it, and a replica with
+nothing to run joins the expert collectives with an empty batch (``idle_forward``), so
+collectives never mismatch. Otherwise replicas never wait for each other.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence
+from shardlm.models.moe import idle_forward
+from shardlm.parallel import comm
 from shardlm.parallel.pipeline import StageLinks
 
 
@@ -49,6 +57,7 @@ class RunStats:
     decode_s: float = 0.0  # from the first sampled token to the end
     decode_tokens: int = 0  # tokens generated after each sequence's first
     busy_s: float = 0.0  # this rank computing (model and sampling), not waiting on other stages
+    expert_load: dict | None = None  # MoE: tokens per expert and per ep rank, imbalance (ExpertLoad)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -60,8 +69,9 @@ TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
 class Engine:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, *, eos_ids: tuple[int, ...],
-                 config: SchedulerConfig, links: StageLinks, micro_batches: int = 1):
+                 config: SchedulerConfig, links: StageLinks, micro_batches: int = 1, lockstep=None):
         self.runner = runner
+        self.lockstep = lockstep  # the dp group when replicas share expert collectives
         self.blocks = blocks
         self.links = links
         self.eos_ids = eos_ids
@@ -91,6 +101,13 @@ class Engine:
     def has_work(self) -> bool:
         return any(self.pending) or any(s.has_work() for s in self.scheds)
 
+    def any_replica(self, flag: bool) -> bool:
+        """``flag`` on this replica or (in lockstep) any replica: one MAX all-reduce over dp."""
+        if self.lockstep is None:
+            return flag
+        t = torch.tensor([int(flag)], device=self.runner.device)
+        return bool(comm.all_reduce(t, self.lockstep, op="max").item())
+
     # ---- one round: a step of every micro-batch that has work ---------------------------
     def step_round(self, on_token: TokenCallback | None = None) -> list[Sequence]:
         """Returns the sequences that finished (or were aborted) this round."""
@@ -103,12 +120,14 @@ class Engine:
             for seq in [s for s in (*sched.waiting, *sched.running) if s.id in self.aborted]:
                 sched.abort(seq)
                 done.append(seq)
-            if not sched.has_work():
-                continue
-            batch = sched.schedule()
-            if batch.seqs:  # empty: it waits for KV blocks another micro-batch holds
-                self.pending[j] = (batch, self._step(batch))
-                stepped = True
+            batch = sched.schedule() if sched.has_work() else None
+            runs = batch is not None and bool(batch.seqs)  # empty: waits for blocks another micro-batch holds
+            if self.any_replica(runs):
+                if runs:
+                    self.pending[j] = (batch, self._step(batch))
+                    stepped = True
+                else:
+                    idle_forward(self.runner.model)  # join the other replicas' expert collectives
         for seq in done:
             self.seqs.pop(seq.id, None)
             self.aborted.discard(seq.id)
@@ -156,7 +175,7 @@ class Engine:
         seqs = [self.add(i, r) for i, r in sorted(requests.items())]
         start = time.perf_counter()
         self.busy_s = 0.0
-        while self.has_work():
+        while self.any_replica(self.has_work()):
             self.step_round(on_token)
         self.links.flush()
         stats = _stats(seqs, start)

@@ -20,6 +20,7 @@ from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
 from shardlm.launch import LocalRanks, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
+from shardlm.models.moe import check_expert_layout
 from shardlm.parallel.data import gather_replicas
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.pipeline import stage_layers
@@ -42,6 +43,7 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     dims = config.dims()
     ckpt.config.check_supported()
     partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
+    check_expert_layout(ckpt.config, config.ep, config.etp)
     stage_layers(ckpt.config, config.pp, config.pp_layers)
     return dims
 
@@ -78,6 +80,8 @@ class LLM:
         self.load_s = time.perf_counter() - start
         # the first rank of each replica speaks for it (all its ranks hold the same results)
         self._replica_leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+        stages = sorted((i["coords"]["pp"], r) for r, i in enumerate(infos) if i["coords"]["dp"] == i["coords"]["tp"] == 0)
+        self._stage_leaders = [r for _, r in stages]  # replica 0's tp-rank-0 of each stage, in pp order
         self.param_bytes = [i["param_bytes"] for i in infos]
         self.kv_blocks = infos[0]["kv_blocks"]
 
@@ -152,6 +156,8 @@ class LLM:
         for completions, _ in per_replica:  # replicas served disjoint requests
             done.update(completions)
         self.last_stats = merge_stats([stats for _, stats in per_replica])
+        if self._ranks is not None and self.last_stats.expert_load is not None:
+            self.last_stats.expert_load = join_stages([self.last_rank_stats[r].expert_load for r in self._stage_leaders])
         return [done[i] for i in range(len(requests))]
 
     def close(self) -> None:
@@ -172,4 +178,12 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
     return RunStats(elapsed_s=max(p.elapsed_s for p in parts), first_token_s=min(first) if first else None,
                     prompt_tokens=sum(p.prompt_tokens for p in parts),
                     generated_tokens=sum(p.generated_tokens for p in parts),
-                    decode_s=max(p.decode_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts))
+                    decode_s=max(p.decode_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts),
+                    expert_load=parts[0].expert_load)  # already summed over the stage's dp x tp ranks
+
+
+def join_stages(loads: list[dict]) -> dict:
+    """Expert load of the whole model from its pipeline stages' (layer lists in pp order)."""
+    out = {k: [x for load in loads for x in load[k]] for k in ("expert_tokens", "rank_tokens", "imbalance")}
+    out["comm_s"] = max(load["comm_s"] for load in loads)
+    return out

@@ -5,20 +5,26 @@ reads new requests and cancellations and streams tokens and finished requests ba
 Every round it broadcasts what arrived to all ranks of its replica (one small
 collective over the replica's group), so every rank adds and aborts the same
 requests at the same point and the schedulers stay identical. No collective spans
-replicas. An idle leader still broadcasts at least every ``IDLE_S`` seconds, so the
-other ranks never wait long enough in the broadcast to time out.
+replicas, unless their MoE layers exchange tokens across replicas: then the replicas
+also agree each round whether any has work (and step together, see Engine) and when to
+stop. An idle leader still broadcasts at least every ``IDLE_S`` seconds, so the other
+ranks never wait long enough in the broadcast to time out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from shardlm.engine.engine import Request
+from shardlm.parallel import comm
 from shardlm.parallel.data import replica_group
+from shardlm.parallel.expert_stats import collect_load, rebalance_experts
 
 IDLE_S = 1.0
+LOAD_EVERY = 32  # rounds between expert-load reports (MoE models)
 
 
 @dataclass
@@ -35,6 +41,8 @@ def serve(worker, link) -> None:
     engine, dims = worker.engine, worker.dims
     group = replica_group(dims)
     leader = dims.pp_rank == 0 and dims.tp_rank == 0
+    rounds = 0
+    load = None
     while True:
         news = News()
         if leader:
@@ -49,26 +57,40 @@ def serve(worker, link) -> None:
             box = [news]
             dist.broadcast_object_list(box, group=group, group_src=0)  # the leader is the group's first rank
             news = box[0]
-        if news.stop:
-            break
         for rid, request in news.adds:
             engine.add(rid, request)
         for rid in news.aborts:
             engine.abort(rid)
-        if not engine.has_work():
+        work, stop = engine.has_work(), news.stop
+        if engine.lockstep is not None:  # replicas that share expert collectives move together
+            flags = comm.all_reduce(torch.tensor([int(work), int(stop)], device=engine.runner.device),
+                                    engine.lockstep, op="max").tolist()
+            work, stop = bool(flags[0]), bool(flags[1])
+        if stop:
+            break
+        if not work:
             continue
         tokens: list[tuple[int, int]] = []
         done = engine.step_round(on_token=lambda rid, tok: tokens.append((rid, tok)))
+        rounds += 1
+        eplb = worker.config.eplb_interval
+        if worker.moe and (rounds % LOAD_EVERY == 0 or (eplb and rounds % eplb == 0)):  # same round on every rank
+            observed = collect_load(worker.model, dims, across_dp=engine.lockstep is not None)
+            if eplb and rounds % eplb == 0:  # identical load on every rank that shares a placement
+                rebalance_experts(worker.model, observed, worker.checkpoint.source(), worker.config.eplb_redundant)
+            load = observed.to_dict()
+            load["all_replicas"] = engine.lockstep is not None
         if leader:
             finished = [(s.id, s.finish_reason, s.num_cached) for s in done]
-            link.send("events", (tokens, finished, engine_stats(engine)))
+            link.send("events", (tokens, finished, engine_stats(engine, load)))
     engine.links.flush()
 
 
-def engine_stats(engine) -> dict:
-    """A snapshot for the server's metrics."""
+def engine_stats(engine, expert_load: dict | None) -> dict:
+    """A snapshot for the server's metrics (expert_load: this replica's, or all replicas' in lockstep)."""
     blocks = engine.blocks
     return {
+        "expert_load": expert_load,
         "waiting": sum(len(s.waiting) for s in engine.scheds),
         "running": sum(len(s.running) for s in engine.scheds),
         "kv_blocks_used": blocks.num_used,

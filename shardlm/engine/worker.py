@@ -16,7 +16,9 @@ from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
+from shardlm.models.moe import moe_blocks, needs_lockstep
 from shardlm.parallel.data import assign
+from shardlm.parallel.expert_stats import collect_load
 from shardlm.parallel.pipeline import StageLinks, stage_layers
 
 
@@ -49,7 +51,8 @@ class Worker:
         if world > 1:
             init_distributed(rank, world, init_method, device_type, config.timeout_s)
         self.dims = config.dims().build_mesh(device_type)
-        ckpt = open_checkpoint(config.model)
+        self.config = config
+        self.checkpoint = ckpt = open_checkpoint(config.model)
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
         self.layers = stage_layers(ckpt.config, config.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()
@@ -65,7 +68,9 @@ class Worker:
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                     max_num_batched_tokens=config.max_num_batched_tokens),
-                             links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp)
+                             links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp,
+                             lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None)
+        self.moe = bool(moe_blocks(self.model))
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: EngineConfig) -> Worker:
@@ -98,4 +103,6 @@ class Worker:
         mine = {i: r for i, (r, d) in enumerate(zip(requests, replica_of(requests, self.dims.dp)))
                 if d == self.dims.dp_rank}
         seqs, stats = self.engine.run(mine, on_token)
+        if self.moe:  # every rank of the stage, after decoding: one collective over its tp and dp groups
+            stats.expert_load = collect_load(self.model, self.dims).to_dict()
         return {s.id: Completion(s.output_ids, s.finish_reason) for s in seqs}, stats

@@ -66,8 +66,12 @@ def local_load(model: nn.Module, reset: bool = True) -> tuple[list[list[int]], f
     return counts, seconds
 
 
-def collect_load(model: nn.Module, dims: ParallelDims, reset: bool = True) -> ExpertLoad:
-    """The stage's load (collective over its tp and dp groups; every rank of the stage calls it)."""
+def collect_load(model: nn.Module, dims: ParallelDims, reset: bool = True, across_dp: bool = True) -> ExpertLoad:
+    """The stage's load (collective over its tp and dp groups; every rank of the stage calls it).
+
+    ``across_dp=False`` sums over this replica's tp group only (no collective spans
+    replicas); its counts are then this replica's share, to be added up across replicas.
+    """
     layers = expert_layers(model)
     width = max((len(layer.slot_rank) for layer in layers), default=0)
     device = layers[0].slot_tokens.device if layers else None
@@ -76,7 +80,9 @@ def collect_load(model: nn.Module, dims: ParallelDims, reset: bool = True) -> Ex
         if layer.counts_once:  # the copies that saw the same pairs add nothing
             start = layer.placement.slot_offsets[layer.ep_rank]
             glob[i, start:start + len(layer.local_experts)] = layer.slot_tokens
-    comm.all_reduce(comm.all_reduce(glob, dims.tp_group), dims.dp_group)  # over the stage's dp x tp ranks
+    comm.all_reduce(glob, dims.tp_group)
+    if across_dp:
+        comm.all_reduce(glob, dims.dp_group)  # over the stage's dp x tp ranks
     _, seconds = local_load(model, reset)
     expert_tokens, rank_tokens = [], []
     for i, layer in enumerate(layers):
