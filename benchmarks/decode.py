@@ -7,12 +7,20 @@ byte read once per token at the bandwidth these kernels reach). Both engines are
 timed the same way, as wall time of (1 + N) generated tokens minus that of 1 token,
 so prefill and the first token do not count. Best of --repeats runs.
 
+A second table puts tensor parallelism on this host against one process: shardlm tp=2
+(two rank processes, one thread each, collectives on the shared-memory path) against
+tp=1 with two threads, in the same run; and, unless --no-gloo, tp=2 with the shared-memory
+path off (``SHARDLM_SHM=0``: gloo), to show what the fast path buys. The three engines are
+loaded together and measured in turns (best of --repeats), so other load hits them alike.
+
     python benchmarks/decode.py [--tokens 64] [--dtypes float32,bfloat16] [--repeats 3]
+                                [--no-tp2] [--no-gloo] [--tp-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -52,21 +60,57 @@ def floor_rate(model, repeats: int) -> tuple[float, float]:
     return 1.0 / best, nbytes / best / 1e9
 
 
+def tp2_rates(dtype: str, ids: list[int], args) -> tuple[float, float, float | None]:
+    """(tok/s at tp=1 with two threads, at tp=2 on the shared-memory path, at tp=2 over gloo or None).
+
+    All three engines are loaded at once and measured in turns, best of --repeats turns, so
+    a burst of load from other processes hits each of them alike."""
+    engines = {"tp1": LLM("smollm2", dtype=dtype, threads=2)}
+    for name, shm in (("shm", "1"), ("gloo", "0")):
+        if name == "gloo" and args.no_gloo:
+            continue
+        os.environ["SHARDLM_SHM"] = shm  # read by the rank processes when their groups are first used
+        try:
+            engines[name] = LLM("smollm2", dtype=dtype, tp=2)
+        finally:
+            os.environ.pop("SHARDLM_SHM")
+    best = dict.fromkeys(engines, 0.0)
+    try:
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                def run(n: int, llm=llm) -> None:
+                    llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+
+                tokens = args.tokens if name != "gloo" else max(8, args.tokens // 4)
+                best[name] = max(best[name], best_rate(run, tokens, 1))
+    finally:
+        for llm in engines.values():
+            llm.close()
+    return best["tp1"], best["shm"], best.get("gloo")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-tp2", action="store_true", help="skip the tp=2 rows")
+    ap.add_argument("--no-gloo", action="store_true", help="skip the tp=2 row over gloo")
+    ap.add_argument("--tp-only", action="store_true", help="only the tp=2 vs tp=1 table (no HF)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M, batch 1, "
           f"{args.tokens} decode tokens, best of {args.repeats}", flush=True)
-    rows = []
+    rows, tp_rows = [], []
+    load = os.getloadavg()[0]
     for dtype in args.dtypes.split(","):
         llm = LLM("smollm2", dtype=dtype)
         ids = llm.encode(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
+        if args.tp_only:
+            tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
+            continue
 
         def ours(n: int) -> None:
             llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
@@ -85,13 +129,23 @@ def main() -> None:
         ref = best_rate(theirs, args.tokens, args.repeats)
         rows.append((dtype, ref, shard, floor, gbs))
         del hf, llm
+        if not args.no_tp2:
+            tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
 
-    print(f"\n{'dtype':<9} {'HF tok/s':>9} {'shardlm':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} "
-          f"{'shardlm/floor':>14} {'HF/floor':>9}")
-    for dtype, ref, shard, floor, gbs in rows:
-        print(f"{dtype:<9} {ref:>9.1f} {shard:>9.1f} {shard / ref:>5.2f}x {floor:>7.1f} {gbs:>6.1f} "
-              f"{shard / floor:>13.0%} {ref / floor:>9.0%}")
-    print("\nfloor: tokens/s if a token cost only its matrix-vector products (every weight byte once)")
+    if rows:
+        print(f"\n{'dtype':<9} {'HF tok/s':>9} {'shardlm':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} "
+              f"{'shardlm/floor':>14} {'HF/floor':>9}")
+        for dtype, ref, shard, floor, gbs in rows:
+            print(f"{dtype:<9} {ref:>9.1f} {shard:>9.1f} {shard / ref:>5.2f}x {floor:>7.1f} {gbs:>6.1f} "
+                  f"{shard / floor:>13.0%} {ref / floor:>9.0%}")
+        print("\nfloor: tokens/s if a token cost only its matrix-vector products (every weight byte once)")
+    if tp_rows:
+        print(f"\n{'dtype':<9} {'tp=1 x2 thr':>11} {'tp=2 shm':>9} {'ratio':>6} {'tp=2 gloo':>10} {'ratio':>6}")
+        for dtype, one, two, gloo in tp_rows:
+            g = f"{gloo:>10.1f} {gloo / one:>5.2f}x" if gloo else f"{'-':>10} {'-':>6}"
+            print(f"{dtype:<9} {one:>11.1f} {two:>9.1f} {two / one:>5.2f}x {g}")
+        print("tok/s of batch-1 decode; tp=2: two rank processes of one thread each; "
+              f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ class DriverLink:
 
 def _rank_main(fd: int) -> None:
     """A rank process started by LocalRanks: build the worker, then run the driver's commands:
-    ``generate`` (rank 0 streams its tokens) and ``serve`` (requests arrive until stopped)."""
+    ``generate`` (rank 0 streams its tokens), ``serve`` (requests arrive until stopped), or
+    any other worker method, called with the command's payload."""
     link = DriverLink(Connection(fd))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     code = 0
@@ -117,8 +118,8 @@ def _rank_main(fd: int) -> None:
                 link.send("done", worker.generate(payload, stream))
             elif name == "serve":
                 link.send("done", worker.serve(link))
-            else:
-                raise ValueError(f"unknown command {name!r}")
+            else:  # any other method of the worker, e.g. a benchmark's
+                link.send("done", getattr(worker, name)(payload))
     except EOFError:
         code = 3  # the driver went away
     except BaseException:  # noqa: BLE001 - reported to the driver, which stops the run

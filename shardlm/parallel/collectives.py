@@ -9,15 +9,22 @@ means an even split, except in ``gather``, where ``None`` asks the ranks.
 Backends differ (gloo rejects uneven all-gather), so uneven chunks are padded to
 the largest, moved as even ones, then trimmed: the same code runs on gloo and NCCL.
 Tensors are made contiguous before they are handed to a collective.
+
+CPU tensors of a group whose ranks share this host take the shared-memory path
+(``shm.route``) for broadcast, all-reduce (sum), all-gather, reduce-scatter (sum) and
+all-to-all; the rest, and every CUDA tensor, go to torch.distributed (gloo / NCCL).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from shardlm.parallel import compress, shm
 
 ProcessGroup = dist.ProcessGroup
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
@@ -95,6 +102,16 @@ def _pad0(x: Tensor, m: int) -> Tensor:
     return out
 
 
+def _fast(group: ProcessGroup, x: Tensor) -> shm.ShmGroup | None:
+    """The group's shared-memory path for x (CPU tensors only), or None for torch.distributed."""
+    return shm.route(group) if x.device.type == "cpu" else None
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """A contiguous tensor's storage as flat uint8 (no copy)."""
+    return t.view(-1).view(torch.uint8)
+
+
 def _peer(peer: int, group: ProcessGroup | None, name: str) -> int:
     n = group_size(group)
     if n == 1:
@@ -127,17 +144,31 @@ def broadcast(x: Tensor, src: int, group: ProcessGroup | None) -> Tensor:
     if n == 1:
         return x
     buf = x.contiguous()
-    dist.broadcast(buf, group_src=src, group=group)
+    if (fast := _fast(group, x)) is not None:
+        fast.broadcast(_bytes(buf), src)
+    else:
+        dist.broadcast(buf, group_src=src, group=group)
     return x if buf is x else x.copy_(buf)
 
 
-def all_reduce(x: Tensor, group: ProcessGroup | None, op: str = "sum") -> Tensor:
-    """Every rank's x becomes x_0 (op) x_1 (op) ... (in place on x; returns x)."""
+def all_reduce(x: Tensor, group: ProcessGroup | None, op: str = "sum", *, payload: str | None = None) -> Tensor:
+    """Every rank's x becomes x_0 (op) x_1 (op) ... (in place on x; returns x).
+
+    payload="bf16" | "int8" sends x in that encoding (sum only; see ``compress.py``)."""
     reduce_op = _op(op)
+    if payload is not None:
+        compress.check_payload(payload, x)
+        if op != "sum":
+            raise ValueError(f"payload={payload!r} works with op='sum' only, not op={op!r}; pass payload=None")
     if group_size(group) == 1:
         return x
+    if payload is not None:
+        return compress.all_reduce(x, group, payload)
     buf = x.contiguous()
-    dist.all_reduce(buf, op=reduce_op, group=group)
+    if op == "sum" and x.dtype in shm.REDUCIBLE and (fast := _fast(group, x)) is not None:
+        fast.all_reduce(buf)
+    else:
+        dist.all_reduce(buf, op=reduce_op, group=group)
     return x if buf is x else x.copy_(buf)
 
 
@@ -188,13 +219,25 @@ def gather(x: Tensor, dst: int, group: ProcessGroup | None, dim: int = 0,
 
 
 def all_gather(x: Tensor, group: ProcessGroup | None, dim: int = 0,
-               sizes: Sequence[int] | None = None) -> Tensor:
-    """Every rank gets cat([x_0, ..., x_{n-1}], dim); x_i has sizes[i] along dim (None: all equal)."""
+               sizes: Sequence[int] | None = None, *, payload: str | None = None) -> Tensor:
+    """Every rank gets cat([x_0, ..., x_{n-1}], dim); x_i has sizes[i] along dim (None: all equal).
+
+    payload="bf16" | "int8" sends the shards in that encoding (see ``compress.py``)."""
     n, d = group_size(group), _dim(x, dim)
     sizes = [x.size(d)] * n if sizes is None else [int(s) for s in sizes]
     _check_own_size(sizes, n, group_rank(group), x.size(d))
+    if payload is not None:
+        compress.check_payload(payload, x)
     if n == 1:
         return x
+    if payload is not None:
+        return compress.all_gather(x, group, d, sizes, payload)
+    if (fast := _fast(group, x)) is not None:  # no padding: ranks write their own sizes
+        y = x.movedim(d, 0).contiguous()  # [own, ...]
+        out = y.new_empty((sum(sizes), *y.shape[1:]))  # [sum(sizes), ...]
+        row = math.prod(y.shape[1:]) * y.element_size()
+        fast.all_gather(_bytes(y), _bytes(out), [s * row for s in sizes])
+        return out.movedim(0, d).contiguous()
     m = max(sizes)
     buf = _pad0(x.movedim(d, 0), m)  # [max chunk, ...]
     out = buf.new_empty((n * m, *buf.shape[1:]))  # [n * max chunk, ...]
@@ -211,8 +254,14 @@ def reduce_scatter(x: Tensor, group: ProcessGroup | None, dim: int = 0,
     sizes = _sizes(sizes, n, x.size(d), d)
     if n == 1:
         return x
-    m = max(sizes)
     y = x.movedim(d, 0)  # [total, ...]
+    if op == "sum" and x.dtype in shm.REDUCIBLE and (fast := _fast(group, x)) is not None:
+        y = y.contiguous()
+        row = math.prod(y.shape[1:])
+        out = y.new_empty((sizes[group_rank(group)], *y.shape[1:]))  # [own chunk, ...]
+        fast.reduce_scatter(y, out, [s * row for s in sizes])
+        return out.movedim(0, d).contiguous()
+    m = max(sizes)
     if any(s != m for s in sizes):  # uneven: pad every chunk to the largest
         buf = torch.cat([_pad0(c, m) for c in torch.split(y, sizes)])  # [n * max chunk, ...]
     else:
@@ -231,6 +280,10 @@ def all_to_all(x: Tensor, group: ProcessGroup | None, send_sizes: Sequence[int] 
         return x
     y = x.movedim(d, 0).contiguous()  # [sum(send), ...]
     out = y.new_empty((sum(recv), *y.shape[1:]))  # [sum(recv), ...]
+    if (fast := _fast(group, x)) is not None:
+        row = math.prod(y.shape[1:]) * y.element_size()
+        fast.all_to_all(_bytes(y), _bytes(out), [s * row for s in send], [s * row for s in recv])
+        return out.movedim(0, d).contiguous()
     dist.all_to_all_single(out, y, output_split_sizes=recv, input_split_sizes=send, group=group)
     return out.movedim(0, d).contiguous()
 
@@ -245,8 +298,12 @@ def _a2a_sizes(x: Tensor, group, send_sizes, recv_sizes, d: int) -> tuple[list[i
         recv = send
     else:
         counts = torch.tensor(send, dtype=torch.int64, device=x.device)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=group)  # got[j] = what rank j sends to this rank
+        if (fast := _fast(group, counts)) is not None:
+            got = counts.new_empty(n)
+            fast.all_to_all(_bytes(counts), _bytes(got), [8] * n, [8] * n)
+        else:
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts, group=group)  # got[j] = what rank j sends to this rank
         recv = got.tolist()
     if len(recv) != n or min(recv) < 0 or (n == 1 and recv != send):
         raise ValueError(f"recv_sizes={recv} must be {n} non-negative ints, one per rank (one rank: = send_sizes)")

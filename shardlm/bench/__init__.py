@@ -1,0 +1,1 @@
+"""Benchmarks users run: `shardlm bench comm` (collectives per backend)."""
