@@ -152,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlm.plan.cli import add_parser as add_plan
 
     add_plan(sub)
+    from shardlm.bench.cli import add_parser as add_bench
 
+    add_bench(sub)
     return parser
 
 
