@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlm.bench.cli import add_parser as add_bench
 
     add_bench(sub)
+    from shardlm.server.cli import add_parser as add_serve
+
+    add_serve(sub)
     return parser
 
 

@@ -17,14 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request
-from shardlm.engine.llm import check_layout
+from shardlm.engine.llm import EngineFront
 from shardlm.engine.sampling import SamplingParams
-from shardlm.engine.worker import Worker, max_model_len
 from shardlm.errors import RankFailure, UsageError
-from shardlm.launch import LocalRanks
-from shardlm.models.loader import Checkpoint, open_checkpoint
+from shardlm.models.loader import Checkpoint
 from shardlm.parallel.eplb import imbalance
 
 
@@ -51,47 +48,28 @@ class _Stream:
     work: int  # tokens counted against the replica until the request finishes
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFront):
     def __init__(self, model: str | Checkpoint = "smollm2", *, max_queue: int = 1024, **options):
-        ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-        self.config = EngineConfig(model=str(ckpt.path), **options)
-        self.checkpoint = ckpt
-        self.dims = check_layout(self.config, ckpt)
-        self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
+        super().__init__(model, options)
         self.max_queue = max_queue
-        self._tokenizer = None
         start = time.perf_counter()
-        self._ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
-        try:
-            infos = self._ranks.collect("ready")
-        except BaseException:
-            self._ranks.close()
-            raise
+        infos = self._spawn_ranks()
         self.load_s = time.perf_counter() - start
-        self.kv_blocks = infos[0]["kv_blocks"]
-        self.param_bytes = [i["param_bytes"] for i in infos]
-        self._leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+        self._took_ready(infos)
         self._ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
-        self._load = [0] * len(self._leaders)  # outstanding tokens per replica
+        self._load = [0] * len(self._replica_leaders)  # outstanding tokens per replica
         self._lock = threading.Lock()
         self.error: str | None = None
         self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
                       "prefix_cache_hits": 0, "prefix_cache_queries": 0, "expert_load": None}
-        self._replica_stats = [dict(self.stats) for _ in self._leaders]
+        self._replica_stats = [dict(self.stats) for _ in self._replica_leaders]
         for conn in self._ranks.conns:
             conn.send(("serve", None))
         self._reader = threading.Thread(target=self._read, name="shardlm-events", daemon=True)
         self._reader.start()
 
     # ---- requests ------------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        """The model's tokenizer, loaded on first use (token-id clients never need it)."""
-        if self._tokenizer is None:
-            self._tokenizer = self.checkpoint.tokenizer()
-        return self._tokenizer
-
     @property
     def healthy(self) -> bool:
         return self.error is None
@@ -145,7 +123,7 @@ class AsyncLLM:
 
     def _send(self, replica: int, message) -> None:
         with self._lock:
-            self._ranks.conns[self._leaders[replica]].send(message)
+            self._ranks.conns[self._replica_leaders[replica]].send(message)
 
     def _drop(self, rid: int) -> None:
         with self._lock:
@@ -169,7 +147,7 @@ class AsyncLLM:
                     if kind == "done":  # the serving loop ended (after stop)
                         return
                     if kind == "events":
-                        self._dispatch(self._leaders.index(rank), *value)
+                        self._dispatch(self._replica_leaders.index(rank), *value)
         except RankFailure as e:
             self._fail(str(e))
 
@@ -199,7 +177,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop serving and every rank (in-flight requests end with EngineDead)."""
         if self.error is None:
-            for leader in self._leaders:
+            for leader in self._replica_leaders:
                 try:
                     self._ranks.conns[leader].send(("stop", None))
                 except OSError:

@@ -48,28 +48,52 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     return dims
 
 
-class LLM:
-    def __init__(self, model: str | Checkpoint = "smollm2", *, tokenizer=None, **options):
+class EngineFront:
+    """What ``LLM`` and ``AsyncLLM`` share: the checkpoint, its checked layout, the context
+    length, and the tokenizer (loaded on first use: token-id callers never need it)."""
+
+    def __init__(self, model: str | Checkpoint, options: dict, tokenizer=None):
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = EngineConfig(model=str(ckpt.path), **options)
         self.checkpoint = ckpt
         self.dims = check_layout(self.config, ckpt)
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
         self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.checkpoint.tokenizer()
+        return self._tokenizer
+
+    def _spawn_ranks(self) -> list[dict]:
+        """Start every rank as a child process on this host; their ``ready`` infos, in rank order."""
+        self._ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
+        try:
+            return self._ranks.collect("ready")
+        except BaseException:
+            self._ranks.close()
+            self._ranks = None
+            raise
+
+    def _took_ready(self, infos: list[dict]) -> None:
+        self.param_bytes = [i["param_bytes"] for i in infos]
+        self.kv_blocks = infos[0]["kv_blocks"]
+        # the first rank of each replica speaks for it (all its ranks hold the same results)
+        self._replica_leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+
+
+class LLM(EngineFront):
+    def __init__(self, model: str | Checkpoint = "smollm2", *, tokenizer=None, **options):
+        super().__init__(model, options, tokenizer)
         self._ranks: LocalRanks | None = None
         self.last_stats: RunStats | None = None
         self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives
         start = time.perf_counter()
         env = torchrun_env()
-        world = self.dims.world_size
         self.worker: Worker | None = None
-        if env is None and world > 1:
-            self._ranks = LocalRanks(world, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
-            try:
-                infos = self._ranks.collect("ready")
-            except BaseException:
-                self.close()
-                raise
+        if env is None and self.dims.world_size > 1:
+            infos = self._spawn_ranks()
         else:
             if env is not None:
                 self.dims.check_world_size(env["world"])
@@ -78,20 +102,11 @@ class LLM:
                                  local_world=rank["local_world"], init_method="env://" if env else None)
             infos = [self.worker.ready_info()]
         self.load_s = time.perf_counter() - start
-        # the first rank of each replica speaks for it (all its ranks hold the same results)
-        self._replica_leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+        self._took_ready(infos)
         stages = sorted((i["coords"]["pp"], r) for r, i in enumerate(infos) if i["coords"]["dp"] == i["coords"]["tp"] == 0)
         self._stage_leaders = [r for _, r in stages]  # replica 0's tp-rank-0 of each stage, in pp order
-        self.param_bytes = [i["param_bytes"] for i in infos]
-        self.kv_blocks = infos[0]["kv_blocks"]
 
     # ---- prompts -------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = self.checkpoint.tokenizer()
-        return self._tokenizer
-
     def encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

@@ -1,0 +1,171 @@
+"""``shardlm serve``: the OpenAI-compatible server over ranks started on this host.
+
+The port is bound before the model loads, so a busy port fails at once. Start-up logs
+the layout and the KV cache (blocks and tokens) on stderr, then ``serving on URL``.
+A rank that dies turns ``/health`` to 503 and fails the requests in flight; after
+``--grace`` seconds the server stops every rank and exits 1 with the reason. SIGINT or
+SIGTERM stop it cleanly (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+
+from shardlm.cli import byte_size, layer_counts, log
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (chat/completions, completions) over ranks",
+                              description="An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
+                                          "/v1/models, /health, /metrics; the model split over tp x pp x dp ranks.")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients put in 'model' (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
+    p.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by parameters)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="batches in flight through the pipeline (default: pp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
+    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks")
+    p.add_argument("--eplb-interval", type=int, default=0, metavar="R",
+                   help="MoE: re-place experts from the observed load every R rounds (default 0: never)")
+    p.add_argument("--eplb-redundant", type=int, default=0, metavar="K",
+                   help="MoE: spare expert slots per layer for replicas of the hottest experts (default 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30, help="KV cache per rank (default 2GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together per replica")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="per-step token budget: longer prompts are prefilled in chunks")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests in flight (queued or running) beyond which new ones get 429")
+    p.add_argument("--seed", type=int, default=0, help="base seed for requests that give none")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
+    p.add_argument("--grace", type=float, default=3.0,
+                   help="seconds to keep answering 503 after a rank dies, before exiting (default 3)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (info logs every request)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from shardlm.errors import RankFailure, UsageError
+
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue {args.max_queue} must be at least 1, e.g. --max-queue 1024")
+    if args.grace < 0:
+        raise UsageError(f"--grace {args.grace} must be >= 0 seconds, e.g. --grace 3")
+    # uvicorn re-raises SIGTERM after its graceful shutdown, and one may come while the model loads:
+    # make it a KeyboardInterrupt, so every rank is stopped on the way out instead of a silent death
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sock = _bind(args.host, args.port)
+    try:
+        engine = _start_engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        from shardlm.server.app import build_app
+
+        app = build_app(engine, model_name=args.served_model_name or args.model)
+        host, port = sock.getsockname()[:2]
+        log(f"serving {args.served_model_name or args.model} on http://{_url_host(host)}:{port}/v1 "
+            f"(max_model_len {engine.max_model_len}, max_queue {args.max_queue})")
+        died = asyncio.run(_serve(app, engine, sock, args))
+    except KeyboardInterrupt:  # SIGINT/SIGTERM, re-raised by uvicorn after its graceful shutdown
+        died = False
+    finally:
+        engine.shutdown()
+        sock.close()
+    if died:
+        raise RankFailure(f"{engine.error}; the server stopped (all ranks ended)")
+    log("shardlm serve: stopped; all ranks ended")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    from shardlm.errors import UsageError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                         f"(or --port 0 for a free one) or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def _start_engine(args):
+    from shardlm.engine.async_llm import AsyncLLM
+    from shardlm.models.loader import open_checkpoint
+
+    ckpt = open_checkpoint(args.model)
+    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
+                   micro_batches=args.micro_batches, eplb_interval=args.eplb_interval,
+                   eplb_redundant=args.eplb_redundant, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout,
+                   threads=args.threads, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    world = args.tp * args.pp * args.dp
+    axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
+    log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
+        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})")
+    engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
+    bs = engine.config.block_size
+    mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
+    log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
+    log(f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
+        f"(--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank)")
+    return engine
+
+
+async def _serve(app, engine, sock: socket.socket, args) -> bool:
+    """Run until a signal (returns False) or a dead rank (returns True, after the grace period)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                           lifespan="off", access_log=args.log_level in ("debug", "info")))
+    died = False
+
+    async def watch() -> None:
+        nonlocal died
+        while not server.should_exit:
+            if not engine.healthy:
+                died = True
+                log(f"shardlm serve: {engine.error}; answering 503 for {args.grace:g} s, then exiting")
+                await asyncio.sleep(args.grace)
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+    return died
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+if __name__ == "__main__":
+    from shardlm.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

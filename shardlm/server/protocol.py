@@ -1,0 +1,205 @@
+"""OpenAI request schemas, and what a request becomes for the engine (``prepare``).
+
+Types are strict (``"max_tokens": "16"`` is an error, as at OpenAI); unknown fields are
+ignored, as OpenAI-compatible servers do. Extensions (vLLM's names): ``top_k``,
+``stop_token_ids``, ``ignore_eos``, ``return_token_ids``. Fields shardlm does not
+implement are refused with a 400 only when set to something other than their default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from shardlm.engine.sampling import SamplingParams
+from shardlm.errors import UsageError
+from shardlm.server.errors import bad_request
+
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS); tinier ones overflow logits / T
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+@dataclass
+class Prepared:
+    """A validated request: what the engine runs and how the answer is shaped."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> Prepared:
+    """Check a request against the served model and turn it into prompt ids and sampling params."""
+    if req.model is not None and req.model != served_model:
+        raise bad_request(f"model {req.model!r} is not served here; this server serves {served_model!r} "
+                          f"(see /v1/models)", param="model", code="model_not_found")
+    _refuse_unsupported(req)
+    chat = isinstance(req, ChatRequest)
+    ids = _chat_ids(req, engine.tokenizer) if chat else _completion_ids(req, engine)
+    where = "messages" if chat else "prompt"
+    if not ids:
+        raise bad_request(f"the {where} encodes to no tokens; give at least one token", param=where)
+    limit = engine.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(f"the {where} has {len(ids)} tokens but this model's context is {limit} tokens "
+                          f"(prompt + output); shorten it to at most {limit - 1}",
+                          param=where, code="context_length_exceeded")
+    slots = engine.kv_blocks * engine.config.block_size  # a request's last token needs no KV slot
+    room = min(limit, slots + 1) - len(ids)
+    why = f"the context {limit}" if limit <= slots + 1 else f"the KV cache {slots} tokens (--kv-cache-memory)"
+    if room < 1:
+        raise bad_request(f"the {where} has {len(ids)} tokens but {why} leaves no room for an answer; shorten it",
+                          param=where, code="context_length_exceeded")
+    name, max_tokens = ("max_tokens", req.max_tokens)
+    if chat and req.max_completion_tokens is not None:
+        name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+    elif max_tokens < 1:
+        raise bad_request(f"{name}={max_tokens} must be at least 1, e.g. 64", param=name)
+    elif max_tokens > room:
+        raise bad_request(f"{name}={max_tokens} does not fit: the {where} has {len(ids)} tokens and {why}, "
+                          f"so at most {room} new tokens fit; lower {name} to {room} or less",
+                          param=name, code="context_length_exceeded")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature < 0:
+        raise bad_request(f"temperature={temperature} must be >= 0 (0 is greedy), e.g. 0.7", param="temperature")
+    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request(f"seed={req.seed} is out of range; use an integer in [0, 2**63)", param="seed")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
+            ignore_eos=bool(req.ignore_eos), stop_token_ids=tuple(req.stop_token_ids or ()))
+    except UsageError as e:  # its message names the value (top_p, top_k)
+        raise bad_request(str(e), param=str(e).split("=", 1)[0]) from None
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    options = req.stream_options
+    return Prepared(prompt_ids=ids, params=params, stops=tuple(s for s in stops if s), stream=bool(req.stream),
+                    include_usage=bool(req.stream and options and options.include_usage),
+                    return_token_ids=bool(req.return_token_ids))
+
+
+def _refuse_unsupported(req) -> None:
+    if req.n not in (None, 1):
+        raise bad_request(f"n={req.n} is not supported: shardlm returns one choice per request; send {req.n} "
+                          f"requests with n=1 (and different seeds) instead", param="n")
+    unsupported = {
+        "presence_penalty": req.presence_penalty not in (None, 0),
+        "frequency_penalty": req.frequency_penalty not in (None, 0),
+        "logit_bias": bool(req.logit_bias), "logprobs": req.logprobs not in (None, False, 0),
+        "top_logprobs": getattr(req, "top_logprobs", None) not in (None, 0), "tools": bool(getattr(req, "tools", None)),
+        "echo": bool(getattr(req, "echo", None)), "suffix": bool(getattr(req, "suffix", None)),
+        "best_of": getattr(req, "best_of", None) not in (None, 1),
+    }
+    for name, given in unsupported.items():
+        if given:
+            raise bad_request(f"{name} is not supported by shardlm; leave it out (supported: temperature, top_p, "
+                              f"top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)", param=name)
+
+
+def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
+    if not req.messages:
+        raise bad_request("messages is empty; give at least one, e.g. [{\"role\": \"user\", \"content\": \"Hello\"}]",
+                          param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role={m.role!r} is not a role; use one of {', '.join(sorted(ROLES))}",
+                              param=f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}] is of type {part.type!r}; this model reads text "
+                                      f"only: {{\"type\": \"text\", \"text\": ...}}", param=f"messages[{i}].content")
+            content = "".join(p.text for p in content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    if not tokenizer.chat_template:
+        raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
+        raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
+    return tokenizer.encode(text)
+
+
+def _completion_ids(req: CompletionRequest, engine) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"prompt holds {len(prompt)} prompts; send one prompt per request (a string or a "
+                              f"list of token ids)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return engine.tokenizer.encode(prompt)
+    vocab = engine.checkpoint.config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    return list(prompt)

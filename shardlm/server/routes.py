@@ -1,0 +1,79 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+A request is validated (400), then waits for its first output before any header is
+sent, so the engine's refusals still get their status code (400, 429 queue full, 503
+engine dead). After that a streamed answer reports a failure as a last ``data:`` event
+holding an error body, as OpenAI and vLLM do; an unstreamed one as a 503.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from shardlm.server.errors import APIError, from_validation
+from shardlm.server.generation import ClientGone, Generation, until_disconnect
+from shardlm.server.protocol import ChatRequest, CompletionRequest, prepare
+from shardlm.server.responses import ChatShape, EventStream, Shape, dumps
+
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request": counted in metrics, seen by nobody
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, ChatRequest, ChatShape)
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, CompletionRequest, Shape)
+
+
+async def _complete(request: Request, schema: type, shape_type: type[Shape]) -> Response:
+    arrival = time.perf_counter()
+    state = request.app.state
+    try:
+        req = schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation(e, schema) from None
+    prepared = prepare(req, state.engine, state.model_name)
+    gen = Generation(state.engine, prepared, state.metrics, arrival)
+    shape = shape_type(state.model_name, gen)
+    deltas = gen.deltas()
+    try:
+        first = await until_disconnect(anext(deltas), request.receive)
+        if not prepared.stream:
+            text = first.text + await until_disconnect(_rest(deltas), request.receive)
+            return JSONResponse(shape.full(text))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    return EventStream(_events(shape, first, deltas))
+
+
+async def _rest(deltas: AsyncIterator) -> str:
+    return "".join([d.text async for d in deltas])
+
+
+async def _events(shape: Shape, first, deltas: AsyncIterator) -> AsyncIterator[str]:
+    try:
+        for body in shape.opening():
+            yield dumps(body)
+        delta = first
+        while True:
+            if (body := shape.chunk(delta)) is not None:
+                yield dumps(body)
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(deltas)
+        if shape.include_usage:
+            yield dumps(shape.usage_chunk())
+    except APIError as e:
+        yield dumps(e.body())
+    finally:
+        await deltas.aclose()
+    yield "[DONE]"

@@ -1,0 +1,140 @@
+"""The server's pure parts, without ranks: stop strings, request checks, error bodies."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from shardlm.server.errors import APIError, from_validation
+from shardlm.server.protocol import ChatRequest, CompletionRequest, prepare
+from shardlm.server.text import StopText
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from shardlm.models.loader import open_checkpoint
+
+    return open_checkpoint("smollm2").tokenizer()
+
+
+def streamed(tok, text: str, stops: tuple[str, ...]) -> tuple[list[str], bool]:
+    st = StopText(tok, stops)
+    out = []
+    for i in tok.encode(text):
+        out.append(st.push([i]))
+        if st.stopped:
+            return out, True
+    return out + [st.flush()], st.stopped
+
+
+@pytest.mark.parametrize("stops, expected", [
+    ((), "Paris is the capital. It is big."),
+    (("capital",), "Paris is the "),
+    ((". It",), "Paris is the capital"),  # the stop spans tokens
+    (("zzz", "is"), "Par"),  # the earliest of several, inside a word too (as OpenAI)
+    (("big.",), "Paris is the capital. It is "),
+    (("",), "Paris is the capital. It is big."),  # an empty stop string is ignored
+])
+def test_stop_strings_cut_the_text_and_streaming_agrees(tok, stops, expected):
+    deltas, stopped = streamed(tok, "Paris is the capital. It is big.", stops)
+    assert "".join(deltas) == expected
+    assert stopped == (expected != "Paris is the capital. It is big.")
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tok):
+    st = StopText(tok, ("capital city",))
+    got = "".join(st.push([i]) for i in tok.encode("Paris is the capital"))
+    assert got == "Paris is "  # "the capital" (11 chars) could still become the stop string
+    assert st.flush() == "the capital" and not st.stopped
+
+
+@pytest.fixture
+def engine(tok):
+    return SimpleNamespace(tokenizer=tok, max_model_len=64, kv_blocks=100, config=SimpleNamespace(block_size=16),
+                           checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)))
+
+
+def chat(**kw) -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": "Hi"}], **kw)
+
+
+def refused(engine, req) -> APIError:
+    with pytest.raises(APIError) as e:
+        prepare(req, engine, "smollm2")
+    assert e.value.status == 400
+    return e.value
+
+
+def test_defaults_follow_openai(engine, tok):
+    p = prepare(chat(), engine, "smollm2")
+    assert p.params.temperature == 1.0 and p.params.top_p == 1.0 and p.params.top_k == 0
+    assert p.params.max_tokens == 64 - len(p.prompt_ids)  # chat: up to the end of the context
+    assert p.prompt_ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    c = prepare(CompletionRequest(prompt="Hi"), engine, "smollm2")
+    assert c.params.max_tokens == 16 and c.prompt_ids == tok.encode("Hi")  # completions: OpenAI's 16
+    assert not c.stream and not c.include_usage
+
+
+def test_parameters_reach_sampling(engine):
+    p = prepare(chat(max_completion_tokens=5, max_tokens=9, temperature=0.5, top_p=0.9, top_k=-1, seed=3,
+                     stop="x", stop_token_ids=[7], stream=True, stream_options={"include_usage": True}),
+                engine, "smollm2")
+    got = (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.top_k, p.params.seed)
+    assert got == (5, 0.5, 0.9, 0, 3)  # max_completion_tokens wins over max_tokens; top_k -1 is off
+    assert p.params.stop_token_ids == (7,) and p.stops == ("x",) and p.stream and p.include_usage
+    assert prepare(chat(temperature=1e-40), engine, "smollm2").params.greedy  # 1/T would overflow the logits
+    parts = ChatRequest(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                                    {"type": "text", "text": "brief"}]}])
+    assert prepare(parts, engine, "smollm2").prompt_ids == prepare(
+        ChatRequest(messages=[{"role": "system", "content": "Be brief"}]), engine, "smollm2").prompt_ids
+
+
+@pytest.mark.parametrize("req, param, words", [
+    (lambda: chat(model="gpt-4"), "model", "'gpt-4' is not served here"),
+    (lambda: chat(n=3), "n", "n=3 is not supported"),
+    (lambda: chat(max_tokens=0), "max_tokens", "at least 1"),
+    (lambda: chat(max_tokens=60), "max_tokens", "lower max_tokens to"),
+    (lambda: chat(temperature=-0.1), "temperature", ">= 0"),
+    (lambda: chat(top_p=1.5), "top_p", "top_p=1.5"),
+    (lambda: chat(top_k=-2), "top_k", "top_k=-2"),
+    (lambda: chat(seed=2**70), "seed", "out of range"),
+    (lambda: chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (lambda: ChatRequest(messages=[]), "messages", "messages is empty"),
+    (lambda: ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content",
+     "text only"),
+    (lambda: CompletionRequest(prompt="word " * 70), "prompt", "shorten it"),
+    (lambda: CompletionRequest(prompt=[-1]), "prompt", "outside the vocabulary"),
+    (lambda: CompletionRequest(prompt=["a", "b"]), "prompt", "one prompt per request"),
+    (lambda: CompletionRequest(prompt=""), "prompt", "no tokens"),
+    (lambda: CompletionRequest(prompt="Hi", echo=True), "echo", "not supported"),
+])
+def test_refusals_name_the_field(engine, req, param, words):
+    e = refused(engine, req())
+    assert e.param == param and words in e.message, e.message
+
+
+def test_max_tokens_is_bounded_by_the_kv_cache_too(engine):
+    engine.kv_blocks = 2  # 32 slots: a request may use at most 33 tokens
+    p = prepare(chat(), engine, "smollm2")
+    assert len(p.prompt_ids) + p.params.max_tokens - 1 == 32
+    assert "the KV cache 32 tokens" in refused(engine, chat(max_tokens=30)).message
+    e = refused(engine, CompletionRequest(prompt="word " * 40))  # fits the context (64), not the cache
+    assert e.param == "prompt" and "leaves no room" in e.message
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b'{"messages": [', None, "not valid JSON"),
+    (b'"hello"', None, "must be a JSON object"),
+    (b'{"messages": [{"role": "user"}], "temperature": true}', "temperature", "must be a finite number, not true"),
+    (b'{"messages": [{"content": "Hi"}]}', "messages[0].role", "is required"),
+    (b'{"messages": [], "stop": [1]}', "stop", "a string or an array of strings"),
+    (b'{"messages": [], "max_tokens": 1.5}', "max_tokens", "must be an integer, not 1.5"),
+])
+def test_validation_errors_become_openai_400s(body, param, words):
+    with pytest.raises(ValidationError) as e:
+        ChatRequest.model_validate_json(body)
+    err = from_validation(e.value, ChatRequest)
+    assert err.status == 400 and err.param == param and words in err.message, err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
