@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import statistics
 import time
 
 from shardlm import LLM, SamplingParams
@@ -32,3 +34,22 @@ def timed(llm: LLM, prompts, max_tokens: int) -> tuple[float, int]:
 
 def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+
+
+def in_turns(layouts: dict[str, dict], prompts: int, tokens: int, repeats: int) -> dict[str, tuple[float, list]]:
+    """Throughput of each layout (LLM options), all loaded at once and timed in turns, ``repeats``
+    rounds, so each sees the same machine load: {name: (median tok/s, per-rank RunStats of the
+    median run)}. Idle ranks of the layouts not being timed wait on a socket and use no CPU."""
+    runs: dict[str, list] = {name: [] for name in layouts}
+    with contextlib.ExitStack() as stack:
+        llms = {name: stack.enter_context(LLM("smollm2", **options)) for name, options in layouts.items()}
+        for r in range(repeats):
+            for name, llm in llms.items():
+                wall, n = timed(llm, chat_prompts(llm, prompts), tokens)
+                runs[name].append((n / wall, llm.last_rank_stats))
+                print(f"  round {r + 1}/{repeats}  {name}: {n / wall:.1f} tok/s  ({load_note()})", flush=True)
+    out = {}
+    for name, results in runs.items():
+        median = statistics.median_low([rate for rate, _ in results])
+        out[name] = next((rate, stats) for rate, stats in results if rate == median)
+    return out
