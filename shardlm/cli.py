@@ -36,11 +36,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from prompts, split over ranks",
-                       description="Generate completions for one or more prompts with the model split over "
-                                   "tp ranks (started on this host, or by torchrun).")
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """The model and its layout over ranks: shared by generate and serve."""
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
@@ -53,6 +50,14 @@ def add_generate(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from prompts, split over ranks",
+                       description="Generate completions for one or more prompts with the model split over "
+                                   "tp ranks (started on this host, or by torchrun).")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
+    add_layout_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")

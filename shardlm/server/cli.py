@@ -15,33 +15,22 @@ import signal
 import socket
 import sys
 
-from shardlm.cli import byte_size, layer_counts, log
+from shardlm.cli import add_layout_args, byte_size, log
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI API (chat/completions, completions) over ranks",
                               description="An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
                                           "/v1/models, /health, /metrics; the model split over tp x pp x dp ranks.")
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients put in 'model' (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
-    p.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
-                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by parameters)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="batches in flight through the pipeline (default: pp)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
-    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks")
+    add_layout_args(p)
     p.add_argument("--eplb-interval", type=int, default=0, metavar="R",
                    help="MoE: re-place experts from the observed load every R rounds (default 0: never)")
     p.add_argument("--eplb-redundant", type=int, default=0, metavar="K",
                    help="MoE: spare expert slots per layer for replicas of the hottest experts (default 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30, help="KV cache per rank (default 2GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together per replica")
