@@ -43,7 +43,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
     p.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
-                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by parameters)")
+                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by per-token work)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="batches in flight through the pipeline (default: pp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")

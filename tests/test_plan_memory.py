@@ -4,6 +4,7 @@ import pytest
 
 from shardlm.plan.activations import LayerShape, in_flight_microbatches, korthikanti_table2, layer_activation_bytes
 from shardlm.plan.catalog import load_model, model_names
+from shardlm.parallel.pipeline import stage_layers
 from shardlm.plan.shard import active_params, head_split, rank_layer, stage_params, total_params
 from shardlm.plan.zero import deepspeed_zero2_bytes, deepspeed_zero3_bytes, model_states
 
@@ -114,7 +115,9 @@ def test_largest_rank_is_reported_and_pp_splits_embeddings():
     two = stage_params(cfg, tp=1, pp=2)
     embed = cfg.vocab_size * h
     assert sum(two) == one + embed
-    assert two[1] - two[0] == h  # 15 layers each; the last stage also holds the final norm
+    first, last = (len(r) for r in stage_layers(cfg, 2))  # the engine's split: 19 + 11 for SmolLM2
+    layer = rank_layer(cfg, 0, tp=1).total
+    assert two == [first * layer + embed, last * layer + h + embed]  # the last also holds the final norm
 
 
 def test_mla_kv_cache_and_gqa_kv_cache():

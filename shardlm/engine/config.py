@@ -23,7 +23,7 @@ class EngineConfig:
     dp: int = 1
     """Data-parallel replicas."""
     pp_layers: tuple[int, ...] | None = None
-    """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by parameters."""
+    """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by per-token work (the LM head counts, the embedding lookup does not)."""
     micro_batches: int | None = None
     """Batches in flight through the pipeline; default pp (enough to keep every stage busy)."""
     ep: int = 1

@@ -2,9 +2,14 @@
 
 A stage holds a contiguous run of decoder layers; the first stage also holds the token
 embedding and the last the final norm and LM head (GPipe, Huang et al. 2019,
-https://arxiv.org/abs/1811.06965). Stages are balanced by parameter count, which for
-decode is also the bytes each stage reads per token; the embedding counts on the
-first stage and the LM head on the last (for SmolLM2 each is worth ~8 layers).
+https://arxiv.org/abs/1811.06965). Stages are balanced by the work of one token: a
+layer's multiply-adds, which are also the weight bytes it reads per decode step. The LM
+head counts in full on the last stage (for SmolLM2 it is worth ~8 layers); the embedding
+costs the first stage nothing, since a lookup reads one row per token, though it holds the
+matrix. For SmolLM2 at pp=2 this gives 19 + 11 layers; the parameter-balanced 15 + 15 left
+the first stage idle 28% of the time behind the last one, and 2 micro-batches ran at 1.18x a
+single one against 1.35x with 19 + 11 (two runs of benchmarks/pipeline.py layouts, each timed
+in turns against the single micro-batch).
 
 The bubble: with p stages and m micro-batches in flight, a single pass leaves each
 stage idle for a fraction (p - 1) / (m + p - 1) of the time (the fill and drain of the
@@ -62,7 +67,7 @@ def partition_layers(layer_costs: list[float], stages: int, *, first_extra: floa
 
 
 def stage_layers(cfg, pp: int, override: tuple[int, ...] | None = None) -> list[range]:
-    """Layers of every stage for a model config: balanced, or the user's ``--pp-layers``."""
+    """Layers of every stage for a model config: balanced by per-token work, or the user's ``--pp-layers``."""
     if override is not None:
         if len(override) != pp or any(n < 1 for n in override) or sum(override) != cfg.num_layers:
             raise LayoutError(
@@ -72,9 +77,8 @@ def stage_layers(cfg, pp: int, override: tuple[int, ...] | None = None) -> list[
             )
         starts = [sum(override[:s]) for s in range(pp)]
         return [range(a, a + n) for a, n in zip(starts, override)]
-    layer = layer_params(cfg)
-    embed = cfg.vocab_size * cfg.hidden_size
-    return partition_layers([layer] * cfg.num_layers, pp, first_extra=embed, last_extra=embed)
+    head = cfg.vocab_size * cfg.hidden_size  # the LM head's multiply-adds per token; the lookup is ~free
+    return partition_layers([layer_params(cfg)] * cfg.num_layers, pp, last_extra=head)
 
 
 def layer_params(cfg) -> float:

@@ -67,13 +67,9 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int) -> float:
 def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: int) -> float:
     """KV bytes one token of one sequence costs on the busiest rank (its stage's layers, /cp)."""
     cfg = costs.cfg
-    n_dense, n_moe = costs.stage_kinds(lay.pp)[0]  # the first stage has the most layers
-    per = 0.0
-    if n_dense:
-        per += n_dense * kv_bytes_per_token(cfg, costs.rank_layer(False, lay.tp), kv_bytes)
-    if n_moe:
-        per += n_moe * kv_bytes_per_token(cfg, costs.rank_layer(True, lay.tp, lay.ep, lay.etp), kv_bytes)
-    return per / lay.cp
+    dense = kv_bytes_per_token(cfg, costs.rank_layer(False, lay.tp), kv_bytes)
+    moe = kv_bytes_per_token(cfg, costs.rank_layer(True, lay.tp, lay.ep, lay.etp), kv_bytes) if cfg.is_moe else 0.0
+    return max(n_dense * dense + n_moe * moe for n_dense, n_moe in costs.stage_kinds(lay.pp)) / lay.cp
 
 
 def prefill_working_set(costs: ModelCosts, lay: Layout, chunk_tokens: float, a_bytes: int) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from shardlm.models.config import ModelConfig
+from shardlm.parallel.pipeline import stage_layers
 from shardlm.plan.hardware import GpuSpec
 from shardlm.plan.shard import (
     RankLayer,
@@ -20,7 +21,6 @@ from shardlm.plan.shard import (
     is_moe_layer,
     rank_layer,
     split_even,
-    stage_layers,
     total_params,
 )
 
@@ -141,7 +141,7 @@ class ModelCosts:
         """(dense layers, MoE layers) per pipeline stage."""
         if pp not in self._stages:
             out = []
-            for layers in stage_layers(self.cfg.num_layers, pp):
+            for layers in stage_layers(self.cfg, pp):
                 moe = sum(1 for i in layers if is_moe_layer(self.cfg, i))
                 out.append((len(layers) - moe, moe))
             self._stages[pp] = out

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
+from shardlm.parallel.pipeline import stage_layers
 
 
 def split_even(n: int, parts: int) -> list[int]:
@@ -121,15 +122,6 @@ def rank_layer(cfg: ModelConfig, layer: int, *, tp: int, ep: int = 1, etp: int =
     )
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Contiguous layer ranges per pipeline stage (first stages take the remainder)."""
-    out, start = [], 0
-    for n in split_even(num_layers, pp):
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
 def vocab_rows(cfg: ModelConfig, tp: int) -> int:
     return split_even(cfg.vocab_size, tp)[0]
 
@@ -139,7 +131,7 @@ def stage_params(cfg: ModelConfig, *, tp: int, pp: int, ep: int = 1, etp: int = 
     embed = vocab_rows(cfg, tp) * cfg.hidden_size
     cache: dict[bool, int] = {}
     out = []
-    for s, layers in enumerate(stage_layers(cfg.num_layers, pp)):
+    for s, layers in enumerate(stage_layers(cfg, pp)):
         total = 0
         for layer in layers:
             moe = is_moe_layer(cfg, layer)

@@ -77,7 +77,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
     a = C.DTYPE_BYTES[wl.dtype]
     tokens = lay.micro_batch * wl.seq_len / lay.cp
-    stages = {0, lay.pp - 1}  # the first stage has the most layers, the last the LM head
+    # one stage of each kind: its dense and MoE layer counts, and whether it runs the LM head
+    stages = {(kinds, s == lay.pp - 1): s for s, kinds in enumerate(costs.stage_kinds(lay.pp))}.values()
     fwd, bwd, tp_c, ep_c, cp_c = max(
         (_stage(costs, cluster, lay, wl, s, tokens, a) for s in stages), key=lambda t: t[0] + t[1]
     )
