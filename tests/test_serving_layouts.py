@@ -1,8 +1,10 @@
-"""Serving a MoE model with dp replicas: lockstep when experts span replicas, EPLB on the fly.
+"""The serving engine (``AsyncLLM``) on every kind of layout, against HF's greedy tokens.
 
-Requests of different lengths arrive together, so replicas need different numbers of
-steps; outputs must equal HF's greedy tokens (prefixes for shorter max_tokens), with and
-without expert re-placement every few rounds.
+Requests of different lengths arrive together, so replicas and micro-batches need
+different numbers of steps; outputs must equal HF's greedy tokens (prefixes for shorter
+max_tokens). Dense: pipeline stages, replicas, and both with tensor parallelism. MoE: dp
+replicas in lockstep when experts span them, with and without expert re-placement every
+few rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def serve_all(path: str, **layout) -> tuple[list[list[int]], dict]:
         return asyncio.run(run()), engine.stats
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=3, micro_batches=2), dict(dp=2), dict(tp=2, pp=2),
+                                    dict(dp=2, pp=2)], ids=["pp2", "pp3-mb2", "dp2", "tp2-pp2", "dp2-pp2"])
+def test_dense_serving_matches_hf(tiny, layout):
+    ref = tiny("llama")
+    tokens, stats = serve_all(str(ref.path), **layout)
+    assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
+    assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0  # everything freed
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2),
