@@ -17,7 +17,7 @@ shardlm's ranks use --threads threads each; HF as many threads in all (or each c
 see the same machine load, which is printed.
 
     python benchmarks/serving.py [--tokens 64] [--levels 1,8,32] [--threads 1] [--tp 1] [--dp 1]
-                                 [--hf-threads 1,2] [--until-eos] [--no-hf]
+                                 [--hf-threads 1,2] [--until-eos] [--no-hf] [--plot serving.png]
 """
 
 from __future__ import annotations
@@ -147,6 +147,32 @@ def row(name: str, clients: int, wall: float, tokens: int, ttft: list[float], tp
     return r
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Output tok/s, TTFT p50 and TPOT p50 against concurrent clients, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (key, label, scale) in zip(axes, (("tok_s", "output tokens/s", 1), ("ttft50", "TTFT p50 (s)", 1),
+                                              ("tpot50", "TPOT p50 (ms)", 1e3))):
+        for engine in dict.fromkeys(r["engine"] for r in rows):
+            pts = [(r["clients"], r[key] * scale) for r in rows if r["engine"] == engine]
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=engine)
+        ax.set_xscale("log", base=2)
+        levels = sorted({r["clients"] for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
@@ -160,6 +186,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw tok/s, TTFT and TPOT per level")
     ap.add_argument("--until-eos", action="store_true",
                     help="answers end at EOS (at most --tokens) instead of all being --tokens long")
     args = ap.parse_args()
@@ -215,6 +242,9 @@ def main() -> None:
               f"{s['tpot50'] * 1e3:>7.0f}/{s['tpot99'] * 1e3:<7.0f} {hf_cols[2]:>11}")
     print(f"target: shardlm >= 3x HF output tok/s at 32 concurrent; load average {load0[0]:.2f} at the start, "
           f"{load1[0]:.2f} at the end ({os.cpu_count()} cores)")
+    if args.plot:
+        plot(rows, args.plot, f"SmolLM2-135M {args.dtype}, {'up to ' if args.until_eos else ''}{args.tokens} tokens "
+                              f"per request; shardlm tp={args.tp} dp={args.dp}")
 
 
 if __name__ == "__main__":
