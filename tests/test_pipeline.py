@@ -1,6 +1,6 @@
 """Pipeline and data parallelism, composed with tensor parallelism on one mesh.
 
-Every factorisation (dp, pp, tp) of world sizes 1..6 gives HF transformers' greedy
+Every factorisation (dp, pp, tp) of world sizes 1..6 gives HF transformers' first 16 greedy
 tokens (identical, float32) for a batch of prompts of different lengths, on tiny
 random Llama and Qwen2 models with 6 layers; the real SmolLM2 at the layouts the
 issue names. Stage partitioning and replica routing are pure and tested exhaustively.
@@ -14,7 +14,7 @@ import pytest
 
 from multirank import run_ranks
 from rankfns import llm_greedy
-from reference import NEW_TOKENS, PROMPTS
+from reference import PROMPTS
 from shardlm.errors import UsageError
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.data import assign
@@ -23,6 +23,12 @@ from shardlm.parallel.pipeline import partition_layers, stage_layers
 
 HEADS = {"llama": 6, "qwen2": 6}
 LAYERS = 6
+TOKENS = 16  # greedy tokens compared per prompt (of HF's NEW_TOKENS): enough for every stage to
+# pass its KV cache through many decode steps, half the suite time of the full 32 on 2 cores
+
+
+def hf_prefix(ref) -> list[list[int]]:
+    return [t[:TOKENS] for t in ref.tokens]
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
@@ -35,18 +41,18 @@ MATRIX = [(name, *layout) for world in range(1, 7) for layout in layouts(world) 
 @pytest.mark.parametrize("name, dp, pp, tp", MATRIX, ids=[f"{n}-dp{d}pp{p}tp{t}" for n, d, p, t in MATRIX])
 def test_every_layout_matches_hf(tiny, name, dp, pp, tp):
     ref = tiny(name)
-    results = run_ranks(dp * pp * tp, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, dp=dp, pp=pp, tp=tp)
+    results = run_ranks(dp * pp * tp, llm_greedy, str(ref.path), PROMPTS, TOKENS, dp=dp, pp=pp, tp=tp)
     for rank, (tokens, _, _) in enumerate(results):
-        assert tokens == ref.tokens, f"rank {rank} of dp={dp} pp={pp} tp={tp} disagrees with HF"
-    assert len({tuple(t) for t in ref.tokens}) == len(PROMPTS)  # distinct answers: a mix-up would show
+        assert tokens == hf_prefix(ref), f"rank {rank} of dp={dp} pp={pp} tp={tp} disagrees with HF"
+    assert len({tuple(t) for t in hf_prefix(ref)}) == len(PROMPTS)  # distinct answers: a mix-up would show
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp, pp, tp", layouts(8))
 def test_world_of_8_matches_hf(tiny, dp, pp, tp):
     ref = tiny("llama")
-    for tokens, _, _ in run_ranks(8, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, dp=dp, pp=pp, tp=tp):
-        assert tokens == ref.tokens
+    for tokens, _, _ in run_ranks(8, llm_greedy, str(ref.path), PROMPTS, TOKENS, dp=dp, pp=pp, tp=tp):
+        assert tokens == hf_prefix(ref)
 
 
 def test_each_stage_holds_only_its_layers(tiny):
@@ -67,8 +73,8 @@ def test_each_stage_holds_only_its_layers(tiny):
 @pytest.mark.parametrize("dp, pp, tp", [(1, 2, 1), (1, 3, 3), (2, 2, 1)])
 def test_smollm2_layouts_match_hf(smollm2, dp, pp, tp):
     path, prompts, ref, _ = smollm2
-    for tokens, _, _ in run_ranks(dp * pp * tp, llm_greedy, path, prompts, NEW_TOKENS, dp=dp, pp=pp, tp=tp):
-        assert tokens == ref.tokens
+    for tokens, _, _ in run_ranks(dp * pp * tp, llm_greedy, path, prompts, TOKENS, dp=dp, pp=pp, tp=tp):
+        assert tokens == hf_prefix(ref)
 
 
 # ---- pure functions --------------------------------------------------------------------
