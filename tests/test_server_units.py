@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from shardlm.engine.async_llm import AsyncLLM
 from shardlm.server.errors import APIError, from_validation
 from shardlm.server.protocol import ChatRequest, CompletionRequest, prepare
 from shardlm.server.text import StopText
@@ -52,8 +53,10 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok):
 
 @pytest.fixture
 def engine(tok):
-    return SimpleNamespace(tokenizer=tok, max_model_len=64, kv_blocks=100, config=SimpleNamespace(block_size=16),
+    fake = SimpleNamespace(tokenizer=tok, max_model_len=64, kv_blocks=100, config=SimpleNamespace(block_size=16),
                            checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)))
+    fake.room = lambda prompt_len: AsyncLLM.room(fake, prompt_len)  # the engine's own rule
+    return fake
 
 
 def chat(**kw) -> ChatRequest:
@@ -138,3 +141,18 @@ def test_validation_errors_become_openai_400s(body, param, words):
     err = from_validation(e.value, ChatRequest)
     assert err.status == 400 and err.param == param and words in err.message, err.message
     assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_engine_guards_the_same_bounds_for_python_callers(engine):
+    """AsyncLLM.check (used by every caller, not only the server) applies the rule prepare() uses."""
+    from shardlm import SamplingParams
+    from shardlm.errors import UsageError
+
+    engine.kv_blocks = 2  # 32 slots: at most 33 tokens per request
+    AsyncLLM.check(engine, [1] * 30, SamplingParams(max_tokens=3))
+    with pytest.raises(UsageError, match=r"max_tokens=4 does not fit.*the KV cache 32 tokens.*to 3 or less"):
+        AsyncLLM.check(engine, [1] * 30, SamplingParams(max_tokens=4))
+    with pytest.raises(UsageError, match="leaves no room"):
+        AsyncLLM.check(engine, [1] * 33, SamplingParams(max_tokens=1))
+    with pytest.raises(UsageError, match="empty"):
+        AsyncLLM.check(engine, [], SamplingParams(max_tokens=1))

@@ -74,21 +74,25 @@ class AsyncLLM(EngineFront):
     def healthy(self) -> bool:
         return self.error is None
 
+    def room(self, prompt_len: int) -> tuple[int, str]:
+        """Most new tokens a prompt of this length may ask for, and what bounds it (for messages):
+        the context, or the KV cache (a request's last token needs no KV slot)."""
+        slots = self.kv_blocks * self.config.block_size
+        if self.max_model_len <= slots + 1:
+            return self.max_model_len - prompt_len, f"the context {self.max_model_len}"
+        return slots + 1 - prompt_len, f"the KV cache {slots} tokens (--kv-cache-memory)"
+
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Refuse a request that cannot be served, with a message for the client (HTTP 400)."""
         if not prompt_ids:
             raise UsageError("the prompt is empty; give at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise UsageError(f"the prompt has {len(prompt_ids)} tokens but this model's context is "
-                             f"{self.max_model_len}; shorten the prompt")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise UsageError(f"this model's context is {self.max_model_len} tokens, but the prompt has "
-                             f"{len(prompt_ids)} and max_tokens is {params.max_tokens}; lower max_tokens to "
-                             f"{self.max_model_len - len(prompt_ids)} or less")
-        need = len(prompt_ids) + params.max_tokens - 1
-        capacity = self.kv_blocks * self.config.block_size
-        if need > capacity:
-            raise UsageError(f"the request needs {need} KV-cache slots but the cache holds {capacity}")
+        room, why = self.room(len(prompt_ids))
+        if room < 1:
+            raise UsageError(f"the prompt has {len(prompt_ids)} tokens but {why} leaves no room for an answer; "
+                             f"shorten the prompt")
+        if params.max_tokens > room:
+            raise UsageError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt_ids)} tokens "
+                             f"and {why}; lower max_tokens to {room} or less")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
         """Stream the completion of one prompt. Leaving the loop early cancels the request."""
@@ -105,9 +109,9 @@ class AsyncLLM(EngineFront):
             self._load[replica] += work
             stream = self._streams[rid] = _Stream(asyncio.Queue(), loop, replica, work)
         seed = params.seed if params.seed is not None else self.config.seed + rid
-        self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed))))
         finished = False
         try:
+            self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed))))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
@@ -117,13 +121,19 @@ class AsyncLLM(EngineFront):
                     finished = True
                     return
         finally:
-            if not finished and self.error is None:
-                self._send(replica, ("abort", rid))  # client went away: free its blocks
-            self._drop(rid)
+            try:
+                if not finished and self.error is None:
+                    self._send(replica, ("abort", rid))  # client went away: free its blocks
+            finally:
+                self._drop(rid)
 
     def _send(self, replica: int, message) -> None:
-        with self._lock:
-            self._ranks.conns[self._replica_leaders[replica]].send(message)
+        """To a replica's leader; a closed pipe means the rank is gone (the reader reports which)."""
+        try:
+            with self._lock:
+                self._ranks.conns[self._replica_leaders[replica]].send(message)
+        except OSError as e:
+            raise EngineDead(self.error or f"replica {replica}'s leader rank cannot be reached ({e})") from None
 
     def _drop(self, rid: int) -> None:
         with self._lock:

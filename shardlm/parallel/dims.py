@@ -191,33 +191,34 @@ class ParallelDims:
     def mesh(self) -> DeviceMesh | None:
         return self._mesh
 
+    def _need_mesh(self) -> bool:
+        """Whether this layout's mesh is built; a multi-rank layout without one is an error."""
+        if self._mesh is None and self.world_size > 1:
+            raise LayoutError("call build_mesh() before asking for groups or ranks of a multi-rank layout")
+        return self._mesh is not None
+
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if axis not in MESH_AXES:
             raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
-        if self._mesh is None:
-            if self.world_size > 1:
-                raise LayoutError("call build_mesh() before asking for groups of a multi-rank layout")
-            return None
-        return self._mesh.get_group(axis)
+        return self._mesh.get_group(axis) if self._need_mesh() else None
 
     def rank(self, axis: str) -> int:
-        if self._mesh is None:
-            self.group(axis)  # raises when a mesh is needed
-            return 0
-        return self._mesh.get_local_rank(axis)
+        if axis not in MESH_AXES:
+            raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
+        return self._mesh.get_local_rank(axis) if self._need_mesh() else 0
 
     def expert_group(self, kind: str) -> dist.ProcessGroup | None:
         """The ep, etp, edp or ep_etp group of this rank (None when it has one rank)."""
         if kind not in EXPERT_GROUPS:
             raise KeyError(f"unknown expert group {kind!r}; expert groups are {EXPERT_GROUPS}")
-        self.group("tp")  # raises when a multi-rank layout has no mesh yet
+        self._need_mesh()
         return None if self._expert_groups is None else self._expert_groups[kind]
 
     def expert_rank(self, axis: str) -> int:
         """This rank's coordinate on an expert axis (edp, ep or etp)."""
         if axis not in EXPERT_AXES:
             raise KeyError(f"unknown expert axis {axis!r}; expert axes are {EXPERT_AXES}")
-        self.group("tp")
+        self._need_mesh()
         return self.expert_coords(self.global_rank)[axis]
 
     @property

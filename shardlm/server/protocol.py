@@ -105,9 +105,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         raise bad_request(f"the {where} has {len(ids)} tokens but this model's context is {limit} tokens "
                           f"(prompt + output); shorten it to at most {limit - 1}",
                           param=where, code="context_length_exceeded")
-    slots = engine.kv_blocks * engine.config.block_size  # a request's last token needs no KV slot
-    room = min(limit, slots + 1) - len(ids)
-    why = f"the context {limit}" if limit <= slots + 1 else f"the KV cache {slots} tokens (--kv-cache-memory)"
+    room, why = engine.room(len(ids))
     if room < 1:
         raise bad_request(f"the {where} has {len(ids)} tokens but {why} leaves no room for an answer; shorten it",
                           param=where, code="context_length_exceeded")
@@ -127,7 +125,8 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         raise bad_request(f"temperature={temperature} must be >= 0 (0 is greedy), e.g. 0.7", param="temperature")
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise bad_request(f"seed={req.seed} is out of range; use an integer in [0, 2**63)", param="seed")
+        raise bad_request(f"seed={req.seed} is out of range; torch seeds are 64-bit: use an integer in "
+                          f"[-2**63, 2**64), e.g. 42", param="seed")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
