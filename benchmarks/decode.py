@@ -1,11 +1,14 @@
 """Batch-1 decode speed of SmolLM2: shardlm vs HF transformers, measured in the same run.
 
-For each dtype it prints tokens/s of shardlm (tp=1) and of HF ``generate`` on the same
-weights (HF loads the same GGUF), their ratio, and the floor: the time of the model's
-own matrix-vector products alone, run back to back on its real shapes (every weight
-byte read once per token at the bandwidth these kernels reach). Both engines are
-timed the same way, as wall time of (1 + N) generated tokens minus that of 1 token,
-so prefill and the first token do not count. Best of --repeats runs.
+For each dtype it prints tokens/s of HF ``generate`` on the same weights (HF loads the
+same GGUF), of shardlm (tp=1) eager and with ``compile=True`` (decode steps through
+torch.compile), their ratios to HF, and the floor: the time of the model's own
+matrix-vector products alone, run back to back on its real shapes (every weight byte
+read once per token at the bandwidth these kernels reach). The engines are timed the
+same way, as wall time of (1 + N) generated tokens minus that of 1 token, so prefill
+and the first token do not count; they are loaded together and timed in turns, best
+of --repeats turns, so drifts in this machine's speed hit them alike. The compiled
+engine compiles on its warm-up (tens of seconds the first time, then from the disk cache).
 
 A second table puts tensor parallelism on this host against one process: shardlm tp=2
 (two rank processes, one thread each, collectives on the shared-memory path) against
@@ -14,7 +17,7 @@ path off (``SHARDLM_SHM=0``: gloo), to show what the fast path buys. The three e
 loaded together and measured in turns (best of --repeats), so other load hits them alike.
 
     python benchmarks/decode.py [--tokens 64] [--dtypes float32,bfloat16] [--repeats 3]
-                                [--no-tp2] [--no-gloo] [--tp-only]
+                                [--no-tp2] [--no-gloo] [--tp-only] [--no-compile]
 """
 
 from __future__ import annotations
@@ -31,17 +34,25 @@ from shardlm.parallel.tensor import linear
 PROMPT = "Explain tensor parallelism in one paragraph."
 
 
-def best_rate(run, tokens: int, repeats: int) -> float:
-    """tokens/s of decode alone: (t(1 + tokens) - t(1)) over `tokens`, best of `repeats`."""
-    run(1)  # warm-up
-    best = 0.0
+def decode_rate(run, tokens: int) -> float:
+    """tokens/s of decode alone: (t(1 + tokens) - t(1)) over `tokens`."""
+    t0 = time.perf_counter()
+    run(1)
+    t1 = time.perf_counter()
+    run(1 + tokens)
+    t2 = time.perf_counter()
+    return tokens / ((t2 - t1) - (t1 - t0))
+
+
+def best_in_turns(runs: dict, tokens: dict | int, repeats: int) -> dict[str, float]:
+    """Best decode tok/s of each engine ({name: run(n)}), timed in turns after one warm-up each."""
+    for run in runs.values():
+        run(4)  # warm-up (and, for a compiled engine, its compile)
+    best = dict.fromkeys(runs, 0.0)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(1)
-        t1 = time.perf_counter()
-        run(1 + tokens)
-        t2 = time.perf_counter()
-        best = max(best, tokens / ((t2 - t1) - (t1 - t0)))
+        for name, run in runs.items():
+            n = tokens if isinstance(tokens, int) else tokens[name]
+            best[name] = max(best[name], decode_rate(run, n))
     return best
 
 
@@ -60,6 +71,12 @@ def floor_rate(model, repeats: int) -> tuple[float, float]:
     return 1.0 / best, nbytes / best / 1e9
 
 
+def runner(llm: LLM, ids: list[int]):
+    def run(n: int) -> None:
+        llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+    return run
+
+
 def tp2_rates(dtype: str, ids: list[int], args) -> tuple[float, float, float | None]:
     """(tok/s at tp=1 with two threads, at tp=2 on the shared-memory path, at tp=2 over gloo or None).
 
@@ -74,15 +91,9 @@ def tp2_rates(dtype: str, ids: list[int], args) -> tuple[float, float, float | N
             engines[name] = LLM("smollm2", dtype=dtype, tp=2)
         finally:
             os.environ.pop("SHARDLM_SHM")
-    best = dict.fromkeys(engines, 0.0)
     try:
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                def run(n: int, llm=llm) -> None:
-                    llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-
-                tokens = args.tokens if name != "gloo" else max(8, args.tokens // 4)
-                best[name] = max(best[name], best_rate(run, tokens, 1))
+        tokens = {name: args.tokens if name != "gloo" else max(8, args.tokens // 4) for name in engines}
+        best = best_in_turns({name: runner(llm, ids) for name, llm in engines.items()}, tokens, args.repeats)
     finally:
         for llm in engines.values():
             llm.close()
@@ -97,12 +108,13 @@ def main() -> None:
     ap.add_argument("--no-tp2", action="store_true", help="skip the tp=2 rows")
     ap.add_argument("--no-gloo", action="store_true", help="skip the tp=2 row over gloo")
     ap.add_argument("--tp-only", action="store_true", help="only the tp=2 vs tp=1 table (no HF)")
+    ap.add_argument("--no-compile", action="store_true", help="skip shardlm with compile=True")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M, batch 1, "
-          f"{args.tokens} decode tokens, best of {args.repeats}", flush=True)
+          f"{args.tokens} decode tokens, best of {args.repeats} turns", flush=True)
     rows, tp_rows = [], []
     load = os.getloadavg()[0]
     for dtype in args.dtypes.split(","):
@@ -111,11 +123,6 @@ def main() -> None:
         if args.tp_only:
             tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
             continue
-
-        def ours(n: int) -> None:
-            llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-
-        shard = best_rate(ours, args.tokens, args.repeats)
         floor, gbs = floor_rate(llm.worker.model, args.repeats)
         path = llm.checkpoint.path
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -126,19 +133,26 @@ def main() -> None:
             with torch.inference_mode():
                 hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
-        ref = best_rate(theirs, args.tokens, args.repeats)
-        rows.append((dtype, ref, shard, floor, gbs))
-        del hf, llm
+        runs = {"hf": theirs, "eager": runner(llm, ids)}
+        compiled = None if args.no_compile else LLM("smollm2", dtype=dtype, compile=True)
+        if compiled is not None:
+            runs["compiled"] = runner(compiled, ids)
+        best = best_in_turns(runs, args.tokens, args.repeats)
+        rows.append((dtype, best["hf"], best["eager"], best.get("compiled"), floor, gbs))
+        del hf, llm, compiled
         if not args.no_tp2:
             tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
 
     if rows:
-        print(f"\n{'dtype':<9} {'HF tok/s':>9} {'shardlm':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} "
-              f"{'shardlm/floor':>14} {'HF/floor':>9}")
-        for dtype, ref, shard, floor, gbs in rows:
-            print(f"{dtype:<9} {ref:>9.1f} {shard:>9.1f} {shard / ref:>5.2f}x {floor:>7.1f} {gbs:>6.1f} "
-                  f"{shard / floor:>13.0%} {ref / floor:>9.0%}")
-        print("\nfloor: tokens/s if a token cost only its matrix-vector products (every weight byte once)")
+        print(f"\n{'dtype':<9} {'HF tok/s':>9} {'eager':>7} {'ratio':>6} {'compiled':>9} {'ratio':>6} {'floor':>7} "
+              f"{'GB/s':>6} {'best/floor':>11} {'HF/floor':>9}")
+        for dtype, ref, eager, comp, floor, gbs in rows:
+            c = f"{comp:>9.1f} {comp / ref:>5.2f}x" if comp else f"{'-':>9} {'-':>6}"
+            top = max(eager, comp or 0.0)
+            print(f"{dtype:<9} {ref:>9.1f} {eager:>7.1f} {eager / ref:>5.2f}x {c} {floor:>7.1f} {gbs:>6.1f} "
+                  f"{top / floor:>10.0%} {ref / floor:>9.0%}")
+        print("\nratios are to HF; floor: tokens/s if a token cost only its matrix-vector products "
+              "(every weight byte once)")
     if tp_rows:
         print(f"\n{'dtype':<9} {'tp=1 x2 thr':>11} {'tp=2 shm':>9} {'ratio':>6} {'tp=2 gloo':>10} {'ratio':>6}")
         for dtype, one, two, gloo in tp_rows:

@@ -50,6 +50,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true",
+                   help="run decode steps through torch.compile: faster decoding after a one-time compile "
+                        "(tens of seconds, cached on disk); dense models")
 
 
 def add_generate(sub) -> None:
@@ -94,7 +97,7 @@ def run_generate(args) -> int:
     chat = not args.no_chat and bool(tokenizer.chat_template)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
     options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                   micro_batches=args.micro_batches, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
+                   micro_batches=args.micro_batches, dtype=args.dtype, compile=args.compile, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
                    max_model_len=args.max_model_len)
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory

@@ -56,3 +56,29 @@ def llm_generate(model: str, prompts: list[list[int]], max_tokens: list[int], **
     llm = LLM(model, threads=1, **layout)
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
     return [o.token_ids for o in outputs], llm.last_stats.expert_load
+
+
+def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
+    """Greedy runs through the LLM API with compile=True on this rank: the first two compile the
+    two shape classes (several sequences, then one); the rest run under ``fail_on_recompile``
+    with other batch sizes, contexts and per-request lengths. [(prompts' indices, max_tokens,
+    tokens per prompt)] and the classes compiled."""
+    import torch
+
+    from shardlm import LLM, SamplingParams
+
+    llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
+    runs = []
+
+    def run(indices, max_tokens):
+        out = llm.generate([prompts[i] for i in indices], [SamplingParams(max_tokens=n) for n in max_tokens])
+        runs.append((indices, max_tokens, [o.token_ids for o in out]))
+
+    n = len(prompts)
+    run(list(range(n)), [new_tokens] * n)  # all decode together
+    run([n - 1], [new_tokens])  # one alone
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run([1, 2, 0], [new_tokens] * 3)
+        run([0], [new_tokens])
+        run([0, 1, 2], [5, 20, new_tokens])  # sequences finish early: the batch shrinks as it goes
+    return runs, llm.worker.runner.compiled_classes

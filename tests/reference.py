@@ -50,12 +50,13 @@ class Reference:
     logits: torch.Tensor  # [len(PROMPTS[-1]), vocab]: every position of the longest prompt
 
 
-def build_tiny(name: str, directory: Path) -> Reference:
-    """Save a random HF model as safetensors and record HF's greedy tokens and logits."""
+def build_tiny(name: str, directory: Path, **changes) -> Reference:
+    """Save a random HF model as safetensors and record HF's greedy tokens and logits
+    (``changes``: config fields to change, e.g. num_hidden_layers=2)."""
     import transformers
 
     cls_name, overrides = TINY_MODELS[name]
-    config = getattr(transformers, cls_name)(**{**_COMMON, **overrides})
+    config = getattr(transformers, cls_name)(**{**_COMMON, **overrides, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory, safe_serialization=True)

@@ -50,6 +50,10 @@ class EngineConfig:
     """Base seed; a request without its own seed uses seed + its index."""
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (cuda when available)."""
+    compile: bool = False
+    """Run decode-only steps through torch.compile (inductor), which fuses the small ops between
+    the matrix products. Each shape class (one sequence, several) compiles on its first step:
+    tens of seconds on a small CPU, then cached on disk. Dense models only."""
     threads: int | None = None
     """CPU threads per rank; default: the cores shared evenly among the local ranks."""
     timeout_s: float = 300.0

@@ -45,6 +45,9 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
     check_expert_layout(ckpt.config, config.ep, config.etp)
     stage_layers(ckpt.config, config.pp, config.pp_layers)
+    if config.compile and ckpt.config.is_moe:
+        raise UsageError(f"compile=True supports dense models; {ckpt.path.name} is a mixture of experts, whose "
+                         "routing torch.compile cannot trace: drop --compile")
     return dims
 
 

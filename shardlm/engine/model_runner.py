@@ -3,19 +3,32 @@
 It owns this rank's KV cache (one ``[2, blocks, block_size, kv_heads, head_dim]``
 tensor per local layer), flattens the step's tokens (prefills first, then decodes),
 builds the attention metadata and returns the logits of each sequence's last token.
+
+With ``compile``, decode-only steps run the model through ``torch.compile`` (dynamic
+shapes: context length and batch size never force a recompile, except that one
+sequence and several are two graphs), the way vLLM compiles its decode step; prefill
+steps stay eager, being few and bound by their matrix products.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 compile: bool = False, announce: bool = False):
         self.model = model
+        self.compiled = torch.compile(model.forward, dynamic=True) if compile else None
+        self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
+        self.announce = announce  # say on stderr when a shape class compiles
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -24,6 +37,9 @@ class ModelRunner:
         # torch.empty only reserves address space: pages are touched as tokens arrive
         self.caches = [torch.empty(shape, dtype=dtype, device=device) for _ in model.layers]
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
+        if compile:
+            for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
+                torch._dynamo.mark_static(cache)
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -69,7 +85,9 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
         meta.num_prefill_tokens = len(ids) - len(decodes)
         if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
+            # compiled: at least two columns (a padding block is masked), or dynamo would specialise
+            # on a one-block table and recompile when the context outgrows its first block
+            max_blocks = max([len(s.block_table) for s in decodes] + [2 if self.compiled is not None else 1])
             meta.decode_block_tables = torch.tensor(
                 [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], device=dev)
             meta.decode_context_lens = torch.tensor([s.num_computed + 1 for s in decodes], device=dev)
@@ -88,6 +106,31 @@ class ModelRunner:
         stage (with ``all_positions``: [tokens, vocab]), else (hidden, residual).
         """
         ids, positions, meta, last_rows = self.prepare(batch)
-        out = self.model(ids if hidden is None else hidden, positions, meta, self.caches,
-                         None if all_positions else last_rows)
+        args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
+        if self.compiled is not None and not meta.prefills and not all_positions:
+            out = self._run_compiled(args, several=len(positions) > 1)
+        else:
+            out = self.model(*args)
         return out.float() if self.model.last else out
+
+    def _run_compiled(self, args, several: bool):
+        # Without duck sizing: by default dynamo assumes two sizes that happen to be equal when it
+        # traces (say 4 sequences and 4-token blocks, or as many sequences as table columns) stay
+        # equal, and recompiles the first time they differ.
+        with fx_config.patch(use_duck_shape=False):
+            if several in self.compiled_classes:
+                return self.compiled(*args)
+            return self._compile_class(args, several)
+
+    def _compile_class(self, args, several: bool):
+        what = "several sequences" if several else "one sequence"
+        if self.announce:
+            print(f"shardlm: compiling the decode step for {what} (once; cached on disk for later runs)",
+                  file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        out = self.compiled(*args)
+        self.compiled_classes.add(several)
+        if self.announce:
+            print(f"shardlm: compiled the decode step for {what} in {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        return out

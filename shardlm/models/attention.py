@@ -70,10 +70,21 @@ class GroupedHeads:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the new tokens' keys/values ([tokens, kv_heads, d]) at their slots."""
+    """Store the new tokens' keys/values ([tokens, kv_heads, d]) at their slots.
+
+    Called as ``torch.ops.shardlm.write_kv``, an op torch.compile cannot see into: traced,
+    the in-place write into a view of the cache becomes a functional update that copies
+    the whole cache every step. (``torch.library.Library`` rather than ``custom_op``,
+    whose Python wrapper costs ~40 us a call here.)"""
     h, d = k.shape[-2:]
     cache[0].view(-1, h, d).index_copy_(0, slots, k)
     cache[1].view(-1, h, d).index_copy_(0, slots, v)
+
+
+_LIB = torch.library.Library("shardlm", "DEF")
+_LIB.define("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots) -> ()")
+_LIB.impl("write_kv", write_kv, "CompositeExplicitAutograd")
+torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None)
 
 
 def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +107,10 @@ def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.T
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata, heads: GroupedHeads, scale: float,
                     window: int | None = None) -> torch.Tensor:
-    """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] (already written to the cache).
-
-    Returns [tokens, q_heads, d].
+    """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d]. Writes k and v to their cache
+    slots, then attends. Returns [tokens, q_heads, d].
     """
+    torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
     outputs = []
     gqa = heads.group > 1
     for s in meta.prefills:
@@ -129,15 +140,21 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads
     ([kv, group, d] against [kv, S, d]) so the keys are read once, never repeated."""
     n, d = q.shape[0], q.shape[-1]
     qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
-    if n == 1:
+    compiling = torch.compiler.is_compiling()
+    if n == 1 and not compiling:
         length = meta.decode_max_context
         ks, vs = _read_kv(cache, meta.decode_block_tables[0], length)  # [kv, S, d]
         if window is not None and length > window:
             ks, vs = ks[:, -window:], vs[:, -window:]
         o = F.scaled_dot_product_attention(qg, ks[None], vs[None], scale=scale)
     else:
+        # Whole blocks, the unused slots masked. Under torch.compile one sequence comes here too and
+        # the table is used as given: cutting keys or blocks at the context length would make dynamo
+        # specialise on whether the context fills its last block, and recompile as it grows.
         bs, h = cache.shape[2], cache.shape[3]
-        tables = meta.decode_block_tables[:, : (meta.decode_max_context + bs - 1) // bs]
+        tables = meta.decode_block_tables
+        if not compiling:
+            tables = tables[:, : (meta.decode_max_context + bs - 1) // bs]
         kv = cache.index_select(1, tables.flatten()).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
         lens = meta.decode_context_lens
         k_pos = torch.arange(kv.shape[3], device=q.device)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention, write_kv
+from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention
 from shardlm.models.config import ModelConfig
 from shardlm.models.moe import SparseMoE
 from shardlm.models.rope import Rotary, apply_rotary
@@ -102,7 +102,6 @@ class Attention(nn.Module):
             qk = self.qk_norm(qk)
         qk = apply_rotary(qk, *rope)
         q, k = qk[:, :nq], qk[:, nq:]  # [tokens, q_heads, d], [tokens, kv_heads, d]
-        write_kv(cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
         return self.o(o.reshape(t, self.num_q * d))
 

@@ -60,6 +60,13 @@ class _Dual(torch.autograd.Function):
         return ctx.bwd(g), None, None
 
 
+@torch.compiler.disable
+def _region(x: Tensor, fwd, bwd) -> Tensor:
+    """A dual's communication: opaque to torch.compile (a graph break; the shared-memory
+    path is Python that dynamo should not trace)."""
+    return _Dual.apply(x, fwd, bwd)
+
+
 def _own(x: Tensor, group, d: int, sizes: list[int]) -> Tensor:
     """This rank's chunk of the full x along dim d."""
     rank = group_rank(group)
@@ -81,14 +88,14 @@ def copy_to_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """forward: identity; backward: all-reduce (sum) the gradient over group (Megatron's f)."""
     if group_size(group) == 1:
         return x
-    return _Dual.apply(x, lambda t: t.view_as(t), lambda g: _summed(g, group))
+    return _region(x, lambda t: t.view_as(t), lambda g: _summed(g, group))
 
 
 def reduce_from_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """forward: all-reduce (sum, out of place) over group; backward: identity (Megatron's g)."""
     if group_size(group) == 1:
         return x
-    return _Dual.apply(x, lambda t: _summed(t, group), lambda g: g)
+    return _region(x, lambda t: _summed(t, group), lambda g: g)
 
 
 def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
@@ -98,7 +105,7 @@ def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
         return x
     d = _dim(x, dim)
     sizes = _sizes(sizes, group_size(group), x.size(d), d)
-    return _Dual.apply(x, lambda t: _own(t, group, d, sizes), lambda g: all_gather(g, group, d, sizes))
+    return _region(x, lambda t: _own(t, group, d, sizes), lambda g: all_gather(g, group, d, sizes))
 
 
 def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
@@ -107,7 +114,7 @@ def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
     if group_size(group) == 1:
         return x
     d, sizes = _shard_sizes(x, group, dim, sizes)
-    return _Dual.apply(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
+    return _region(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
 
 
 def all_gather_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
@@ -116,8 +123,8 @@ def all_gather_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
     if group_size(group) == 1:
         return x
     d, sizes = _shard_sizes(x, group, dim, sizes)
-    return _Dual.apply(x, lambda t: all_gather(t, group, d, sizes),
-                       lambda g: reduce_scatter(g, group, d, sizes))
+    return _region(x, lambda t: all_gather(t, group, d, sizes),
+                   lambda g: reduce_scatter(g, group, d, sizes))
 
 
 def reduce_scatter_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
@@ -127,8 +134,8 @@ def reduce_scatter_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
         return x
     d = _dim(x, dim)
     sizes = _sizes(sizes, group_size(group), x.size(d), d)
-    return _Dual.apply(x, lambda t: reduce_scatter(t, group, d, sizes),
-                       lambda g: all_gather(g, group, d, sizes))
+    return _region(x, lambda t: reduce_scatter(t, group, d, sizes),
+                   lambda g: all_gather(g, group, d, sizes))
 
 
 def all_to_all_region(x: Tensor, group: ProcessGroup | None, send_sizes: Sequence[int] | None = None,
@@ -137,5 +144,5 @@ def all_to_all_region(x: Tensor, group: ProcessGroup | None, send_sizes: Sequenc
     if group_size(group) == 1:
         return x
     send, recv = _a2a_sizes(x, group, send_sizes, recv_sizes, _dim(x, dim))
-    return _Dual.apply(x, lambda t: all_to_all(t, group, send, recv, dim),
-                       lambda g: all_to_all(g, group, recv, send, dim))  # rows go back where they came from
+    return _region(x, lambda t: all_to_all(t, group, send, recv, dim),
+                   lambda g: all_to_all(g, group, recv, send, dim))  # rows go back where they came from

@@ -107,7 +107,8 @@ def _start_engine(args):
     ckpt = open_checkpoint(args.model)
     options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
                    micro_batches=args.micro_batches, eplb_interval=args.eplb_interval,
-                   eplb_redundant=args.eplb_redundant, dtype=args.dtype, seed=args.seed, timeout_s=args.timeout,
+                   eplb_redundant=args.eplb_redundant, dtype=args.dtype, compile=args.compile, seed=args.seed,
+                   timeout_s=args.timeout,
                    threads=args.threads, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     world = args.tp * args.pp * args.dp

@@ -1,0 +1,38 @@
+"""compile=True: decode steps through torch.compile give HF's greedy tokens, and compile once
+per shape class (one sequence, several), never again as contexts and batches change.
+
+Reference: HF transformers' greedy tokens (float32, identical), as in test_tp_models.
+Slow: each shape class compiles with inductor (C++), ~50 s on 2 cores; the model has 2
+layers since the compiled graph unrolls every layer and compile time grows with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_reference import cached_tiny_moe
+from multirank import run_ranks
+from rankfns import compiled_runs
+from reference import NEW_TOKENS, PROMPTS, build_tiny
+from shardlm import LLM
+from shardlm.errors import UsageError
+
+
+@pytest.mark.slow
+def test_compiled_decode_at_tp2_matches_hf_and_never_recompiles(tmp_path_factory):
+    """Mistral: grouped KV heads and a sliding window inside the compiled graph; the tp
+    all-reduces are graph breaks (collectives stay eager). tp=1 runs the same graph without
+    the breaks."""
+    ref = build_tiny("mistral", tmp_path_factory.mktemp("mistral"), num_hidden_layers=2)
+    for rank, (runs, classes) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, tp=2)):
+        assert classes == {False, True}
+        for indices, max_tokens, tokens in runs:
+            expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
+            assert tokens == expected, f"rank {rank}: prompts {indices} disagree with HF"
+    assert len({tuple(t) for t in ref.tokens}) == len(PROMPTS)  # distinct answers: a mix-up would show
+
+
+def test_compile_refuses_moe(tmp_path_factory):
+    ref = cached_tiny_moe("mixtral", tmp_path_factory)
+    with pytest.raises(UsageError, match="mixture of experts.*drop --compile"):
+        LLM(str(ref.path), compile=True)
