@@ -70,7 +70,9 @@ def test_each_stage_holds_only_its_layers(tiny):
     assert sum(bytes_per_stage) == one + 251 * 96 * 4  # each layer once; the tied table twice
 
 
-@pytest.mark.parametrize("dp, pp, tp", [(1, 2, 1), (1, 3, 3), (2, 2, 1)])
+# pp x tp on the real model at 4 ranks (tp=2 splits its 9 heads unevenly); a 9-rank pp3 x tp3 ran
+# ~45 s oversubscribed on 2 cores. The tiny-model matrix covers pp3 x tp2, and world_of_8 pp x tp at 8.
+@pytest.mark.parametrize("dp, pp, tp", [(1, 2, 1), (1, 2, 2), (2, 2, 1)])
 def test_smollm2_layouts_match_hf(smollm2, dp, pp, tp):
     path, prompts, ref, _ = smollm2
     for tokens, _, _ in run_ranks(dp * pp * tp, llm_greedy, path, prompts, TOKENS, dp=dp, pp=pp, tp=tp):
