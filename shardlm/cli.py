@@ -55,6 +55,12 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                         "(tens of seconds, cached on disk); dense models")
 
 
+def layout_options(args) -> dict:
+    """The EngineConfig fields that add_layout_args' flags set."""
+    return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
+                micro_batches=args.micro_batches, dtype=args.dtype, compile=args.compile)
+
+
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from prompts, split over ranks",
                        description="Generate completions for one or more prompts with the model split over "
@@ -96,8 +102,7 @@ def run_generate(args) -> int:
     tokenizer = ckpt.tokenizer()
     chat = not args.no_chat and bool(tokenizer.chat_template)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                   micro_batches=args.micro_batches, dtype=args.dtype, compile=args.compile, seed=args.seed, timeout_s=args.timeout, threads=args.threads,
+    options = dict(layout_options(args), seed=args.seed, timeout_s=args.timeout, threads=args.threads,
                    max_model_len=args.max_model_len)
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from shardlm.cli import add_layout_args, byte_size, log
+from shardlm.cli import add_layout_args, byte_size, layout_options, log
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -105,12 +105,9 @@ def _start_engine(args):
     from shardlm.models.loader import open_checkpoint
 
     ckpt = open_checkpoint(args.model)
-    options = dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                   micro_batches=args.micro_batches, eplb_interval=args.eplb_interval,
-                   eplb_redundant=args.eplb_redundant, dtype=args.dtype, compile=args.compile, seed=args.seed,
-                   timeout_s=args.timeout,
-                   threads=args.threads, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    options = dict(layout_options(args), eplb_interval=args.eplb_interval, eplb_redundant=args.eplb_redundant,
+                   seed=args.seed, timeout_s=args.timeout, threads=args.threads, max_model_len=args.max_model_len,
+                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     world = args.tp * args.pp * args.dp
     axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
     log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
