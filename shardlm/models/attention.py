@@ -134,32 +134,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                     max_context: int, scale: float, window: int | None) -> torch.Tensor:
+    """One new token per sequence: q [B, kv, group, d] (a KV head's query group folded into the
+    query axis, so its keys are read once, never repeated) against the sequences' cached keys.
+    Returns [B, kv, group, d].
+
+    Called as ``torch.ops.shardlm.decode_attention``, opaque to torch.compile as vLLM's attention
+    op is: traced, the gather and the masked softmax became generated loops ~10x slower than
+    these kernels, and slicing at the context length would specialise the graph on it."""
+    n, d = q.shape[0], q.shape[-1]
+    if n == 1:
+        ks, vs = _read_kv(cache, tables[0], max_context)  # [kv, S, d]
+        if window is not None and max_context > window:
+            ks, vs = ks[:, -window:], vs[:, -window:]
+        return F.scaled_dot_product_attention(q, ks[None], vs[None], scale=scale)
+    # whole blocks, the unused slots (a block's tail, padding blocks) masked
+    bs, h = cache.shape[2], cache.shape[3]
+    tables = tables[:, : (max_context + bs - 1) // bs]
+    kv = cache.index_select(1, tables.flatten()).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
+    k_pos = torch.arange(kv.shape[3], device=q.device)
+    mask = k_pos[None, :] < lens[:, None]  # [B, S]
+    if window is not None:
+        mask &= k_pos[None, :] >= (lens - window)[:, None]
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale)
+
+
+_LIB.define("decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, SymInt max_context, float scale, "
+            "int? window) -> Tensor")
+_LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("shardlm::decode_attention")(lambda q, *args: torch.empty_like(q))
+
+
 def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads,
             scale: float, window: int | None) -> torch.Tensor:
-    """One new token per sequence. A KV head's query group is folded into the query axis
-    ([kv, group, d] against [kv, S, d]) so the keys are read once, never repeated."""
     n, d = q.shape[0], q.shape[-1]
     qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
-    compiling = torch.compiler.is_compiling()
-    if n == 1 and not compiling:
-        length = meta.decode_max_context
-        ks, vs = _read_kv(cache, meta.decode_block_tables[0], length)  # [kv, S, d]
-        if window is not None and length > window:
-            ks, vs = ks[:, -window:], vs[:, -window:]
-        o = F.scaled_dot_product_attention(qg, ks[None], vs[None], scale=scale)
-    else:
-        # Whole blocks, the unused slots masked. Under torch.compile one sequence comes here too and
-        # the table is used as given: cutting keys or blocks at the context length would make dynamo
-        # specialise on whether the context fills its last block, and recompile as it grows.
-        bs, h = cache.shape[2], cache.shape[3]
-        tables = meta.decode_block_tables
-        if not compiling:
-            tables = tables[:, : (meta.decode_max_context + bs - 1) // bs]
-        kv = cache.index_select(1, tables.flatten()).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
-        lens = meta.decode_context_lens
-        k_pos = torch.arange(kv.shape[3], device=q.device)
-        mask = k_pos[None, :] < lens[:, None]  # [B, S]
-        if window is not None:
-            mask &= k_pos[None, :] >= (lens - window)[:, None]
-        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale)
+    o = torch.ops.shardlm.decode_attention(qg, cache, meta.decode_block_tables, meta.decode_context_lens,
+                                           meta.decode_max_context, scale, window)
     return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))  # [B, q_heads, d]
