@@ -17,7 +17,8 @@ shardlm's ranks use --threads threads each; HF as many threads in all (or each c
 see the same machine load, which is printed.
 
     python benchmarks/serving.py [--tokens 64] [--levels 1,8,32] [--threads 1] [--tp 1] [--dp 1]
-                                 [--hf-threads 1,2] [--until-eos] [--no-hf] [--plot serving.png]
+                                 [--dtype bfloat16] [--compile] [--hf-threads 1,2] [--until-eos]
+                                 [--no-hf] [--plot serving.png]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ REQUEST_TIMEOUT_S = 600
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [str(Path(sys.executable).parent / "shardlm"), "serve", "--port", "0", "--threads", str(args.threads),
            "--tp", str(args.tp), "--dp", str(args.dp), "--dtype", args.dtype, "--kv-cache-memory", "512MiB",
-           "--max-model-len", "2048"]
+           "--max-model-len", "2048"] + (["--compile"] if args.compile else [])
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     found: list[str] = []
     ready = threading.Event()
@@ -185,6 +186,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--compile", action="store_true",
+                    help="shardlm serve --compile (its two decode graphs compile during the warm-up)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw tok/s, TTFT and TPOT per level")
     ap.add_argument("--until-eos", action="store_true",
@@ -219,7 +222,8 @@ def main() -> None:
     proc, url = start_server(args)
     rows = []
     try:
-        asyncio.run(shardlm_level(url, prompts, 2, 2, 4, False))  # warm-up
+        for clients in (1, 2):  # warm-up: one sequence, then several (the two compiled shape classes)
+            asyncio.run(shardlm_level(url, prompts, clients, clients, 4, False))
         for c in levels:
             n = c * args.requests_per_client
             rows.append(row("shardlm", c, *asyncio.run(shardlm_level(url, prompts, c, n, args.tokens, args.until_eos))))

@@ -60,8 +60,8 @@ def test_cli_json_and_plots(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["paths"] == {"auto": "shm"} and all(r["ok"] for r in data["rows"])
-    assert {r["op"] for r in data["rows"]} == {"all_reduce", "all_gather"} and len(data["rows"]) == 2 * 8
+    assert data["paths"] == {"auto": "shm", "gloo": "gloo"} and all(r["ok"] for r in data["rows"])  # both by default
+    assert {r["op"] for r in data["rows"]} == {"all_reduce", "all_gather"} and len(data["rows"]) == 2 * 8 * 2
     assert (tmp_path / "latency.png").stat().st_size > 10_000 and (tmp_path / "busbw.png").stat().st_size > 10_000
 
 
