@@ -1,7 +1,8 @@
 """The one multi-rank test harness: a pool of gloo ranks on CPU, reused across tests.
 
-Starting a rank costs seconds (it imports torch), so ranks of one world size are
-spawned once per session and run many test functions. ``run_ranks(n, fn, *args)``
+Starting a rank costs seconds (it imports torch and shardlm), so ranks fork from a
+forkserver that imported both once, and ranks of one world size are kept for the
+session and run many test functions. ``run_ranks(n, fn, *args)``
 calls ``fn(*args)`` on every rank of an n-rank world and returns the list of
 results in rank order. ``fn`` must be importable (a module-level function).
 
@@ -27,6 +28,10 @@ import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLM_TEST_TIMEOUT", "240"))
 MAX_LIVE_POOLS = 2  # ranks hold ~300 MB each; keep at most two world sizes alive
+# forkserver, not fork: the test process has run torch ops (OpenMP threads are not fork-safe);
+# the server has only imported modules
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["shardlm.engine.llm", "multirank"])
 
 
 def free_port() -> int:
@@ -61,7 +66,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 class RankPool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _CTX
         self.world = world
         self.tasks = [ctx.SimpleQueue() for _ in range(world)]
         self.results = ctx.Queue()

@@ -20,13 +20,17 @@ from torch.fx.experimental import _config as fx_config
 
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq
+from shardlm.parallel import comm
 
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  compile: bool = False, announce: bool = False):
         self.model = model
-        self.compiled = torch.compile(model.forward, dynamic=True) if compile else None
+        self.compiled = None
+        if compile:
+            comm.opaque_to_compile()
+            self.compiled = torch.compile(model.forward, dynamic=True)
         self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
         self.announce = announce  # say on stderr when a shape class compiles
         self.block_size = block_size

@@ -60,11 +60,19 @@ class _Dual(torch.autograd.Function):
         return ctx.bwd(g), None, None
 
 
-@torch.compiler.disable
 def _region(x: Tensor, fwd, bwd) -> Tensor:
-    """A dual's communication: opaque to torch.compile (a graph break; the shared-memory
-    path is Python that dynamo should not trace)."""
+    """A dual's communication (made opaque to torch.compile by ``opaque_to_compile``)."""
     return _Dual.apply(x, fwd, bwd)
+
+
+def opaque_to_compile() -> None:
+    """Make every dual's communication a graph break for torch.compile: the shared-memory path
+    is Python that dynamo should not trace. Called by the code that compiles, not at import:
+    importing torch._dynamo costs a rank ~1.6 s of start-up it needs only to compile."""
+    global _region
+    if not getattr(_region, "opaque", False):
+        _region = torch.compiler.disable(_region)
+        _region.opaque = True
 
 
 def _own(x: Tensor, group, d: int, sizes: list[int]) -> Tensor:
