@@ -12,7 +12,9 @@ steps stay eager, being few and bound by their matrix products.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 
 import torch
@@ -21,6 +23,8 @@ from torch.fx.experimental import _config as fx_config
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq
 from shardlm.parallel import comm
+
+PROGRESS_EVERY_S = 30.0
 
 
 class ModelRunner:
@@ -127,14 +131,33 @@ class ModelRunner:
             return self._compile_class(args, several)
 
     def _compile_class(self, args, several: bool):
-        what = "several sequences" if several else "one sequence"
-        if self.announce:
-            print(f"shardlm: compiling the decode step for {what} (once; cached on disk for later runs)",
-                  file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        out = self.compiled(*args)
+        with announced(f"the decode step for {'several sequences' if several else 'one sequence'}", self.announce):
+            out = self.compiled(*args)
         self.compiled_classes.add(several)
-        if self.announce:
-            print(f"shardlm: compiled the decode step for {what} in {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
         return out
+
+
+@contextlib.contextmanager
+def announced(what: str, enabled: bool):
+    """Say on stderr that ``what`` compiles, every PROGRESS_EVERY_S that it still does (minutes
+    on a small CPU), and when it is done."""
+    if not enabled:
+        yield
+        return
+    start = time.perf_counter()
+    done = threading.Event()
+
+    def say(text: str) -> None:
+        print(f"shardlm: {text}", file=sys.stderr, flush=True)
+
+    def progress() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            say(f"still compiling {what} ({time.perf_counter() - start:.0f} s)")
+
+    say(f"compiling {what} (once; cached on disk for later runs)")
+    threading.Thread(target=progress, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+    say(f"compiled {what} in {time.perf_counter() - start:.0f} s")
