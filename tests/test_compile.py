@@ -18,17 +18,23 @@ from shardlm import LLM
 from shardlm.errors import UsageError
 
 
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return build_tiny("mistral", tmp_path_factory.mktemp("mistral"), num_hidden_layers=2)
+
+
 @pytest.mark.slow
-def test_compiled_decode_at_tp2_matches_hf_and_never_recompiles(tmp_path_factory):
-    """Mistral: grouped KV heads and a sliding window inside the compiled graph; the tp
-    all-reduces are graph breaks (collectives stay eager). tp=1 runs the same graph without
-    the breaks."""
-    ref = build_tiny("mistral", tmp_path_factory.mktemp("mistral"), num_hidden_layers=2)
-    for rank, (runs, classes) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, tp=2)):
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
+def test_compiled_decode_matches_hf_and_never_recompiles(mistral, layout):
+    """Mistral: grouped KV heads and a sliding window inside the compiled graph. tp=2: the
+    all-reduces are graph breaks (collectives stay eager); pp=2: each stage compiles its own
+    layers, the second starting from the hidden state it receives, with micro-batches in flight."""
+    ref = mistral
+    for rank, (runs, classes) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, **layout)):
         assert classes == {False, True}
         for indices, max_tokens, tokens in runs:
             expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
-            assert tokens == expected, f"rank {rank}: prompts {indices} disagree with HF"
+            assert tokens == expected, f"rank {rank} of {layout}: prompts {indices} disagree with HF"
     assert len({tuple(t) for t in ref.tokens}) == len(PROMPTS)  # distinct answers: a mix-up would show
 
 
