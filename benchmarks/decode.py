@@ -17,7 +17,7 @@ path off (``SHARDLM_SHM=0``: gloo), to show what the fast path buys. The three e
 loaded together and measured in turns (best of --repeats), so other load hits them alike.
 
     python benchmarks/decode.py [--tokens 64] [--dtypes float32,bfloat16] [--repeats 3]
-                                [--no-tp2] [--no-gloo] [--tp-only] [--no-compile]
+                                [--no-tp2] [--no-gloo] [--tp-only] [--no-compile] [--tp-compile]
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ def tp2_rates(dtype: str, ids: list[int], args) -> tuple[float, float, float | N
 
     All three engines are loaded at once and measured in turns, best of --repeats turns, so
     a burst of load from other processes hits each of them alike."""
-    engines = {"tp1": LLM("smollm2", dtype=dtype, threads=2)}
+    engines = {"tp1": LLM("smollm2", dtype=dtype, threads=2, compile=args.tp_compile)}
     for name, shm in (("shm", "1"), ("gloo", "0")):
         if name == "gloo" and args.no_gloo:
             continue
         os.environ["SHARDLM_SHM"] = shm  # read by the rank processes when their groups are first used
         try:
-            engines[name] = LLM("smollm2", dtype=dtype, tp=2)
+            engines[name] = LLM("smollm2", dtype=dtype, tp=2, compile=args.tp_compile)
         finally:
             os.environ.pop("SHARDLM_SHM")
     try:
@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--no-gloo", action="store_true", help="skip the tp=2 row over gloo")
     ap.add_argument("--tp-only", action="store_true", help="only the tp=2 vs tp=1 table (no HF)")
     ap.add_argument("--no-compile", action="store_true", help="skip shardlm with compile=True")
+    ap.add_argument("--tp-compile", action="store_true", help="the tp=2 vs tp=1 engines with compile=True")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -158,7 +159,8 @@ def main() -> None:
         for dtype, one, two, gloo in tp_rows:
             g = f"{gloo:>10.1f} {gloo / one:>5.2f}x" if gloo else f"{'-':>10} {'-':>6}"
             print(f"{dtype:<9} {one:>11.1f} {two:>9.1f} {two / one:>5.2f}x {g}")
-        print("tok/s of batch-1 decode; tp=2: two rank processes of one thread each; "
+        print(f"tok/s of batch-1 decode{' compiled' if args.tp_compile else ''}; tp=2: two rank processes of one "
+              "thread each; "
               f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -81,7 +81,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     cache[1].view(-1, h, d).index_copy_(0, slots, v)
 
 
-_LIB = torch.library.Library("shardlm", "DEF")
+_LIB = torch.library.Library("shardlm", "FRAGMENT")
 _LIB.define("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots) -> ()")
 _LIB.impl("write_kv", write_kv, "CompositeExplicitAutograd")
 torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None)

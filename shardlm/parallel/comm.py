@@ -65,14 +65,52 @@ def _region(x: Tensor, fwd, bwd) -> Tensor:
     return _Dual.apply(x, fwd, bwd)
 
 
-def opaque_to_compile() -> None:
-    """Make every dual's communication a graph break for torch.compile: the shared-memory path
-    is Python that dynamo should not trace. Called by the code that compiles, not at import:
-    importing torch._dynamo costs a rank ~1.6 s of start-up it needs only to compile."""
+def opaque_to_compile(groups: Sequence[ProcessGroup]) -> None:
+    """Prepare the duals for torch.compile (called by the code that compiles, not at import:
+    importing torch._dynamo costs a rank ~1.6 s of start-up it needs only to compile).
+
+    In a compiled inference forward the all-reduce and all-gather of ``groups`` are opaque ops
+    in the graph, ``torch.ops.shardlm.all_reduce`` / ``all_gather`` (as vLLM registers its
+    collectives), so a tp step is one graph; every other dual is a graph break, since the
+    shared-memory path is Python that dynamo should not trace."""
     global _region
+    for group in groups:
+        _COMPILED_GROUPS[group.group_name] = group
     if not getattr(_region, "opaque", False):
         _region = torch.compiler.disable(_region)
         _region.opaque = True
+
+
+_COMPILED_GROUPS: dict[str, ProcessGroup] = {}
+
+
+def _in_graph(group) -> bool:
+    """True while torch.compile traces an inference forward whose group has an op name."""
+    return (torch.compiler.is_compiling() and not torch.is_grad_enabled() and group is not None
+            and group.group_name in _COMPILED_GROUPS)
+
+
+def _all_reduce_op(x: Tensor, group: str) -> Tensor:
+    return _summed(x, _COMPILED_GROUPS[group])
+
+
+def _all_gather_op(x: Tensor, group: str, dim: int, sizes: list[int]) -> Tensor:
+    return all_gather(x, _COMPILED_GROUPS[group], dim, sizes)
+
+
+def _all_gather_fake(x: Tensor, group: str, dim: int, sizes: list[int]) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return x.new_empty(shape)
+
+
+_LIB = torch.library.Library("shardlm", "FRAGMENT")
+_LIB.define("all_reduce(Tensor x, str group) -> Tensor")
+_LIB.impl("all_reduce", _all_reduce_op, "CompositeExplicitAutograd")
+torch.library.register_fake("shardlm::all_reduce")(lambda x, group: torch.empty_like(x))
+_LIB.define("all_gather(Tensor x, str group, int dim, SymInt[] sizes) -> Tensor")
+_LIB.impl("all_gather", _all_gather_op, "CompositeExplicitAutograd")
+torch.library.register_fake("shardlm::all_gather")(_all_gather_fake)
 
 
 def _own(x: Tensor, group, d: int, sizes: list[int]) -> Tensor:
@@ -94,7 +132,7 @@ def _summed(x: Tensor, group) -> Tensor:
 
 def copy_to_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """forward: identity; backward: all-reduce (sum) the gradient over group (Megatron's f)."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or _in_graph(group):  # compiled inference: no backward to keep
         return x
     return _region(x, lambda t: t.view_as(t), lambda g: _summed(g, group))
 
@@ -103,6 +141,8 @@ def reduce_from_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """forward: all-reduce (sum, out of place) over group; backward: identity (Megatron's g)."""
     if group_size(group) == 1:
         return x
+    if _in_graph(group):
+        return torch.ops.shardlm.all_reduce(x, group.group_name)
     return _region(x, lambda t: _summed(t, group), lambda g: g)
 
 
@@ -122,6 +162,8 @@ def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
     if group_size(group) == 1:
         return x
     d, sizes = _shard_sizes(x, group, dim, sizes)
+    if _in_graph(group):
+        return torch.ops.shardlm.all_gather(x, group.group_name, d, sizes)
     return _region(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
 
 
