@@ -62,12 +62,15 @@ def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layou
     """Greedy runs through the LLM API with compile=True on this rank: the first two compile the
     two shape classes (several sequences, then one); the rest run under ``fail_on_recompile``
     with other batch sizes, contexts and per-request lengths. [(prompts' indices, max_tokens,
-    tokens per prompt)] and the classes compiled."""
+    tokens per prompt)], the classes compiled, and how many graphs dynamo made (one per class
+    unless something breaks the graph)."""
     import torch
+    from torch._dynamo.utils import counters
 
     from shardlm import LLM, SamplingParams
 
     llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
+    graphs_before = counters["stats"]["unique_graphs"]
     runs = []
 
     def run(indices, max_tokens):
@@ -81,4 +84,4 @@ def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layou
         run([1, 2, 0], [new_tokens] * 3)
         run([0], [new_tokens])
         run([0, 1, 2], [5, 20, new_tokens])  # sequences finish early: the batch shrinks as it goes
-    return runs, llm.worker.runner.compiled_classes
+    return runs, llm.worker.runner.compiled_classes, counters["stats"]["unique_graphs"] - graphs_before

@@ -27,11 +27,12 @@ def mistral(tmp_path_factory):
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
 def test_compiled_decode_matches_hf_and_never_recompiles(mistral, layout):
     """Mistral: grouped KV heads and a sliding window inside the compiled graph. tp=2: the
-    all-reduces are graph breaks (collectives stay eager); pp=2: each stage compiles its own
+    all-reduces and the head's all-gather are ops in the graph; pp=2: each stage compiles its own
     layers, the second starting from the hidden state it receives, with micro-batches in flight."""
     ref = mistral
-    for rank, (runs, classes) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, **layout)):
-        assert classes == {False, True}
+    for rank, (runs, classes, graphs) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS,
+                                                                 **layout)):
+        assert classes == {False, True} and graphs == 2, f"rank {rank}: {graphs} graphs (a graph break?)"
         for indices, max_tokens, tokens in runs:
             expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
             assert tokens == expected, f"rank {rank} of {layout}: prompts {indices} disagree with HF"
