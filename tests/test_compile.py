@@ -8,6 +8,9 @@ layers since the compiled graph unrolls every layer and compile time grows with 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from moe_reference import cached_tiny_moe
@@ -37,6 +40,14 @@ def test_compiled_decode_matches_hf_and_never_recompiles(mistral, layout):
             expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
             assert tokens == expected, f"rank {rank} of {layout}: prompts {indices} disagree with HF"
     assert len({tuple(t) for t in ref.tokens}) == len(PROMPTS)  # distinct answers: a mix-up would show
+
+
+def test_ranks_that_do_not_compile_never_import_dynamo():
+    """torch._dynamo costs every rank ~2 s of start-up; only the compiling runner imports it."""
+    code = ("import sys, shardlm.engine.llm, shardlm.engine.worker, shardlm.launch, shardlm.server.cli; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
 def test_compile_refuses_moe(tmp_path_factory):

@@ -33,7 +33,7 @@ class ModelRunner:
         self.model = model
         self.compiled = None
         if compile:
-            comm.opaque_to_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
+            comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
             self.compiled = torch.compile(model.forward, dynamic=True)
         self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
         self.announce = announce  # say on stderr when a shape class compiles

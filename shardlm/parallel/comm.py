@@ -61,11 +61,11 @@ class _Dual(torch.autograd.Function):
 
 
 def _region(x: Tensor, fwd, bwd) -> Tensor:
-    """A dual's communication (made opaque to torch.compile by ``opaque_to_compile``)."""
+    """A dual's communication (a graph break for torch.compile once ``prepare_compile`` ran)."""
     return _Dual.apply(x, fwd, bwd)
 
 
-def opaque_to_compile(groups: Sequence[ProcessGroup]) -> None:
+def prepare_compile(groups: Sequence[ProcessGroup]) -> None:
     """Prepare the duals for torch.compile (called by the code that compiles, not at import:
     importing torch._dynamo costs a rank ~1.6 s of start-up it needs only to compile).
 

@@ -107,7 +107,8 @@ def _start_engine(args):
     ckpt = open_checkpoint(args.model)
     options = dict(layout_options(args), eplb_interval=args.eplb_interval, eplb_redundant=args.eplb_redundant,
                    seed=args.seed, timeout_s=args.timeout, threads=args.threads, max_model_len=args.max_model_len,
-                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
     world = args.tp * args.pp * args.dp
     axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
     log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
