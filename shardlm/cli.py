@@ -50,6 +50,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when this host has a GPU per rank, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="run decode steps through torch.compile: faster decoding after a one-time compile "
                         "(tens of seconds, cached on disk); dense models")
@@ -58,7 +60,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def layout_options(args) -> dict:
     """The EngineConfig fields that add_layout_args' flags set."""
     return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                micro_batches=args.micro_batches, dtype=args.dtype, compile=args.compile)
+                micro_batches=args.micro_batches, dtype=args.dtype, device=args.device, compile=args.compile)
 
 
 def add_generate(sub) -> None:

@@ -1,4 +1,5 @@
-"""The one multi-rank test harness: a pool of gloo ranks on CPU, reused across tests.
+"""The one multi-rank test harness: a pool of gloo ranks on CPU (or NCCL ranks, one GPU each),
+reused across tests.
 
 Starting a rank costs seconds (it imports torch and shardlm), so ranks fork from a
 forkserver that imported both once, and ranks of one world size are kept for the
@@ -40,17 +41,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, backend: str, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # n ranks share 2 cores; more threads only thrash
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+        **extra,
     )
     while True:
         task = tasks.get()
@@ -65,14 +71,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class RankPool:
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str = "gloo"):
         ctx = _CTX
         self.world = world
         self.tasks = [ctx.SimpleQueue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, backend, port, self.tasks[r], self.results), daemon=True)
             for r in range(world)
         ]
         for p in self.procs:
@@ -118,22 +124,29 @@ class RankPool:
                 p.join()
 
 
-_pools: OrderedDict[int, RankPool] = OrderedDict()
+_pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of a ``world``-rank gloo group."""
-    pool = _pools.pop(world, None)
+    return run_ranks_on("gloo", world, fn, *args, timeout=timeout, **kwargs)
+
+
+def run_ranks_on(backend: str, world: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                 **kwargs: Any) -> list:
+    """``run_ranks`` over a process group of ``backend`` ("gloo", or "nccl": rank r on GPU r)."""
+    key = (world, backend)
+    pool = _pools.pop(key, None)
     if pool is None:
         while len(_pools) >= MAX_LIVE_POOLS:
             _pools.popitem(last=False)[1].close()
-        pool = RankPool(world)
+        pool = RankPool(world, backend)
     try:
         result = pool.run(fn, *args, timeout=timeout, **kwargs)
     except BaseException:
         pool.close(graceful=False)
         raise
-    _pools[world] = pool  # most recently used last
+    _pools[key] = pool  # most recently used last
     return result
 
 

@@ -16,6 +16,11 @@ def make_worker(model: str, tp: int, **options):
     return Worker(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=None)
 
 
+def worker_device(model: str, device: str) -> str:
+    """The device type this rank's Worker chose for ``device`` ('auto', 'cpu' or 'cuda')."""
+    return make_worker(model, 1, device=device).device.type
+
+
 def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
     """(greedy tokens per prompt as one batch, logits at every position of the last prompt, param bytes)."""
     from shardlm.engine.engine import Request
@@ -24,7 +29,7 @@ def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens:
     worker = make_worker(model, tp, **options)
     params = SamplingParams(max_tokens=new_tokens)
     completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
-    logits = worker.prompt_logits(prompts[-1])
+    logits = worker.prompt_logits(prompts[-1]).cpu()  # a CUDA tensor would not cross to the test process
     return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from shardlm.errors import UsageError
 from shardlm.parallel.dims import ParallelDims
@@ -23,7 +24,8 @@ class EngineConfig:
     dp: int = 1
     """Data-parallel replicas."""
     pp_layers: tuple[int, ...] | None = None
-    """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by per-token work (the LM head counts, the embedding lookup does not)."""
+    """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by per-token work (the LM head
+    counts, the embedding lookup does not)."""
     micro_batches: int | None = None
     """Batches in flight through the pipeline; default pp (enough to keep every stage busy)."""
     ep: int = 1
@@ -49,7 +51,8 @@ class EngineConfig:
     seed: int = 0
     """Base seed; a request without its own seed uses seed + its index."""
     device: str = "auto"
-    """'cpu', 'cuda' or 'auto' (cuda when available)."""
+    """'cpu', 'cuda' or 'auto': cuda when this host has a GPU for each of its ranks (and a process
+    group the caller started can carry CUDA tensors, i.e. has NCCL), else cpu."""
     compile: bool = False
     """Run decode-only steps through torch.compile (inductor), which fuses the small ops between
     the matrix products. Each shape class (one sequence, several) compiles on its first step:
@@ -86,8 +89,20 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
-    def device_type(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+
+def resolve_device(device: str, local_world: int) -> str:
+    """'cpu' or 'cuda' for a rank of a run with ``local_world`` ranks on this host (see
+    EngineConfig.device). Every rank of a host resolves alike, so a run never mixes devices."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    started = dist.get_backend_config() if dist.is_initialized() else None  # e.g. "cpu:gloo,cuda:nccl"
+    if device == "auto":
+        nccl = started is None or "nccl" in started
+        return "cuda" if gpus >= local_world and nccl else "cpu"
+    if device == "cuda":
+        if gpus < local_world:
+            raise UsageError(f"device='cuda' with {local_world} rank(s) on this host needs as many GPUs, and it has "
+                             f"{gpus}; use fewer ranks per host or device='cpu'")
+        if started is not None and "nccl" not in started:
+            raise UsageError(f"device='cuda' but the process group was started with backends {started!r}, "
+                             f"none of them NCCL; start it with 'nccl' (or 'cpu:gloo,cuda:nccl')")
+    return device

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.engine.block_manager import BlockManager
-from shardlm.engine.config import EngineConfig
+from shardlm.engine.config import EngineConfig, resolve_device
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams
@@ -41,7 +41,7 @@ class Worker:
     def __init__(self, config: EngineConfig, *, rank: int, world: int, local_rank: int, local_world: int,
                  init_method: str | None):
         self.rank = rank
-        device_type = config.device_type
+        device_type = resolve_device(config.device, local_world)
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
