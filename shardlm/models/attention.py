@@ -149,7 +149,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
         ks, vs = _read_kv(cache, tables[0], max_context)  # [kv, S, d]
         if window is not None and max_context > window:
             ks, vs = ks[:, -window:], vs[:, -window:]
-        return F.scaled_dot_product_attention(q, ks[None], vs[None], scale=scale)
+        return F.scaled_dot_product_attention(q, ks[None], vs[None], scale=scale).contiguous()
     # whole blocks, the unused slots (a block's tail, padding blocks) masked
     bs, h = cache.shape[2], cache.shape[3]
     tables = tables[:, : (max_context + bs - 1) // bs]
@@ -158,13 +158,15 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
     mask = k_pos[None, :] < lens[:, None]  # [B, S]
     if window is not None:
         mask &= k_pos[None, :] >= (lens - window)[:, None]
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale).contiguous()
 
 
 _LIB.define("decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, SymInt max_context, float scale, "
             "int? window) -> Tensor")
 _LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
-torch.library.register_fake("shardlm::decode_attention")(lambda q, *args: torch.empty_like(q))
+# contiguous, as the op returns it: CUDA's SDPA kernels hand back a transposed layout, which the
+# compiled graph, planned from this fake, would misread
+torch.library.register_fake("shardlm::decode_attention")(lambda q, *args: q.new_empty(q.shape))
 
 
 def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads,
