@@ -60,15 +60,22 @@ def floor_rate(model, repeats: int) -> tuple[float, float]:
     """(tokens/s if a token cost only its matvecs, GB/s those matvecs reach)."""
     weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2]
     weights = list({id(w): w for w in weights}.values())  # a tied head is read for the LM head only once
-    xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     best = float("inf")
     for _ in range(repeats + 1):
+        synchronize()
         t0 = time.perf_counter()
         for x, w in zip(xs, weights):
             linear(x, w)
+        synchronize()
         best = min(best, time.perf_counter() - t0)
     return 1.0 / best, nbytes / best / 1e9
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def runner(llm: LLM, ids: list[int]):
@@ -110,16 +117,23 @@ def main() -> None:
     ap.add_argument("--tp-only", action="store_true", help="only the tp=2 vs tp=1 table (no HF)")
     ap.add_argument("--no-compile", action="store_true", help="skip shardlm with compile=True")
     ap.add_argument("--tp-compile", action="store_true", help="the tp=2 vs tp=1 engines with compile=True")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where shardlm and HF run (cuda: no tp=2 table, which is about CPU ranks on one host)")
     args = ap.parse_args()
+    if args.device == "cuda":
+        args.no_tp2 = True
+        if args.tp_only:
+            ap.error("--tp-only compares CPU ranks on this host; drop --device cuda")
 
     from transformers import AutoModelForCausalLM
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M, batch 1, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}; SmolLM2-135M, batch 1, "
           f"{args.tokens} decode tokens, best of {args.repeats} turns", flush=True)
     rows, tp_rows = [], []
     load = os.getloadavg()[0]
     for dtype in args.dtypes.split(","):
-        llm = LLM("smollm2", dtype=dtype)
+        llm = LLM("smollm2", dtype=dtype, device=args.device)
         ids = llm.encode(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
         if args.tp_only:
             tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
@@ -127,15 +141,15 @@ def main() -> None:
         floor, gbs = floor_rate(llm.worker.model, args.repeats)
         path = llm.checkpoint.path
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                  dtype=getattr(torch, dtype)).eval()
-        x = torch.tensor([ids])
+                                                  dtype=getattr(torch, dtype)).eval().to(args.device)
+        x = torch.tensor([ids], device=args.device)
 
         def theirs(n: int) -> None:
             with torch.inference_mode():
                 hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
         runs = {"hf": theirs, "eager": runner(llm, ids)}
-        compiled = None if args.no_compile else LLM("smollm2", dtype=dtype, compile=True)
+        compiled = None if args.no_compile else LLM("smollm2", dtype=dtype, compile=True, device=args.device)
         if compiled is not None:
             runs["compiled"] = runner(compiled, ids)
         best = best_in_turns(runs, args.tokens, args.repeats)

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -44,8 +43,9 @@ REQUEST_TIMEOUT_S = 600
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [str(Path(sys.executable).parent / "shardlm"), "serve", "--port", "0", "--threads", str(args.threads),
-           "--tp", str(args.tp), "--dp", str(args.dp), "--dtype", args.dtype, "--kv-cache-memory", "512MiB",
+    cmd = [sys.executable, "-m", "shardlm.cli", "serve", "--port", "0", "--threads", str(args.threads),
+           "--tp", str(args.tp), "--dp", str(args.dp), "--dtype", args.dtype, "--device", args.device,
+           "--kv-cache-memory", "512MiB",
            "--max-model-len", "2048"] + (["--compile"] if args.compile else [])
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     found: list[str] = []
@@ -110,8 +110,8 @@ def hf_level(model, prompts: list[list[int]], clients: int, requests: int, token
     for b in range(0, requests, clients):
         batch = [prompts[i % len(prompts)] for i in range(b, min(b + clients, requests))]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
 
         def run(n: int) -> tuple[float, torch.Tensor]:
             t0 = time.perf_counter()
@@ -186,6 +186,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and HF run")
     ap.add_argument("--compile", action="store_true",
                     help="shardlm serve --compile (its two decode graphs compile during the warm-up)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
@@ -203,7 +204,7 @@ def main() -> None:
     load0 = os.getloadavg()
     total = args.threads * args.tp * args.dp
     hf_threads = [int(t) for t in (args.hf_threads or str(total)).split(",")]
-    print(f"SmolLM2-135M {args.dtype}, {len(prompts)} chat prompts of {min(map(len, prompts))}-"
+    print(f"SmolLM2-135M {args.dtype} on {args.device}, {len(prompts)} chat prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {'up to ' if args.until_eos else ''}{args.tokens} output tokens each; "
           f"shardlm tp={args.tp} dp={args.dp} x {args.threads} thread(s), HF {args.hf_threads or total} thread(s); "
           f"{os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
@@ -214,7 +215,7 @@ def main() -> None:
 
         with contextlib.redirect_stderr(io.StringIO()):  # HF's GGUF conversion progress bar
             hf = AutoModelForCausalLM.from_pretrained(ckpt.path.parent, gguf_file=ckpt.path.name,
-                                                      dtype=getattr(torch, args.dtype)).eval()
+                                                      dtype=getattr(torch, args.dtype)).eval().to(args.device)
         pad = tok.special_tokens.get("pad_token") and tok.backend.token_to_id(tok.special_tokens["pad_token"])
         pad = pad if pad is not None else tok.eos_token_ids[0]
         eos = list(tok.eos_token_ids) if args.until_eos else None
