@@ -33,6 +33,12 @@ def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens:
     return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
 
 
+def cache_read_logits(model: str, tp: int, prompt: list[int], **options):
+    """Logits at every position of ``prompt`` fed one token a step, so each step reads every
+    earlier key and value back from the KV cache (teacher-forced decoding)."""
+    return make_worker(model, tp, **options).prompt_logits(prompt, chunk=1).cpu()
+
+
 def shard_read_elements(model: str, tp: int) -> tuple[int, int]:
     """(elements this rank read from the checkpoint, elements of its parameters)."""
     from shardlm.models.loader import CountingSource, load_model, open_checkpoint

@@ -8,9 +8,13 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import UsageError
+from shardlm.models.attention import INT8_SCALED
 from shardlm.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"int8": INT8_SCALED, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+"""KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +46,11 @@ class EngineConfig:
     """Longest prompt + output in tokens; default: the model's max_position_embeddings."""
     kv_cache_memory: int = 2 << 30
     """Bytes of KV cache per rank (an upper bound; pages are touched only as used)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
+    float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,
+    no scale, as vLLM's fp8 cache without calibrated scales). A one-byte cache holds 2-4x the tokens
+    in the same memory; attention widens what it reads back to the model's dtype. README: errors."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     max_num_seqs: int = 256
@@ -65,6 +74,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UsageError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use auto or one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
         for name in ("eplb_interval", "eplb_redundant"):
@@ -88,6 +100,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
 
 
 def resolve_device(device: str, local_world: int) -> str:

@@ -21,7 +21,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from shardlm.engine.scheduler import Batch
-from shardlm.models.attention import AttentionMetadata, PrefillSeq
+from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
 
 PROGRESS_EVERY_S = 30.0
@@ -29,7 +29,7 @@ PROGRESS_EVERY_S = 30.0
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 compile: bool = False, announce: bool = False):
+                 kv_dtype: torch.dtype | None = None, compile: bool = False, announce: bool = False):
         self.model = model
         self.compiled = None
         if compile:
@@ -41,9 +41,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         attn = model.layers[0].attn if len(model.layers) else None
-        shape = (2, num_blocks, block_size, attn.num_kv, attn.head_dim) if attn else (0,)
+        kv_dtype = kv_dtype or dtype
+        shape = (2, num_blocks, block_size, attn.num_kv, kv_row(attn.head_dim, kv_dtype)) if attn else (0,)
         # torch.empty only reserves address space: pages are touched as tokens arrive
-        self.caches = [torch.empty(shape, dtype=dtype, device=device) for _ in model.layers]
+        self.caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in model.layers]
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
@@ -55,7 +56,7 @@ class ModelRunner:
             return 0
         attn = model.layers[0].attn
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(model.layers) * block_size * attn.num_kv * attn.head_dim * elem
+        return 2 * len(model.layers) * block_size * attn.num_kv * kv_row(attn.head_dim, dtype) * elem
 
     def _zero_new_blocks(self, highest: int) -> None:
         """Zero blocks on their first use. Batched decode pads key slots (a block's unused
@@ -64,7 +65,7 @@ class ModelRunner:
         Blocks are handed out in increasing order first, so a high-water mark suffices."""
         if highest >= self.zeroed_blocks:
             for cache in self.caches:
-                cache[:, self.zeroed_blocks:highest + 1].zero_()
+                cache[:, self.zeroed_blocks:highest + 1].view(torch.uint8).zero_()  # bytes: fp8 has no fill on CPU
             self.zeroed_blocks = highest + 1
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

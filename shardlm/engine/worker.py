@@ -60,11 +60,12 @@ class Worker:
                                 max_positions=self.max_model_len, layers=self.layers)
         self.load_s = time.perf_counter() - start
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.torch_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
         needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
         self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs,
-                                  device=self.device, dtype=config.torch_dtype, compile=config.compile,
+                                  device=self.device, dtype=config.torch_dtype, kv_dtype=config.kv_torch_dtype,
+                                  compile=config.compile,
                                   announce=rank == 0)
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -82,14 +83,20 @@ class Worker:
         return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks,
                 "layers": (self.layers.start, self.layers.stop), "coords": self.dims.coords(self.dims.global_rank)}
 
-    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, prompt_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits [len(prompt_ids), vocab] at every position of one prompt (one-stage layouts;
-        for tests and scoring)."""
+        for tests and scoring). ``chunk``: feed this many tokens a step, so that each step reads
+        the earlier tokens' keys and values back from the KV cache, as decoding does."""
         seq = Sequence(-1, prompt_ids, SamplingParams(max_tokens=1))
         blocks = self.engine.blocks
         blocks.grow(seq, seq.num_tokens)
+        out = []
         try:
-            return self.runner.run(Batch([seq], [seq.num_tokens]), all_positions=True)
+            while seq.num_computed < seq.num_tokens:
+                n = min(chunk or seq.num_tokens, seq.num_tokens - seq.num_computed)
+                out.append(self.runner.run(Batch([seq], [n]), all_positions=True))
+                seq.num_computed += n
+            return torch.cat(out)
         finally:
             blocks.free(seq)
 

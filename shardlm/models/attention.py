@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+INT8_SCALED = torch.uint8
+"""A KV cache of this dtype holds int8 values and one float32 scale (absmax / 127) per token and
+head, packed as bytes: each row is head_dim + 4 bytes."""
+
 
 @dataclass
 class PrefillSeq:
@@ -76,9 +81,10 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     the in-place write into a view of the cache becomes a functional update that copies
     the whole cache every step. (``torch.library.Library`` rather than ``custom_op``,
     whose Python wrapper costs ~40 us a call here.)"""
-    h, d = k.shape[-2:]
-    cache[0].view(-1, h, d).index_copy_(0, slots, k)
-    cache[1].view(-1, h, d).index_copy_(0, slots, v)
+    h, row = cache.shape[-2:]
+    raw = _raw(cache)
+    raw[0].view(-1, h, row).index_copy_(0, slots, _encode(k, cache.dtype))
+    raw[1].view(-1, h, row).index_copy_(0, slots, _encode(v, cache.dtype))
 
 
 _LIB = torch.library.Library("shardlm", "FRAGMENT")
@@ -87,11 +93,44 @@ _LIB.impl("write_kv", write_kv, "CompositeExplicitAutograd")
 torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None)
 
 
-def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_row(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements a KV cache of ``dtype`` stores per token and head."""
+    return head_dim + 4 if dtype == INT8_SCALED else head_dim
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes (torch has no fp8 index_copy / index_select on CPU); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype in FP8 else cache
+
+
+def _encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values [tokens, heads, d] as a cache of ``dtype`` stores them (see ``_raw``)."""
+    if dtype in FP8:
+        return x.to(dtype).view(torch.uint8)
+    if dtype == INT8_SCALED:
+        scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / 127  # [tokens, heads, 1]
+        q = (x.float() / scale).round_().to(torch.int8).view(torch.uint8)
+        return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+    return x.to(dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, d: int) -> torch.Tensor:
+    """cache[:, blocks] as keys and values of ``dtype`` (a quantized cache is widened after the gather)."""
+    got = _raw(cache).index_select(1, blocks)
+    if cache.dtype in FP8:
+        return got.view(cache.dtype).to(dtype)
+    if cache.dtype == INT8_SCALED:
+        scale = got[..., d:].contiguous().view(torch.float32)  # [..., 1]
+        return (got[..., :d].view(torch.int8).float() * scale).to(dtype)
+    return got
+
+
+def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int,
+             dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the first ``length`` positions of one sequence: [kv_heads, length, d] each."""
-    bs, h, d = cache.shape[2:]
+    bs, h = cache.shape[2:4]
     blocks = table[: (length + bs - 1) // bs]
-    kv = cache.index_select(1, blocks).view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
+    kv = _gather_blocks(cache, blocks, dtype, d).view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
@@ -119,7 +158,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             ks = k[s.start:s.start + s.length].transpose(0, 1)  # [kv, L, d]
             vs = v[s.start:s.start + s.length].transpose(0, 1)
         else:
-            ks, vs = _read_kv(cache, s.block_table, s.context_len)  # [kv, S, d]
+            ks, vs = _read_kv(cache, s.block_table, s.context_len, q.dtype, q.shape[-1])  # [kv, S, d]
         if window is None and s.context_len == s.length:
             o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                scale=scale, enable_gqa=gqa)[0]
@@ -146,14 +185,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
     specialise the graph on it."""
     n, d = q.shape[0], q.shape[-1]
     if n == 1:
-        ks, vs = _read_kv(cache, tables[0], max_context)  # [kv, S, d]
+        ks, vs = _read_kv(cache, tables[0], max_context, q.dtype, d)  # [kv, S, d]
         if window is not None and max_context > window:
             ks, vs = ks[:, -window:], vs[:, -window:]
         return F.scaled_dot_product_attention(q, ks[None], vs[None], scale=scale).contiguous()
     # whole blocks, the unused slots (a block's tail, padding blocks) masked
     bs, h = cache.shape[2], cache.shape[3]
     tables = tables[:, : (max_context + bs - 1) // bs]
-    kv = cache.index_select(1, tables.flatten()).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
+    kv = _gather_blocks(cache, tables.flatten(), q.dtype, d).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
     k_pos = torch.arange(kv.shape[3], device=q.device)
     mask = k_pos[None, :] < lens[:, None]  # [B, S]
     if window is not None:

@@ -118,7 +118,8 @@ def _start_engine(args):
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
     log(f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
-        f"(--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank)")
+        f"(--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank, {engine.config.kv_torch_dtype} "
+        f"elements)")
     return engine
 
 
