@@ -63,8 +63,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def layout_options(args) -> dict:
     """The EngineConfig fields that add_layout_args' flags set."""
     return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                micro_batches=args.micro_batches, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-                compile=args.compile)
+                micro_batches=args.micro_batches, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                device=args.device, compile=args.compile)
 
 
 def add_generate(sub) -> None:
