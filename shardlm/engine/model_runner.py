@@ -1,7 +1,8 @@
 """Runs one scheduled step of the model on this rank (SPMD: every rank the same step).
 
 It owns this rank's KV cache (one ``[2, blocks, block_size, kv_heads, head_dim]``
-tensor per local layer), flattens the step's tokens (prefills first, then decodes),
+tensor per local layer, in the model's dtype or a one-byte one: ``--kv-cache-dtype``, whose
+int8 rows carry their scale in 4 more bytes), flattens the step's tokens (prefills first, then decodes),
 builds the attention metadata and returns the logits of each sequence's last token.
 
 With ``compile``, decode-only steps run the model through ``torch.compile`` (dynamic

@@ -63,9 +63,8 @@ class Worker:
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
         needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
         self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
-        self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs,
-                                  device=self.device, dtype=config.torch_dtype, kv_dtype=config.kv_torch_dtype,
-                                  compile=config.compile,
+        self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs, device=self.device,
+                                  dtype=config.torch_dtype, kv_dtype=config.kv_torch_dtype, compile=config.compile,
                                   announce=rank == 0)
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
