@@ -50,6 +50,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linear layers (a scale per output row); embedding and LM head stay")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head) or "
                         "fp8: 2-4x the tokens per GiB")
@@ -63,8 +65,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def layout_options(args) -> dict:
     """The EngineConfig fields that add_layout_args' flags set."""
     return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                micro_batches=args.micro_batches, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                device=args.device, compile=args.compile)
+                micro_batches=args.micro_batches, dtype=args.dtype, quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype, device=args.device, compile=args.compile)
 
 
 def add_generate(sub) -> None:

@@ -46,6 +46,10 @@ class EngineConfig:
     """Longest prompt + output in tokens; default: the model's max_position_embeddings."""
     kv_cache_memory: int = 2 << 30
     """Bytes of KV cache per rank (an upper bound; pages are touched only as used)."""
+    quantization: str | None = None
+    """'int8': weight-only int8 for the linear layers (each output row with its own scale, absmax /
+    127), computed by each rank on its shard after loading; the embedding, LM head and MoE experts
+    keep ``dtype``. Halves a bfloat16 model's linear weights, quarters a float32 one's."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,
@@ -74,6 +78,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.quantization not in (None, "int8"):
+            raise UsageError(f"quantization={self.quantization!r} is not supported; use 'int8' (weight-only) or None")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UsageError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use auto or one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")

@@ -20,6 +20,7 @@ from shardlm.models.moe import moe_blocks, needs_lockstep
 from shardlm.parallel.data import assign
 from shardlm.parallel.expert_stats import collect_load
 from shardlm.parallel.pipeline import StageLinks, stage_layers
+from shardlm.parallel.tensor import quantize_int8
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Worker:
         start = time.perf_counter()
         self.model = load_model(ckpt, self.dims, dtype=config.torch_dtype, device=self.device,
                                 max_positions=self.max_model_len, layers=self.layers)
+        if config.quantization == "int8":
+            quantize_int8(self.model)
         self.load_s = time.perf_counter() - start
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)

@@ -75,23 +75,73 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> He
     return HeadPartition(q=q, kv=kv, q_per_kv=q_per_kv)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, but one row of 16-bit weights on CPU goes to the matrix-vector kernel: for
     batch-1 decode torch's CPU GEMV reads bf16 weights ~1.4x faster than its GEMM path does
     at M=1, and under torch.compile inductor's own matrix-vector loop is faster still. For
     float32 the BLAS GEMM is as fast eagerly and ~6% faster than inductor's loop (see
-    benchmarks/decode.py)."""
+    benchmarks/decode.py). With ``scale``, ``weight`` is int8 (see ``int8_rows``)."""
+    if scale is not None:
+        y = torch.ops.shardlm.int8_linear(x, weight, scale)
+        return y if bias is None else y + bias
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and weight.element_size() == 2:
         y = torch.mv(weight, x[0]).unsqueeze(0)  # [1, out]
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (weight * scale[:, None])^T for int8 ``weight`` [out, in]; x [..., in].
+
+    Called as ``torch.ops.shardlm.int8_linear``, opaque to torch.compile: inductor's own lowering
+    of the int8 kernel failed on a fused input (torch 2.13). torch's int8 weight kernel on CPU is
+    vectorised for 16-bit activations only (float32 ran 13x slower at one row), so a float32
+    model's rows go through it in bfloat16; it reads rows in steps of 16, and other widths gave
+    garbage or a crash, so those layers (and other devices) dequantize instead."""
+    if x.device.type != "cpu" or weight.shape[1] % 16:
+        return F.linear(x, weight.to(x.dtype)) * scale
+    half = x.dtype if x.element_size() == 2 else torch.bfloat16
+    rows = x.reshape(-1, x.shape[-1]).to(half).contiguous()
+    return torch._weight_int8pack_mm(rows, weight, scale.to(half)).to(x.dtype).view(*x.shape[:-1], -1)
+
+
+_LIB = torch.library.Library("shardlm", "FRAGMENT")
+_LIB.define("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+_LIB.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("shardlm::int8_linear")(lambda x, w, s: x.new_empty(*x.shape[:-1], w.shape[0]))
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8: each output row symmetric, scale = absmax / 127. (int8 [out, in], scale [out])."""
+    scale = w.abs().amax(1).float().clamp_min(1e-30) / 127
+    return (w.float() / scale[:, None]).round_().to(torch.int8), scale.to(w.dtype)
+
+
+class Int8Weight:
+    """For a linear layer: ``quantize_int8`` swaps its weight for int8 rows and their scales."""
+
+    def quantize_int8(self) -> None:
+        q, scale = int8_rows(self.weight.detach())
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Weight-only int8 for every column- and row-parallel linear layer of ``model`` (each rank its
+    own shard); the embedding, the LM head and MoE experts keep the model's dtype. Returns how
+    many layers were quantized."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Weight)]
+    for m in layers:
+        m.quantize_int8()
+    return len(layers)
+
+
 def _scaled(s: slice, k: int) -> slice:
     return slice(s.start * k, s.stop * k)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Int8Weight, nn.Module):
     """y[:, mine] = x @ W[mine, :]^T + b[mine]: input replicated, output split by columns.
 
     A merged projection (QKV, gate/up) lists several checkpoint tensors in ``sources``,
@@ -106,6 +156,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.out_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)  # set by quantize_int8
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
@@ -115,10 +166,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group)  # backward: gradients of x summed over tp
-        return linear(x, self.weight, self.bias)  # [tokens, sum(out_sizes)]
+        return linear(x, self.weight, self.bias, self.weight_scale)  # [tokens, sum(out_sizes)]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Int8Weight, nn.Module):
     """y = sum_r x_r @ W[:, cols_r]^T + b: input split by columns, output all-reduced.
 
     The bias is added once, after the reduction, not once per rank.
@@ -130,6 +181,7 @@ class RowParallelLinear(nn.Module):
         self.source, self.cols, self.group = source, cols, group
         self.weight = nn.Parameter(torch.empty(out_features, cols.stop - cols.start, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)  # set by quantize_int8
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
@@ -138,7 +190,7 @@ class RowParallelLinear(nn.Module):
                 self.bias.copy_(src.read(f"{self.source}.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_region(linear(x, self.weight), self.group)  # [tokens, out]
+        y = reduce_from_region(linear(x, self.weight, scale=self.weight_scale), self.group)  # [tokens, out]
         return y if self.bias is None else y + self.bias
 
 
