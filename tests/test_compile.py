@@ -15,7 +15,7 @@ import pytest
 
 from moe_reference import cached_tiny_moe
 from multirank import run_ranks
-from rankfns import compiled_runs
+from rankfns import compiled_runs, llm_greedy
 from reference import NEW_TOKENS, PROMPTS, build_tiny
 from shardlm import LLM
 from shardlm.errors import UsageError
@@ -40,6 +40,19 @@ def test_compiled_decode_matches_hf_and_never_recompiles(mistral, layout):
             expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
             assert tokens == expected, f"rank {rank} of {layout}: prompts {indices} disagree with HF"
     assert len({tuple(t) for t in ref.tokens}) == len(PROMPTS)  # distinct answers: a mix-up would show
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_int8_weights_and_cache(mistral):
+    """The quantized paths are opaque ops too (the int8 weight kernel, the byte-packed KV cache):
+    compiled decode gives eager's tokens with one graph per shape class."""
+    options = dict(quantization="int8", kv_cache_dtype="int8")
+    [(runs, classes, graphs)] = run_ranks(1, compiled_runs, str(mistral.path), PROMPTS, NEW_TOKENS, **options)
+    [(eager, _, _)] = run_ranks(1, llm_greedy, str(mistral.path), PROMPTS, NEW_TOKENS, block_size=4, **options)
+    assert classes == {False, True} and graphs == 2
+    indices, _, tokens = runs[0]  # every prompt, decoded together
+    assert tokens == [eager[i] for i in indices]
+    assert eager != mistral.tokens  # quantized: not HF's float32 answers, so the options took effect
 
 
 def test_ranks_that_do_not_compile_never_import_dynamo():
