@@ -16,9 +16,9 @@ and timed in turns (best of --repeats).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from decode import decode_rate
 
 from shardlm import LLM, SamplingParams
 from shardlm.engine.config import EngineConfig
@@ -38,14 +38,10 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> str:
     return f"{err.mean():>13.4f} {err.max():>7.3f} {(got.argmax(-1) == ref.argmax(-1)).float().mean().item():>10.1%}"
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    """tok/s of decode alone at len(prompts) sequences: (t(1 + tokens) - t(1)) over the new tokens."""
-    times = []
-    for n in (1, 1 + tokens):
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-        times.append(time.perf_counter() - start)
-    return tokens * len(prompts) / (times[1] - times[0])
+def batch_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
+    """Decode tok/s over all of ``prompts`` decoding together (prefill and first token excluded)."""
+    return len(prompts) * decode_rate(lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
+                                      tokens)
 
 
 def main() -> None:
@@ -78,7 +74,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for q, llm in llms.items():
                     for b in (1, 32):
-                        best[q, b] = max(best[q, b], decode_rate(llm, [chat] * b, args.tokens))
+                        best[q, b] = max(best[q, b], batch_rate(llm, [chat] * b, args.tokens))
             for q, llm in llms.items():
                 got = llm.worker.prompt_logits(prompt, chunk=1)
                 name = f"{dtype}{' int8' if q else ''}"

@@ -39,6 +39,16 @@ def cache_read_logits(model: str, tp: int, prompt: list[int], **options):
     return make_worker(model, tp, **options).prompt_logits(prompt, chunk=1).cpu()
 
 
+def row_parallel_int8(model: str, tp: int):
+    """(int8 weight, scales) of this rank's first MLP down projection with quantization="int8"."""
+    from shardlm.parallel.tensor import RowParallelLinear
+
+    worker = make_worker(model, tp, quantization="int8")
+    layer = next(m for m in worker.model.modules()
+                 if isinstance(m, RowParallelLinear) and m.source.endswith("down_proj"))
+    return layer.weight.detach().clone(), layer.weight_scale.detach().clone()
+
+
 def shard_read_elements(model: str, tp: int) -> tuple[int, int]:
     """(elements this rank read from the checkpoint, elements of its parameters)."""
     from shardlm.models.loader import CountingSource, load_model, open_checkpoint

@@ -51,11 +51,15 @@ def test_one_byte_cache_error_is_bounded(tiny, name, kv):
     assert (logits.argmax(-1) == ref.logits.argmax(-1)).float().mean() >= TOP1_SAME[kv]
 
 
-def test_int8_cache_under_tensor_parallelism(tiny):
-    """Each tp rank quantizes its own heads: the same error bound at tp=2 (GQA heads split)."""
+@pytest.mark.parametrize("tp", [2, 3])
+def test_int8_cache_under_tensor_parallelism(tiny, tp):
+    """Each tp rank quantizes its own heads, each head with its own scales, so tp gives the
+    one-process int8 cache's logits (measured: within 1.1e-5 at tp=2 and 3; GQA heads split)."""
     ref = tiny("llama")
-    for logits in run_ranks(2, cache_read_logits, str(ref.path), 2, PROMPTS[-1], kv_cache_dtype="int8"):
-        assert 1e-3 < (logits - ref.logits).abs().mean() < MEAN_ERROR["int8"]
+    [one] = run_ranks(1, cache_read_logits, str(ref.path), 1, PROMPTS[-1], kv_cache_dtype="int8")
+    assert 1e-3 < (one - ref.logits).abs().mean()  # quantized, so agreement below is not trivial
+    for logits in run_ranks(tp, cache_read_logits, str(ref.path), tp, PROMPTS[-1], kv_cache_dtype="int8"):
+        torch.testing.assert_close(logits, one, rtol=1e-4, atol=1e-4)
 
 
 # bytes of a 16-token block of tiny qwen3: 2 (K, V) x 6 layers x 16 tokens x 2 KV heads x a row of

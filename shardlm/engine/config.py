@@ -48,8 +48,9 @@ class EngineConfig:
     """Bytes of KV cache per rank (an upper bound; pages are touched only as used)."""
     quantization: str | None = None
     """'int8': weight-only int8 for the linear layers (each output row with its own scale, absmax /
-    127), computed by each rank on its shard after loading; the embedding, LM head and MoE experts
-    keep ``dtype``. Halves a bfloat16 model's linear weights, quarters a float32 one's."""
+    127 of the whole row, so every layout holds the same int8 weights), computed by each rank on its
+    shard after loading; the embedding, LM head and MoE experts keep ``dtype``. Halves a bfloat16
+    model's linear weights, quarters a float32 one's."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,

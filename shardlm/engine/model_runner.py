@@ -2,7 +2,8 @@
 
 It owns this rank's KV cache (one ``[2, blocks, block_size, kv_heads, head_dim]``
 tensor per local layer, in the model's dtype or a one-byte one: ``--kv-cache-dtype``, whose
-int8 rows carry their scale in 4 more bytes), flattens the step's tokens (prefills first, then decodes),
+int8 rows carry their scale in 4 more bytes), flattens the step's tokens (prefills first, then
+decodes),
 builds the attention metadata and returns the logits of each sequence's last token.
 
 With ``compile``, decode-only steps run the model through ``torch.compile`` (dynamic
@@ -56,8 +57,7 @@ class ModelRunner:
         if not len(model.layers):
             return 0
         attn = model.layers[0].attn
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(model.layers) * block_size * attn.num_kv * kv_row(attn.head_dim, dtype) * elem
+        return 2 * len(model.layers) * block_size * attn.num_kv * kv_row(attn.head_dim, dtype) * dtype.itemsize
 
     def _zero_new_blocks(self, highest: int) -> None:
         """Zero blocks on their first use. Batched decode pads key slots (a block's unused

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.parallel.comm import copy_to_region, gather_from_region, reduce_from_region, split_sizes
+from shardlm.parallel.comm import all_reduce, copy_to_region, gather_from_region, reduce_from_region, split_sizes
 from shardlm.parallel.dims import LayoutError
 
 
@@ -112,29 +112,35 @@ _LIB.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("shardlm::int8_linear")(lambda x, w, s: x.new_empty(*x.shape[:-1], w.shape[0]))
 
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8: each output row symmetric, scale = absmax / 127. (int8 [out, in], scale [out])."""
-    scale = w.abs().amax(1).float().clamp_min(1e-30) / 127
+def int8_rows(w: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8: each output row symmetric, scale = absmax / 127 (``absmax``: the whole
+    row's largest |w| when ``w`` holds only part of each row). (int8 [out, in], scale [out])."""
+    absmax = w.abs().amax(1) if absmax is None else absmax
+    scale = absmax.float().clamp_min(1e-30) / 127
     return (w.float() / scale[:, None]).round_().to(torch.int8), scale.to(w.dtype)
 
 
 class Int8Weight:
-    """For a linear layer: ``quantize_int8`` swaps its weight for int8 rows and their scales."""
+    """For a linear layer: ``quantize_int8`` swaps its weight for int8 rows and their scales,
+    the same on every layout (a row split over ranks takes the whole row's scale)."""
 
     def quantize_int8(self) -> None:
-        q, scale = int8_rows(self.weight.detach())
+        w = self.weight.detach()
+        q, scale = int8_rows(w, self.row_absmax(w))
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    def row_absmax(self, w: torch.Tensor) -> torch.Tensor:
+        return w.abs().amax(1)
 
-def quantize_int8(model: nn.Module) -> int:
-    """Weight-only int8 for every column- and row-parallel linear layer of ``model`` (each rank its
-    own shard); the embedding, the LM head and MoE experts keep the model's dtype. Returns how
-    many layers were quantized."""
-    layers = [m for m in model.modules() if isinstance(m, Int8Weight)]
-    for m in layers:
-        m.quantize_int8()
-    return len(layers)
+
+def quantize_int8(model: nn.Module) -> None:
+    """Weight-only int8 for every column- and row-parallel linear layer of ``model``; the embedding,
+    the LM head and MoE experts keep the model's dtype. Collective: every rank of a tp group calls
+    it (row-parallel layers agree on their rows' scales)."""
+    for m in model.modules():
+        if isinstance(m, Int8Weight):
+            m.quantize_int8()
 
 
 def _scaled(s: slice, k: int) -> slice:
@@ -188,6 +194,10 @@ class RowParallelLinear(Int8Weight, nn.Module):
             self.weight.copy_(src.read(f"{self.source}.weight", cols=self.cols))
             if self.bias is not None:
                 self.bias.copy_(src.read(f"{self.source}.bias"))
+
+    def row_absmax(self, w: torch.Tensor) -> torch.Tensor:
+        """Each output row is split over the tp group: the largest |w| of the whole row."""
+        return all_reduce(w.abs().amax(1).float(), self.group, op="max")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_region(linear(x, self.weight, scale=self.weight_scale), self.group)  # [tokens, out]
