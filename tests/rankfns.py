@@ -106,3 +106,18 @@ def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layou
         run([0], [new_tokens])
         run([0, 1, 2], [5, 20, new_tokens])  # sequences finish early: the batch shrinks as it goes
     return runs, llm.worker.runner.compiled_classes, counters["stats"]["unique_graphs"] - graphs_before
+
+
+def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
+    """Train on ``batches`` with this layout: (each step's stats, this rank's weights as checkpoint
+    pieces, the bytes of model state it held, the elements it owns of all it holds)."""
+    from shardlm.train.checkpoint import pieces
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    trainer = Trainer(TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+                      rank=dist.get_rank(), world=dist.get_world_size())
+    stats = [trainer.step(b) for b in batches]
+    with trainer.zero.full_weights():
+        weights = pieces(trainer.model)
+    units = trainer.zero.units
+    return stats, weights, trainer.peak, (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))

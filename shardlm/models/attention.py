@@ -46,6 +46,14 @@ class AttentionMetadata:
     decode_max_context: int = 0
 
 
+def causal_metadata(lengths: list[int]) -> AttentionMetadata:
+    """A step of whole sequences packed back to back with no KV cache (a training batch):
+    each attends causally to itself only."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return AttentionMetadata(slot_mapping=None, block_size=0, num_prefill_tokens=sum(lengths),
+                             prefills=[PrefillSeq(s, n, n, None) for s, n in zip(starts, lengths)])
+
+
 class GroupedHeads:
     """Reorders local query heads into [kv_heads, group] with padding, and back."""
 
@@ -147,9 +155,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                     meta: AttentionMetadata, heads: GroupedHeads, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d]. Writes k and v to their cache
-    slots, then attends. Returns [tokens, q_heads, d].
+    slots, then attends. Returns [tokens, q_heads, d]. With no ``cache`` (training, see
+    ``causal_metadata``) every sequence attends causally to its own fresh keys.
     """
-    torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
+    if cache is not None:
+        torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
     outputs = []
     gqa = heads.group > 1
     for s in meta.prefills:

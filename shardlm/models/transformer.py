@@ -175,11 +175,13 @@ class Transformer(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None):
+                caches: list[torch.Tensor | None], logits_indices: torch.Tensor | None = None,
+                local_logits: bool = False):
         """x: token ids [tokens] on the first stage, else hidden states [tokens, hidden].
 
-        Returns logits [len(logits_indices), vocab] on the last stage, else
-        (hidden, residual) to send to the next stage.
+        Returns logits [len(logits_indices), vocab] on the last stage (``local_logits``: only
+        this tp rank's vocabulary slice, for a vocab-parallel loss), else (hidden, residual)
+        to send to the next stage.
         """
         h = self.embed(x) if self.first else x[0]
         residual = None if self.first else x[1]
@@ -191,4 +193,4 @@ class Transformer(nn.Module):
         h, _ = self.norm(h, residual)
         if logits_indices is not None:
             h = h[logits_indices]
-        return self.lm_head(h)
+        return self.lm_head(h, gather=not local_logits)

@@ -253,8 +253,10 @@ class ParallelLMHead(nn.Module):
             with torch.no_grad():
                 self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = linear(copy_to_region(h, self.group), self.weight)  # [tokens, local vocab]
+        if not gather:
+            return logits
         return gather_from_region(logits, self.group, dim=-1, sizes=self.vocab_sizes)  # [tokens, vocab]
 
 

@@ -1,0 +1,158 @@
+"""One rank of a training run: its shard of the model (tp), its share of each batch (dp), ZeRO.
+
+A step takes a global batch of token windows [batch, seq_len + 1]; dp rank r trains on rows
+[r * batch/dp, (r + 1) * batch/dp), in ``grad_accum`` micro-batches. The loss is the mean
+next-token cross-entropy over the whole global batch (the vocab-parallel loss, divided by the
+global number of target tokens), so any layout takes the same step as one process does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.errors import UsageError
+from shardlm.launch import cpu_threads, init_distributed
+from shardlm.models.attention import causal_metadata
+from shardlm.models.loader import load_model, open_checkpoint
+from shardlm.models.transformer import RMSNorm
+from shardlm.parallel.comm import all_reduce
+from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.tensor import RowParallelLinear, partition_heads
+from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shardlm.train.zero import STAGES, Zero
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: str = "smollm2"
+    """'smollm2' (embedded), a HF directory or a .gguf file, as for generate."""
+    dp: int = 1
+    """Data-parallel ranks; each trains on its share of every batch."""
+    tp: int = 1
+    """Tensor-parallel ranks; each holds a slice of every weight matrix."""
+    zero: int = 1
+    """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
+    gradients, 3 also weights."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+    grad_accum: int = 1
+    """Micro-batches per step on each dp rank (gradient accumulation)."""
+    threads: int | None = None
+    """CPU threads per rank (default: this host's cores shared among its ranks)."""
+    timeout_s: float = 300.0
+    """Collective timeout: a dead or stuck rank ends the run after this long."""
+
+    def __post_init__(self) -> None:
+        if self.zero not in STAGES:
+            raise UsageError(f"zero={self.zero!r} is not a ZeRO stage; use one of {STAGES} (0: plain data "
+                             f"parallel, 1: optimizer state sharded, 2: + gradients, 3: + weights)")
+        if self.lr <= 0:
+            raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
+        if self.grad_accum < 1:
+            raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise UsageError(f"max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
+        self.dims()
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, tp=self.tp)
+
+
+def check_trainable(cfg, tp: int) -> None:
+    """Refuse what training does not support yet, with the reason."""
+    if cfg.qk_norm:
+        raise UsageError("training a model with per-head q/k norms (Qwen3) is not supported yet: shardlm stores "
+                         "that norm's weight once per head, so its gradients would not be summed")
+    if cfg.is_moe:
+        raise UsageError("training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, "
+                         "SmolLM2) train")
+    parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, tp, r) for r in range(tp)]
+    if any(a.kv.stop > b.kv.start for a, b in zip(parts, parts[1:])):
+        ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_kv_heads % t == 0]
+        raise LayoutError(f"tp={tp} splits a KV head's query group over two ranks ({cfg.num_heads} query heads, "
+                          f"{cfg.num_kv_heads} KV heads): inference holds that KV head on both, training would "
+                          f"have to sum its gradients across them, which it does not; use tp in {ok}")
+
+
+def replicated_over_tp(model: torch.nn.Module) -> set[int]:
+    """Parameters every tp rank holds whole (their gradients are equal on every tp rank)."""
+    out = set()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            out.add(id(m.weight))
+        elif isinstance(m, RowParallelLinear) and m.bias is not None:
+            out.add(id(m.bias))
+    return out
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
+        torch.set_num_threads(config.threads or cpu_threads(world))
+        if world > 1:
+            init_distributed(rank, world, init_method, "cpu", config.timeout_s)
+        dims = config.dims()
+        dims.check_world_size(world)
+        self.dims = dims = dims.build_mesh("cpu")
+        self.config = config
+        self.checkpoint = ckpt = open_checkpoint(config.model)
+        check_trainable(ckpt.config, dims.tp)
+        self.model = load_model(ckpt, dims).train().requires_grad_(True)
+        self.vocab_start = self.model.lm_head.rows.start
+        self.zero = Zero(self.model, dims, config.zero, replicated_over_tp(self.model))
+        self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
+                                           weight_decay=config.weight_decay)
+        self.peak: dict[str, int] = {}
+
+    @classmethod
+    def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:
+        return cls(config, rank=rank, world=world, init_method=init_method)
+
+    def ready_info(self) -> dict:
+        return {"params": sum(u.numel for u in self.zero.units), "coords": self.dims.coords(self.dims.global_rank)}
+
+    def step(self, batch: torch.Tensor) -> dict:
+        """One optimizer step on a global batch of token ids [batch, seq_len + 1] (every rank passes
+        the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds."""
+        start = time.perf_counter()
+        dp, r = self.dims.dp, self.dims.dp_rank
+        if batch.dim() != 2 or batch.shape[1] < 2:
+            raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")
+        if batch.shape[0] % (dp * self.config.grad_accum):
+            raise UsageError(f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
+                             f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
+                             f"{dp * self.config.grad_accum}")
+        mine = batch.chunk(dp)[r]
+        targets_all = mine[:, 1:]
+        count = all_reduce((targets_all != IGNORE_INDEX).sum().double(), self.dims.dp_group)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in mine.chunk(self.config.grad_accum):
+            total += self._forward_backward(micro, count).detach().double()
+        self.peak = self.zero.state_bytes()
+        self.zero.finish_backward()
+        norm = self.zero.clip(self.config.max_grad_norm, self.dims.tp_group) if self.config.max_grad_norm \
+            else self.zero.grad_norm(self.dims.tp_group)
+        self.optimizer.step()
+        self.zero.after_step()
+        self.peak["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
+                                     if torch.is_tensor(t) and t.dim() > 0)
+        loss = all_reduce(total, self.dims.dp_group) / count
+        return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
+                "seconds": time.perf_counter() - start}
+
+    def _forward_backward(self, ids: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape[0], ids.shape[1] - 1
+        inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)  # [b * s]
+        positions = torch.arange(s).repeat(b)
+        logits = self.zero.forward(inputs, positions, causal_metadata([s] * b), [None] * len(self.model.layers),
+                                   local_logits=True)  # [b * s, local vocab]
+        loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.dims.tp_group).sum()
+        (loss / count).backward()
+        return loss

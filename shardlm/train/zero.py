@@ -1,0 +1,276 @@
+"""ZeRO stages 0-3 over the data-parallel ranks (Rajbhandari et al. 2019, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", https://arxiv.org/abs/1910.02054 §5).
+
+The parameters a rank holds (its tp shard of the model) are grouped into units, one per decoder
+layer and one for the rest (embedding, final norm, LM head), as FSDP wraps them. A unit's
+parameters form one flat vector, split over the dp ranks as evenly as possible; rank r owns
+elements [lo, hi) of it, and the optimizer steps on what it owns:
+
+    stage  a rank keeps                       gradients are reduced            after the step
+    0      weights, gradients, Adam state     all-reduce, after backward       -
+    1      weights, gradients, its state      reduce-scatter, after backward   all-gather weights
+    2      weights, its gradients and state   reduce-scatter per unit, during  all-gather weights
+                                              backward (full gradients freed)
+    3      its weights, gradients and state   reduce-scatter per unit, during  -
+                                              backward
+
+Stage 3 gathers a unit's weights for its forward and drops them after; the weights its
+backward needs are gathered again when autograd first asks for them (a saved-tensor hook
+stands in for each saved weight, so no weight is held between forward and backward).
+
+Gradients are summed over dp, not averaged: the trainer divides the loss by the global token
+count, so a step equals one process's step on the whole batch whatever the split.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from shardlm.parallel.comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter, split_sizes
+
+STAGES = (0, 1, 2, 3)
+
+
+class Unit:
+    """Parameters flattened as one vector, of which this rank owns elements [lo, hi)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group, stage: int, replicated: set[int], tp: int):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.group, self.stage = group, stage
+        self.numel = sum(p.numel() for p in self.params)
+        self.sizes = split_sizes(self.numel, group_size(group))
+        rank = group_rank(group)
+        self.lo = 0 if stage == 0 else sum(self.sizes[:rank])
+        self.hi = self.numel if stage == 0 else self.lo + self.sizes[rank]
+        # elements whose gradient every tp rank holds whole (norms, a row-parallel bias): a
+        # global gradient norm counts them once, not tp times
+        self.tp_weighted: list[tuple[int, int, float]] = []
+        offset = 0
+        for p in self.params:
+            if id(p) in replicated and tp > 1:
+                self.tp_weighted.append((offset, offset + p.numel(), 1 / tp))
+            offset += p.numel()
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.flat: Tensor | None = None
+        self.regathered: Tensor | None = None  # stage 3: weights gathered again for backward
+        if stage == 3:
+            self.shard = nn.Parameter(flat[self.lo:self.hi].clone())
+            for p in self.params:  # released: a stage-3 rank holds only its shard
+                p.data = p.data.new_empty(0)
+                p.requires_grad_(False)
+        else:
+            self.flat = flat
+            for p, view in zip(self.params, self.views(flat)):
+                p.data = view  # the model's parameters live in the flat vector
+            self.shard = nn.Parameter(flat[self.lo:self.hi])  # a view: the optimizer updates the model
+        self.ready = 0
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+    # ---- gradients -----------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Sum the unit's gradients over dp into ``shard.grad`` and free the full ones."""
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        for p in self.params:
+            p.grad = None
+        mine = all_reduce(g, self.group) if self.stage == 0 else reduce_scatter(g, self.group, sizes=self.sizes)
+        self.accumulate(mine)
+        self.ready = 0
+
+    def accumulate(self, g: Tensor) -> None:
+        if self.shard.grad is None:
+            self.shard.grad = g
+        else:
+            self.shard.grad += g
+
+    def param_ready(self) -> None:
+        """Stage 2: one more parameter's gradient is complete; reduce once all of them are."""
+        self.ready += 1
+        if self.ready == len(self.params):
+            self.reduce_grads()
+
+    def grad_sq(self) -> Tensor:
+        """Sum of squares of the gradient elements this rank owns (tp-replicated ones weighted)."""
+        g = self.shard.grad.float()
+        total = g.pow(2).sum()
+        for a, b, w in self.tp_weighted:
+            a, b = max(a, self.lo), min(b, self.hi)
+            if a < b:
+                total -= (1 - w) * g[a - self.lo:b - self.lo].pow(2).sum()
+        return total
+
+    # ---- weights -------------------------------------------------------------------------
+    def gather(self) -> Tensor:
+        """The whole flat weight vector from every rank's shard (a new tensor)."""
+        full = all_gather(self.shard.detach(), self.group, sizes=self.sizes)
+        return full.clone() if group_size(self.group) == 1 else full  # one rank: all_gather returns its input
+
+    def after_step(self) -> None:
+        """Stages 1-2: every rank's updated shard back into everyone's full weights."""
+        if self.stage in (1, 2) and group_size(self.group) > 1:
+            self.flat.copy_(all_gather(self.shard.detach(), self.group, sizes=self.sizes))
+
+
+class _Gather(torch.autograd.Function):
+    """forward: all-gather a unit's shards; backward: reduce-scatter the gradient (sum over dp)."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, unit: Unit) -> Tensor:
+        ctx.unit = unit
+        return unit.gather()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        unit = ctx.unit
+        unit.regathered = None  # this unit's backward is over: drop its re-gathered weights
+        return reduce_scatter(grad.contiguous(), unit.group, sizes=unit.sizes), None
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """Stands in for a saved view of a stage-3 unit's gathered weights."""
+
+    unit: Unit
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Sharded(nn.Module):
+    """Stage 3: runs ``inner`` (a decoder layer) with its unit's weights gathered for the call."""
+
+    def __init__(self, inner: nn.Module, unit: Unit, zero: Zero):
+        super().__init__()
+        self.inner = inner
+        self._unit, self._zero = unit, zero
+
+    def forward(self, *args):
+        return functional_call(self.inner, self._zero.gathered(self._unit), args)
+
+
+class Zero:
+    """ZeRO-``stage`` for ``model`` (a Transformer) over the dp group of ``dims``.
+
+    Construction rewires the model: stages 0-2 move its parameters into flat vectors; stage 3
+    replaces each decoder layer by a wrapper that gathers the layer's weights per call. Run the
+    forward through ``forward``; after backward call ``finish_backward``, then step the
+    optimizer over ``shards()``, then ``after_step``."""
+
+    def __init__(self, model: nn.Module, dims, stage: int, replicated: set[int]):
+        if stage not in STAGES:
+            raise ValueError(f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
+                             f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)")
+        self.stage, self.model = stage, model
+        group, tp = dims.dp_group, dims.tp
+        in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
+        root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
+        self.units = [Unit(list(layer.named_parameters()), group, stage, replicated, tp) for layer in model.layers]
+        self.root = Unit(root, group, stage, replicated, tp)
+        self.units.append(self.root)
+        self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
+        if stage == 2:
+            for unit in self.units:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(lambda _, u=unit: u.param_ready())
+        if stage == 3:
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = _Sharded(layer, self.units[i], self)
+
+    def shards(self) -> list[nn.Parameter]:
+        """What the optimizer steps on: this rank's part of every unit."""
+        return [u.shard for u in self.units]
+
+    # ---- forward -------------------------------------------------------------------------
+    def gathered(self, unit: Unit) -> dict[str, Tensor]:
+        full = _Gather.apply(unit.shard, unit)
+        self._owner[full] = unit
+        return dict(zip(unit.names, unit.views(full)))
+
+    def forward(self, *args, **kwargs):
+        if self.stage < 3:
+            return self.model(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return functional_call(self.model, self.gathered(self.root), args, kwargs)
+
+    def _pack(self, t: Tensor):
+        unit = self._owner.get(t._base) if t._base is not None else None
+        if unit is None:
+            return t
+        return _SavedWeight(unit, t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def _unpack(saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        unit = saved.unit
+        if unit.regathered is None:
+            unit.regathered = unit.gather()
+        return unit.regathered.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---- backward and step ---------------------------------------------------------------
+    def finish_backward(self) -> None:
+        """Reduce what backward has not reduced yet (stages 0-1: everything, at once)."""
+        if self.stage < 3:
+            for unit in self.units:
+                if self.stage < 2 or unit.ready:
+                    unit.reduce_grads()
+
+    def grad_norm(self, tp_group) -> Tensor:
+        """The global gradient norm: every element of the model counted once."""
+        sq = torch.stack([u.grad_sq() for u in self.units]).sum()
+        if self.stage > 0:  # each dp rank owns different elements
+            all_reduce(sq, self.units[0].group)
+        return all_reduce(sq, tp_group).sqrt()
+
+    def clip(self, max_norm: float, tp_group) -> Tensor:
+        """Scale gradients so their global norm is at most ``max_norm`` (as
+        torch.nn.utils.clip_grad_norm_ does); returns the norm before clipping."""
+        norm = self.grad_norm(tp_group)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for unit in self.units:
+            unit.shard.grad.mul_(coef)
+        return norm
+
+    def after_step(self) -> None:
+        for unit in self.units:
+            unit.after_step()
+            unit.shard.grad = None
+
+    @contextmanager
+    def full_weights(self):
+        """Inside: every parameter of the model holds its whole (tp-shard) value, also at stage 3
+        (for saving and checking; gathers everything at once)."""
+        if self.stage < 3:
+            yield
+            return
+        for unit in self.units:
+            for p, view in zip(unit.params, unit.views(unit.gather())):
+                p.data = view
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                for p in unit.params:
+                    p.data = p.data.new_empty(0)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of weights and gradients this rank holds now (call right after backward, before
+        ``finish_backward``, to see the gradients at their peak)."""
+        weights = sum((u.shard if self.stage == 3 else u.flat).nbytes for u in self.units)
+        grads = sum(p.grad.nbytes for u in self.units for p in u.params if p.grad is not None)
+        grads += sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None)
+        return {"weights": weights, "gradients": grads}
