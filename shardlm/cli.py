@@ -1,4 +1,4 @@
-"""The ``shardlm`` command: ``generate`` (and ``plan``).
+"""The ``shardlm`` command: ``generate``, ``serve``, ``train``, ``plan`` and ``bench``.
 
 Bad input prints one line and exits 2; a failed rank prints what failed and exits 1.
 Logs go to stderr, results to stdout (one JSON object per line with --json).
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlm.server.cli import add_parser as add_serve
 
     add_serve(sub)
+    from shardlm.train.cli import add_parser as add_train
+
+    add_train(sub)
     return parser
 
 

@@ -13,6 +13,11 @@ tensor below 1e-6, while three steps of lr 1e-3 move the weights by ~3e-3.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -117,3 +122,37 @@ def test_bad_input_is_refused_with_a_reason(tiny):
         trainer.step(torch.zeros(5, 9, dtype=torch.long))
     with pytest.raises(UsageError, match=r"\[sequences, seq_len \+ 1\]"):
         trainer.step(torch.zeros(8, dtype=torch.long))
+
+
+def _shardlm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "shardlm"), *args], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_cli_trains_smollm2_over_two_ranks(tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
+    r = _shardlm("train", "--data", str(data), "--dp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
+                 "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["tokens"] == 2 * 16 for s in steps)
+    # repeated text: three steps on it make the next windows more likely (measured 4.9 -> 1.3)
+    assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
+    assert "step 3/3  loss" in r.stderr
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "missing.txt"], "--data 'missing.txt' is not a file"),
+    (["--tp", "2"], "query group over two ranks (9 query heads, 3 KV heads)"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--batch-size", "4000"], "fewer than one batch of 4000"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text("a few words of text " * 50)
+    r = _shardlm("train", "--data", str(data), *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr

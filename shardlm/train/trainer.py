@@ -118,10 +118,11 @@ class Trainer:
     def ready_info(self) -> dict:
         return {"params": sum(u.numel for u in self.zero.units), "coords": self.dims.coords(self.dims.global_rank)}
 
-    def step(self, batch: torch.Tensor) -> dict:
+    def step(self, batch: torch.Tensor | list[list[int]]) -> dict:
         """One optimizer step on a global batch of token ids [batch, seq_len + 1] (every rank passes
         the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds."""
         start = time.perf_counter()
+        batch = torch.as_tensor(batch)
         dp, r = self.dims.dp, self.dims.dp_rank
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")

@@ -1,0 +1,120 @@
+"""``shardlm train``: fine-tune a model on a text file over tp x dp ranks with ZeRO.
+
+Each step logs its loss, gradient norm and throughput (one line on stderr; --json: one JSON
+object per step on stdout); --plot draws the loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from shardlm.cli import log
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train", help="fine-tune on a text file over tp x dp ranks (ZeRO 0-3)",
+                              description="Next-token training on a text file; the model split over tp ranks, "
+                                          "each batch over dp ranks, the model states sharded by ZeRO.")
+    p.add_argument("--data", required=True, help="a UTF-8 text file to train on")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (each trains on a share of every batch)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must keep each KV head's query group whole)")
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3],
+                   help="ZeRO stage: 0 plain dp, 1 optimizer state sharded (default), 2 + gradients, 3 + weights")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all dp ranks (default 8)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each dp rank (default 1)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="order of the windows (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write loss.png (loss per step) into DIR")
+    p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from shardlm.errors import UsageError
+    from shardlm.launch import LocalRanks, torchrun_env
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.train.data import Batches
+    from shardlm.train.trainer import Trainer, TrainConfig, check_trainable
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")
+    data = Path(args.data)
+    if not data.is_file():
+        raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
+    config = TrainConfig(model=args.model, dp=args.dp, tp=args.tp, zero=args.zero, lr=args.lr,
+                         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
+                         grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
+    ckpt = open_checkpoint(args.model)
+    check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
+    ids = ckpt.tokenizer().encode(data.read_text(encoding="utf-8"))
+    batches = Batches(ids, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, source=str(data))
+    env = torchrun_env()
+    speaker = env is None or env["rank"] == 0
+    world = config.dims().world_size
+    if speaker:
+        log(f"training {args.model} ({ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
+            f"rank{'s' if world > 1 else ''} (dp={args.dp}, tp={args.tp}, ZeRO-{args.zero}); {len(ids)} tokens of "
+            f"{data.name}: {len(batches.windows)} windows of {args.seq_len}, {batches.per_epoch} steps an epoch")
+    if env is not None:  # under torchrun: this process is one rank
+        trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
+        step = trainer.step
+        close = lambda: None  # noqa: E731
+    else:
+        ranks = LocalRanks(world, Trainer.spawned, (config,), timeout_s=config.timeout_s)
+        close = ranks.close
+        try:
+            infos = ranks.collect("ready")
+        except BaseException:
+            close()
+            raise
+        if speaker:
+            log(f"loaded; parameters per rank (before ZeRO): {', '.join(str(i['params']) for i in infos)}")
+        # as lists: a tensor on a pipe would go by torch's shared-memory handles, which these ranks cannot open
+        step = lambda b: ranks.call("step", b.tolist())[0]  # noqa: E731
+    history = []
+    try:
+        for i in range(args.steps):
+            s = step(batches(i))
+            history.append(s)
+            if not speaker:
+                continue
+            tok_s = s["tokens"] / s["seconds"]
+            if args.json:
+                print(json.dumps({"step": i + 1, **s, "tokens_per_s": tok_s}), flush=True)
+            log(f"step {i + 1}/{args.steps}  loss {s['loss']:.4f}  grad norm {s['grad_norm']:.3f}  "
+                f"{tok_s:.0f} tok/s  {s['seconds']:.2f} s")
+    finally:
+        close()
+    if speaker and args.plot:
+        log(f"wrote {loss_plot(history, args, Path(args.plot))}")
+    return 0
+
+
+def loss_plot(history: list[dict], args, directory: Path) -> Path:
+    from shardlm.plan.plot import _plt
+
+    plt = _plt()
+    directory.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(history) + 1), [s["loss"] for s in history], marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean next-token cross-entropy)")
+    ax.set_title(f"{args.model}: dp={args.dp} tp={args.tp} ZeRO-{args.zero}, batch {args.batch_size} x {args.seq_len}")
+    ax.grid(alpha=0.3)
+    path = directory / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
