@@ -120,4 +120,4 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
     with trainer.zero.full_weights():
         weights = pieces(trainer.model)
     units = trainer.zero.units
-    return stats, weights, trainer.peak, (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))
+    return stats, weights, stats[-1]["state_bytes"], (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))

@@ -34,13 +34,15 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(params: float, *, dp: int, stage: int) -> ModelStates:
-    """Per-rank model states for ``params`` parameters (already split by TP/PP/EP) under ZeRO-``stage``."""
+def model_states(params: float, *, dp: int, stage: int, param_bytes: float = PARAM_BYTES,
+                 grad_bytes: float = GRAD_BYTES, state_bytes: float = ADAM_STATE_BYTES) -> ModelStates:
+    """Per-rank model states for ``params`` parameters (already split by TP/PP/EP) under ZeRO-``stage``
+    (bytes per parameter: mixed-precision Adam by default; float32 Adam is 4, 4, 8)."""
     if stage not in ZERO_STAGES:
         from shardlm.plan.errors import PlanError
 
         raise PlanError(f"--zero {stage}: ZeRO stages are 0 (plain data parallel), 1, 2 and 3")
-    w, g, o = PARAM_BYTES * params, GRAD_BYTES * params, ADAM_STATE_BYTES * params
+    w, g, o = param_bytes * params, grad_bytes * params, state_bytes * params
     return ModelStates(
         weights=w / dp if stage >= 3 else w,
         gradients=g / dp if stage >= 2 else g,

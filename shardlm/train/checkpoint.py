@@ -1,4 +1,4 @@
-"""A trained model back in the checkpoint's own names: every rank's pieces, and whole tensors.
+"""A trained model back in the checkpoint's own names: the pieces of HF tensors a rank holds.
 
 Each parallel layer knows which rows or columns of which checkpoint tensor it holds (the same
 ``sources`` it loads from), so the pieces of all tp ranks put together are the HF tensors.
@@ -46,18 +46,4 @@ def pieces(model: nn.Module) -> list[Piece]:
             out.append(Piece(f"{m.source}.weight", None, None, m.weight))
     for p in out:
         p.tensor = p.tensor.detach().clone()
-    return out
-
-
-def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
-    """Whole tensors from the pieces of every tp rank (pieces of one name may repeat: replicas)."""
-    by_name: dict[str, dict] = {}
-    for p in all_pieces:
-        key = (p.rows.start if p.rows else None, p.cols.start if p.cols else None)
-        by_name.setdefault(p.name, {})[key] = p
-    out = {}
-    for name, parts in by_name.items():
-        ordered = [parts[k] for k in sorted(parts, key=lambda k: (k[0] or 0, k[1] or 0))]
-        dim = 0 if ordered[0].rows is not None else 1 if ordered[0].cols is not None else None
-        out[name] = ordered[0].tensor if dim is None else torch.cat([p.tensor for p in ordered], dim=dim)
     return out

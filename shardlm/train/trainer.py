@@ -109,7 +109,6 @@ class Trainer:
         self.zero = Zero(self.model, dims, config.zero, replicated_over_tp(self.model))
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
-        self.peak: dict[str, int] = {}
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:
@@ -120,7 +119,8 @@ class Trainer:
 
     def step(self, batch: torch.Tensor | list[list[int]]) -> dict:
         """One optimizer step on a global batch of token ids [batch, seq_len + 1] (every rank passes
-        the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds."""
+        the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds, and
+        the bytes of weights, gradients (at their peak, after backward) and optimizer state held."""
         start = time.perf_counter()
         batch = torch.as_tensor(batch)
         dp, r = self.dims.dp, self.dims.dp_rank
@@ -136,17 +136,17 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         for micro in mine.chunk(self.config.grad_accum):
             total += self._forward_backward(micro, count).detach().double()
-        self.peak = self.zero.state_bytes()
+        held = self.zero.state_bytes()
         self.zero.finish_backward()
         norm = self.zero.clip(self.config.max_grad_norm, self.dims.tp_group) if self.config.max_grad_norm \
             else self.zero.grad_norm(self.dims.tp_group)
         self.optimizer.step()
         self.zero.after_step()
-        self.peak["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
-                                     if torch.is_tensor(t) and t.dim() > 0)
+        held["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
+                                if torch.is_tensor(t) and t.dim() > 0)  # moments, not the step count
         loss = all_reduce(total, self.dims.dp_group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, "state_bytes": held}
 
     def _forward_backward(self, ids: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape[0], ids.shape[1] - 1
