@@ -121,3 +121,14 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
         weights = pieces(trainer.model)
     units = trainer.zero.units
     return stats, weights, stats[-1]["state_bytes"], (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))
+
+
+def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: str, **options):
+    """Train on ``batches``, then save the model as a HF directory (rank 0 writes)."""
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    trainer = Trainer(TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+                      rank=dist.get_rank(), world=dist.get_world_size())
+    for b in batches:
+        trainer.step(b)
+    return trainer.save(directory)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from rankfns import train_steps
+from rankfns import train_and_save, train_steps
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 STEPS, BATCH, SEQ = 3, 12, 16  # 12 sequences split over dp = 1, 2, 3 and 2 x 2 micro-batches
@@ -102,6 +102,31 @@ def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
             assert sum(o for o, _ in ranks) == ranks[0][1]
 
 
+def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
+    """dp=2 x tp=2 at ZeRO-3 saves a directory HF loads, holding the weights HF trained itself."""
+    import transformers
+
+    path, batches, _, _, after = hf_run
+    run_ranks(4, train_and_save, path, batches, 2, 2, 3, str(tmp_path), **OPTIM)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    got = dict(saved.named_parameters())
+    assert got.keys() == after.keys()
+    for name, want in after.items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "mistral"])
+def test_hf_config_round_trip(tiny, name):
+    import dataclasses
+
+    from shardlm.models.config import ModelConfig
+    from shardlm.models.loader import open_checkpoint
+
+    cfg = open_checkpoint(tiny(name).path).config
+    back = ModelConfig.from_hf(cfg.to_hf())
+    assert dataclasses.replace(back, extra=cfg.extra) == cfg
+
+
 def test_bad_input_is_refused_with_a_reason(tiny):
     from shardlm.errors import UsageError
     from shardlm.models.loader import open_checkpoint
@@ -129,11 +154,12 @@ def _shardlm(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, stdin=subprocess.DEVNULL)
 
 
-def test_cli_trains_smollm2_over_two_ranks(tmp_path):
+def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
     r = _shardlm("train", "--data", str(data), "--dp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
-                 "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path))
+                 "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
+                 "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
     steps = [json.loads(line) for line in r.stdout.splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -142,6 +168,25 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path):
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
     assert "step 3/3  loss" in r.stderr
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+    # the saved GGUF model is a HF directory: config, weights, and the same tokenizer and chat template
+    from shardlm.engine.tokenizer import Tokenizer
+    from shardlm.models.loader import open_checkpoint
+
+    saved, source = open_checkpoint(tmp_path / "trained"), open_checkpoint("smollm2")
+    assert saved.kind == "hf" and saved.config.to_hf() == source.config.to_hf()
+    mine, theirs = Tokenizer.from_pretrained(tmp_path / "trained"), source.tokenizer()
+    chat = [{"role": "user", "content": "Explain ZeRO-3 in one line."}]
+    assert mine.encode(mine.apply_chat_template(chat)) == theirs.encode(theirs.apply_chat_template(chat))
+    # and its weights are HF's own reading of the GGUF (q/k un-permuted), moved by 3 steps of lr 1e-4
+    from safetensors.torch import load_file
+
+    trained = load_file(tmp_path / "trained" / "model.safetensors")
+    reference = dict(hf_smollm2.named_parameters())
+    assert trained.keys() == reference.keys()
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        moved = (trained[name] - reference[name]).abs().max().item()
+        assert 0 < moved < 1e-3, (name, moved)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -75,6 +75,18 @@ class Tokenizer:
         """``bos_token``/``eos_token``/``unk_token``/``pad_token`` strings; chat templates see them."""
         self._hf = hf  # a transformers tokenizer to delegate encode/decode to (from_pretrained)
 
+    def save(self, directory: str | Path) -> None:
+        """Write this tokenizer as a HF model directory holds it (``from_pretrained`` reads it back)."""
+        directory = Path(directory)
+        if self._hf is not None:
+            self._hf.save_pretrained(str(directory))
+            return
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gguf: Any) -> Tokenizer:

@@ -143,6 +143,30 @@ class ModelConfig:
         d.pop("extra")
         return d
 
+    def to_hf(self) -> dict[str, Any]:
+        """A HF ``config.json`` for this model (dense families; ``from_hf`` reads it back equal)."""
+        if self.is_moe or self.family not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ConfigError(f"writing a HF config for family {self.family!r} is not supported; "
+                              f"dense llama, mistral, qwen2 and qwen3 are")
+        arch = next(a for a, f in ARCHITECTURES.items() if f == self.family)
+        eos = list(self.eos_token_ids)
+        cfg = {"architectures": [arch], "model_type": self.family, "vocab_size": self.vocab_size,
+               "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+               "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+               "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+               "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+               "max_position_embeddings": self.max_position_embeddings,
+               "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": self.hidden_act,
+               "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+               "torch_dtype": "float32"}
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.family == "llama":
+            cfg.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.sliding_window is not None:
+            cfg.update(sliding_window=self.sliding_window, use_sliding_window=True)
+        return cfg
+
     # ---- constructors ----------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -1,16 +1,23 @@
-"""A trained model back in the checkpoint's own names: the pieces of HF tensors a rank holds.
+"""A trained model back in the checkpoint's own names, and saved as a HF model directory.
 
 Each parallel layer knows which rows or columns of which checkpoint tensor it holds (the same
 ``sources`` it loads from), so the pieces of all tp ranks put together are the HF tensors.
+Saving gathers them on rank 0 (which therefore holds the whole model once) and writes
+``model.safetensors``, ``config.json`` and the tokenizer: the directory loads in shardlm
+(``--model DIR``) and in HF transformers. A GGUF source is saved the same way (float32).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardlm.engine.tokenizer import TokenizerError
 from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.tensor import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
@@ -47,3 +54,43 @@ def pieces(model: nn.Module) -> list[Piece]:
     for p in out:
         p.tensor = p.tensor.detach().clone()
     return out
+
+
+def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
+    """Whole tensors from the pieces of every tp rank."""
+    by_name: dict[str, list[Piece]] = {}
+    for p in all_pieces:
+        by_name.setdefault(p.name, []).append(p)
+    out = {}
+    for name, parts in by_name.items():
+        if parts[0].rows is not None:
+            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: p.rows.start)])
+        elif parts[0].cols is not None:
+            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: p.cols.start)], dim=1)
+        else:  # replicated on every tp rank
+            out[name] = parts[0].tensor
+    return out
+
+
+def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
+    """Write the model as a HF directory. Collective: every rank calls it with the model's whole
+    (tp-shard) weights in place; the pieces of dp replica 0 go to global rank 0, which writes."""
+    from safetensors.torch import save_file
+
+    mine = pieces(model) if dims.dp_rank == 0 else []
+    everything = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everything, dst=0)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in assemble([p for part in everything for p in part]).items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(checkpoint.config.to_hf(), indent=2))
+    try:
+        tokenizer = checkpoint.tokenizer()
+    except TokenizerError:  # the source has none (e.g. a bare test model): neither does the copy
+        return
+    tokenizer.save(directory)

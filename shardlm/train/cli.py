@@ -35,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="order of the windows (default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="after training, write the model as a HF directory (safetensors, config, tokenizer)")
     p.add_argument("--plot", metavar="DIR", default=None, help="write loss.png (loss per step) into DIR")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     p.set_defaults(func=run)
@@ -69,7 +71,7 @@ def run(args) -> int:
             f"{data.name}: {len(batches.windows)} windows of {args.seq_len}, {batches.per_epoch} steps an epoch")
     if env is not None:  # under torchrun: this process is one rank
         trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
-        step = trainer.step
+        step, save = trainer.step, trainer.save
         close = lambda: None  # noqa: E731
     else:
         ranks = LocalRanks(world, Trainer.spawned, (config,), timeout_s=config.timeout_s)
@@ -83,6 +85,7 @@ def run(args) -> int:
             log(f"loaded; parameters per rank (before ZeRO): {', '.join(str(i['params']) for i in infos)}")
         # as lists: a tensor on a pipe would go by torch's shared-memory handles, which these ranks cannot open
         step = lambda b: ranks.call("step", b.tolist())[0]  # noqa: E731
+        save = lambda d: ranks.call("save", d)[0]  # noqa: E731
     history = []
     try:
         for i in range(args.steps):
@@ -95,6 +98,10 @@ def run(args) -> int:
                 print(json.dumps({"step": i + 1, **s, "tokens_per_s": tok_s}), flush=True)
             log(f"step {i + 1}/{args.steps}  loss {s['loss']:.4f}  grad norm {s['grad_norm']:.3f}  "
                 f"{tok_s:.0f} tok/s  {s['seconds']:.2f} s")
+        if args.save:
+            save(args.save)
+            if speaker:
+                log(f"saved the trained model to {args.save} (shardlm generate --model {args.save})")
     finally:
         close()
     if speaker and args.plot:

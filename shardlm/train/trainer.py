@@ -21,6 +21,7 @@ from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads
+from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shardlm.train.zero import STAGES, Zero
 
@@ -147,6 +148,12 @@ class Trainer:
         loss = all_reduce(total, self.dims.dp_group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
                 "seconds": time.perf_counter() - start, "state_bytes": held}
+
+    def save(self, directory: str) -> str:
+        """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""
+        with self.zero.full_weights():
+            save(self.model, self.checkpoint, self.dims, directory)
+        return directory
 
     def _forward_backward(self, ids: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape[0], ids.shape[1] - 1
