@@ -221,3 +221,14 @@ def test_frozen_and_compares_by_sizes():
     assert a == b and a != ParallelDims(dp=2, tp=1)
     with pytest.raises(Exception):
         a.tp = 4  # type: ignore[misc]
+
+
+def test_dp_cp_groups_are_the_ranks_that_share_weights():
+    """Training sums gradients over every dp and cp coordinate of one (pp, tp) position."""
+    dims = ParallelDims(dp=2, cp=2, tp=2)
+    assert dims.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for ranks in dims.group_ranks("dp_cp"):
+        assert len({dims.coords(r)["tp"] for r in ranks}) == 1
+        assert {(dims.coords(r)["dp"], dims.coords(r)["cp"]) for r in ranks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert ParallelDims(dp=2, pp=2).group_ranks("dp_cp") == ParallelDims(dp=2, pp=2).group_ranks("dp")
+    assert ParallelDims().dp_cp_group is None

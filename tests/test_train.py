@@ -73,6 +73,8 @@ def check_against_hf(results, hf_run) -> None:
 # (dp, tp, zero, extra options); grouped by world size so each rank pool starts once
 LAYOUTS = [
     (1, 1, 0, {}),
+    (1, 1, 0, {"cp": 2}),  # context parallel: each sequence's zig-zag halves on two ranks
+    (1, 1, 3, {"cp": 2}),
     (1, 1, 3, {}),
     (2, 1, 0, {}),
     (2, 1, 1, {}),
@@ -82,23 +84,29 @@ LAYOUTS = [
     (3, 1, 3, {}),  # shards of uneven size
     (2, 2, 2, {}),
     (2, 2, 3, {}),
+    (2, 1, 2, {"cp": 2}),
+    (1, 2, 1, {"cp": 2}),
 ]
 
 
-@pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[f"dp{d}-tp{t}-zero{z}" + ("-accum" if e else "")
-                                                          for d, t, z, e in LAYOUTS])
+def _layout_id(dp, tp, zero, extra) -> str:
+    return f"dp{dp}-cp{extra.get('cp', 1)}-tp{tp}-zero{zero}" + ("-accum" if "grad_accum" in extra else "")
+
+
+@pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
 def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
     path, batches = hf_run[:2]
-    results = run_ranks(dp * tp, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
+    cp = extra.get("cp", 1)
+    results = run_ranks(dp * cp * tp, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
     check_against_hf(results, hf_run)
     for stats, _, held, (owned, numel) in results:
         # ZeRO's table (zero.py): what a rank keeps, in float32 elements; Adam keeps two per element
         assert held["weights"] == 4 * (owned if zero == 3 else numel)
         assert held["gradients"] == 4 * (owned if zero >= 2 else numel)
         assert held["optimizer"] == 8 * (numel if zero == 0 else owned)
-    if zero > 0 and dp > 1:  # the dp ranks of one tp rank own disjoint parts covering everything
+    if zero > 0 and dp * cp > 1:  # the dp x cp ranks of one tp rank own disjoint parts covering everything
         for t in range(tp):
-            ranks = [results[d * tp + t][3] for d in range(dp)]
+            ranks = [results[g * tp + t][3] for g in range(dp * cp)]
             assert sum(o for o, _ in ranks) == ranks[0][1]
 
 
@@ -147,6 +155,11 @@ def test_bad_input_is_refused_with_a_reason(tiny):
         trainer.step(torch.zeros(5, 9, dtype=torch.long))
     with pytest.raises(UsageError, match=r"\[sequences, seq_len \+ 1\]"):
         trainer.step(torch.zeros(8, dtype=torch.long))
+    from shardlm.parallel.context import zigzag_positions
+
+    with pytest.raises(LayoutError, match=r"seq_len=18 does not split into 2 x cp = 4 equal chunks .* e.g. 16"):
+        zigzag_positions(18, 2, 0)
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
 
 
 def _shardlm(*args: str) -> subprocess.CompletedProcess:
@@ -155,9 +168,10 @@ def _shardlm(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
+    """Context parallel (each sequence's zig-zag halves on two ranks), ZeRO-2 over those two."""
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
-    r = _shardlm("train", "--data", str(data), "--dp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
+    r = _shardlm("train", "--data", str(data), "--cp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
                  "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
                  "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
@@ -194,6 +208,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     (["--tp", "2"], "query group over two ranks (9 query heads, 3 KV heads)"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--batch-size", "4000"], "fewer than one batch of 4000"),
+    (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     data = tmp_path / "data.txt"

@@ -20,6 +20,7 @@ from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_atte
 from shardlm.models.config import ModelConfig
 from shardlm.models.moe import SparseMoE
 from shardlm.models.rope import Rotary, apply_rotary
+from shardlm.parallel.context import ContextBatch, context_attention
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.tensor import (
     ColumnParallelLinear,
@@ -102,7 +103,10 @@ class Attention(nn.Module):
             qk = self.qk_norm(qk)
         qk = apply_rotary(qk, *rope)
         q, k = qk[:, :nq], qk[:, nq:]  # [tokens, q_heads, d], [tokens, kv_heads, d]
-        o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
+        if isinstance(meta, ContextBatch):  # training with the sequence split over cp ranks
+            o = context_attention(q, k, v, meta, self.heads, self.scale, self.window)
+        else:
+            o = paged_attention(q, k, v, cache, meta, self.heads, self.scale, self.window)
         return self.o(o.reshape(t, self.num_q * d))
 
 

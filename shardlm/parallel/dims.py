@@ -63,6 +63,7 @@ class ParallelDims:
     """Expert-tensor-parallel ranks (folded over dp x tp); each expert split this many ways."""
     _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     _expert_groups: dict | None = field(default=None, compare=False, repr=False)
+    _dp_cp_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,9 +131,9 @@ class ParallelDims:
 
     def group_ranks(self, kind: str) -> list[list[int]]:
         """Every group of a mesh axis or expert group kind, as ascending global ranks (pure)."""
-        if kind in MESH_AXES:
-            vary = (kind,)
-            key = lambda r: tuple(v for a, v in self.coords(r).items() if a != kind)  # noqa: E731
+        if kind in MESH_AXES or kind == "dp_cp":
+            vary = ("dp", "cp") if kind == "dp_cp" else (kind,)
+            key = lambda r: tuple(v for a, v in self.coords(r).items() if a not in vary)  # noqa: E731
         elif kind in EXPERT_GROUPS:
             vary = ("ep", "etp") if kind == "ep_etp" else (kind,)
 
@@ -140,7 +141,8 @@ class ParallelDims:
                 c, e = self.coords(r), self.expert_coords(r)
                 return (c["pp"], c["cp"], *(v for a, v in e.items() if a not in vary))
         else:
-            raise KeyError(f"unknown group {kind!r}; mesh axes are {MESH_AXES}, expert groups {EXPERT_GROUPS}")
+            raise KeyError(f"unknown group {kind!r}; mesh axes are {MESH_AXES} (and dp_cp), "
+                           f"expert groups {EXPERT_GROUPS}")
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             groups.setdefault(key(r), []).append(r)
@@ -164,7 +166,19 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_AXES)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_expert_groups", self._build_expert_groups())
+        object.__setattr__(self, "_dp_cp_group", self._build_dp_cp_group())
         return self
+
+    def _build_dp_cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the same weights in training (every dp and cp coordinate of one pp,
+        tp position): gradients are summed over them. Collective, like the expert groups."""
+        if self.cp == 1 or self.dp == 1:
+            return self._mesh.get_group("cp" if self.dp == 1 else "dp")
+        mine = None
+        for ranks in self.group_ranks("dp_cp"):
+            g = dist.new_group(ranks)
+            mine = g if dist.get_rank() in ranks else mine
+        return mine
 
     def _build_expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """One process group per expert group kind (collective: every rank creates every group,
@@ -206,6 +220,11 @@ class ParallelDims:
         if axis not in MESH_AXES:
             raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
         return self._mesh.get_local_rank(axis) if self._need_mesh() else 0
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """dp x cp ranks of this rank's pp and tp position (training's gradient group)."""
+        return self._dp_cp_group if self._need_mesh() else None
 
     def expert_group(self, kind: str) -> dist.ProcessGroup | None:
         """The ep, etp, edp or ep_etp group of this rank (None when it has one rank)."""

@@ -74,10 +74,11 @@ def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
 
 def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
     """Write the model as a HF directory. Collective: every rank calls it with the model's whole
-    (tp-shard) weights in place; the pieces of dp replica 0 go to global rank 0, which writes."""
+    (tp-shard) weights in place; the pieces of one replica (dp and cp rank 0) go to global rank 0,
+    which writes."""
     from safetensors.torch import save_file
 
-    mine = pieces(model) if dims.dp_rank == 0 else []
+    mine = pieces(model) if dims.dp_rank == 0 and dims.cp_rank == 0 else []
     everything = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

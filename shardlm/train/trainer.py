@@ -19,6 +19,7 @@ from shardlm.models.attention import causal_metadata
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.comm import all_reduce
+from shardlm.parallel.context import ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads
 from shardlm.train.checkpoint import save
@@ -32,6 +33,8 @@ class TrainConfig:
     """'smollm2' (embedded), a HF directory or a .gguf file, as for generate."""
     dp: int = 1
     """Data-parallel ranks; each trains on its share of every batch."""
+    cp: int = 1
+    """Context-parallel ranks; each holds 2 of 2 x cp chunks of every sequence (seq_len must split)."""
     tp: int = 1
     """Tensor-parallel ranks; each holds a slice of every weight matrix."""
     zero: int = 1
@@ -64,7 +67,7 @@ class TrainConfig:
         self.dims()
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, tp=self.tp)
+        return ParallelDims(dp=self.dp, cp=self.cp, tp=self.tp)
 
 
 def check_trainable(cfg, tp: int) -> None:
@@ -107,7 +110,7 @@ class Trainer:
         check_trainable(ckpt.config, dims.tp)
         self.model = load_model(ckpt, dims).train().requires_grad_(True)
         self.vocab_start = self.model.lm_head.rows.start
-        self.zero = Zero(self.model, dims, config.zero, replicated_over_tp(self.model))
+        self.zero = Zero(self.model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(self.model))
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
 
@@ -124,19 +127,22 @@ class Trainer:
         the bytes of weights, gradients (at their peak, after backward) and optimizer state held."""
         start = time.perf_counter()
         batch = torch.as_tensor(batch)
-        dp, r = self.dims.dp, self.dims.dp_rank
+        dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")
         if batch.shape[0] % (dp * self.config.grad_accum):
             raise UsageError(f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
                              f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
                              f"{dp * self.config.grad_accum}")
-        mine = batch.chunk(dp)[r]
-        targets_all = mine[:, 1:]
-        count = all_reduce((targets_all != IGNORE_INDEX).sum().double(), self.dims.dp_group)
+        seq_len = batch.shape[1] - 1
+        micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
+        group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
+        count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
         total = torch.zeros((), dtype=torch.float64)
-        for micro in mine.chunk(self.config.grad_accum):
-            total += self._forward_backward(micro, count).detach().double()
+        meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
+            ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len)
+        for inputs, targets, positions in micros:
+            total += self._forward_backward(inputs, targets, positions, meta, count).detach().double()
         held = self.zero.state_bytes()
         self.zero.finish_backward()
         norm = self.zero.clip(self.config.max_grad_norm, self.dims.tp_group) if self.config.max_grad_norm \
@@ -145,7 +151,7 @@ class Trainer:
         self.zero.after_step()
         held["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
                                 if torch.is_tensor(t) and t.dim() > 0)  # moments, not the step count
-        loss = all_reduce(total, self.dims.dp_group) / count
+        loss = all_reduce(total, group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
                 "seconds": time.perf_counter() - start, "state_bytes": held}
 
@@ -155,12 +161,18 @@ class Trainer:
             save(self.model, self.checkpoint, self.dims, directory)
         return directory
 
-    def _forward_backward(self, ids: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        b, s = ids.shape[0], ids.shape[1] - 1
-        inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)  # [b * s]
-        positions = torch.arange(s).repeat(b)
-        logits = self.zero.forward(inputs, positions, causal_metadata([s] * b), [None] * len(self.model.layers),
-                                   local_logits=True)  # [b * s, local vocab]
-        loss = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.dims.tp_group).sum()
+    def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (inputs [b, n], targets [b, n], positions [n]) of sequences [b, seq_len + 1]:
+        every position, or under cp the zig-zag share of them (targets are the next tokens)."""
+        seq_len = ids.shape[1] - 1
+        positions = torch.arange(seq_len) if self.dims.cp == 1 else \
+            zigzag_positions(seq_len, self.dims.cp, self.dims.cp_rank)
+        return ids[:, positions], ids[:, positions + 1], positions
+
+    def _forward_backward(self, inputs, targets, positions, meta, count: torch.Tensor) -> torch.Tensor:
+        b = inputs.shape[0]
+        logits = self.zero.forward(inputs.reshape(-1), positions.repeat(b), meta, [None] * len(self.model.layers),
+                                   local_logits=True)  # [b * n, local vocab]
+        loss = vocab_parallel_cross_entropy(logits, targets.reshape(-1), self.vocab_start, self.dims.tp_group).sum()
         (loss / count).backward()
         return loss

@@ -163,19 +163,19 @@ class _Sharded(nn.Module):
 
 
 class Zero:
-    """ZeRO-``stage`` for ``model`` (a Transformer) over the dp group of ``dims``.
+    """ZeRO-``stage`` for ``model`` (a Transformer) over ``group``: the ranks that hold the same
+    weights and sum their gradients (dp, or dp x cp with context parallelism).
 
     Construction rewires the model: stages 0-2 move its parameters into flat vectors; stage 3
     replaces each decoder layer by a wrapper that gathers the layer's weights per call. Run the
     forward through ``forward``; after backward call ``finish_backward``, then step the
     optimizer over ``shards()``, then ``after_step``."""
 
-    def __init__(self, model: nn.Module, dims, stage: int, replicated: set[int]):
+    def __init__(self, model: nn.Module, group, tp: int, stage: int, replicated: set[int]):
         if stage not in STAGES:
             raise ValueError(f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
                              f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)")
         self.stage, self.model = stage, model
-        group, tp = dims.dp_group, dims.tp
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
         root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
         self.units = [Unit(list(layer.named_parameters()), group, stage, replicated, tp) for layer in model.layers]
@@ -232,7 +232,7 @@ class Zero:
     def grad_norm(self, tp_group) -> Tensor:
         """The global gradient norm: every element of the model counted once."""
         sq = torch.stack([u.grad_sq() for u in self.units]).sum()
-        if self.stage > 0:  # each dp rank owns different elements
+        if self.stage > 0:  # each rank of the group owns different elements
             all_reduce(sq, self.units[0].group)
         return all_reduce(sq, tp_group).sqrt()
 
