@@ -86,41 +86,79 @@ LAYOUTS = [
     (2, 2, 3, {}),
     (2, 1, 2, {"cp": 2}),
     (1, 2, 1, {"cp": 2}),
+    # pipeline: 1F1B over the micro-batches; the tied embedding lives on the first and last stage
+    (1, 1, 0, {"pp": 2, "grad_accum": 4}),
+    (1, 1, 3, {"pp": 2, "grad_accum": 2}),
+    (1, 1, 1, {"pp": 3, "grad_accum": 4}),
+    (2, 1, 2, {"pp": 2, "grad_accum": 2}),
+    (1, 2, 3, {"pp": 2, "grad_accum": 2}),
 ]
 
 
 def _layout_id(dp, tp, zero, extra) -> str:
-    return f"dp{dp}-cp{extra.get('cp', 1)}-tp{tp}-zero{zero}" + ("-accum" if "grad_accum" in extra else "")
+    accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
+    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}-tp{tp}-zero{zero}{accum}"
 
 
 @pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
 def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
     path, batches = hf_run[:2]
-    cp = extra.get("cp", 1)
-    results = run_ranks(dp * cp * tp, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
+    pp, cp = extra.get("pp", 1), extra.get("cp", 1)
+    results = run_ranks(dp * pp * cp * tp, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
     check_against_hf(results, hf_run)
     for stats, _, held, (owned, numel) in results:
         # ZeRO's table (zero.py): what a rank keeps, in float32 elements; Adam keeps two per element
         assert held["weights"] == 4 * (owned if zero == 3 else numel)
         assert held["gradients"] == 4 * (owned if zero >= 2 else numel)
         assert held["optimizer"] == 8 * (numel if zero == 0 else owned)
-    if zero > 0 and dp * cp > 1:  # the dp x cp ranks of one tp rank own disjoint parts covering everything
-        for t in range(tp):
-            ranks = [results[g * tp + t][3] for g in range(dp * cp)]
-            assert sum(o for o, _ in ranks) == ranks[0][1]
+    if zero > 0 and dp * cp > 1:  # the dp x cp ranks of one (pp, tp) position own disjoint parts of everything
+        from shardlm.parallel.dims import ParallelDims
+
+        for ranks in ParallelDims(dp=dp, pp=pp, cp=cp, tp=tp).group_ranks("dp_cp"):
+            held = [results[r][3] for r in ranks]
+            assert sum(o for o, _ in held) == held[0][1]
 
 
 def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
-    """dp=2 x tp=2 at ZeRO-3 saves a directory HF loads, holding the weights HF trained itself."""
+    """pp=2 x tp=2 at ZeRO-3 saves a directory HF loads, holding the weights HF trained itself
+    (pieces of two stages and two tp ranks, the tied embedding held by both stages once)."""
     import transformers
 
     path, batches, _, _, after = hf_run
-    run_ranks(4, train_and_save, path, batches, 2, 2, 3, str(tmp_path), **OPTIM)
+    run_ranks(4, train_and_save, path, batches, 1, 2, 3, str(tmp_path), pp=2, grad_accum=2, **OPTIM)
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     got = dict(saved.named_parameters())
     assert got.keys() == after.keys()
     for name, want in after.items():
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_one_f_one_b_order_and_activations_in_flight():
+    """Stage s of p runs p-1-s warm-up forwards, then alternates, and never holds more than p-s."""
+    from shardlm.train.schedule import one_f_one_b
+
+    for stages, micro in [(4, 6), (4, 2), (1, 3), (3, 3)]:
+        for stage in range(stages):
+            order, live, peak = [], 0, 0
+
+            def forward(i):
+                nonlocal live, peak
+                order.append(f"F{i}")
+                live += 1
+                peak = max(peak, live)
+
+            def backward(i):
+                nonlocal live
+                order.append(f"B{i}")
+                live -= 1
+
+            one_f_one_b(stage, stages, micro, forward, backward)
+            assert sorted(order) == sorted([f"F{i}" for i in range(micro)] + [f"B{i}" for i in range(micro)])
+            assert all(order.index(f"F{i}") < order.index(f"B{i}") for i in range(micro))
+            assert peak == min(stages - stage, micro), (stages, stage, order)
+    got = []
+    one_f_one_b(0, 4, 6, lambda i: got.append(f"F{i}"), lambda i: got.append(f"B{i}"))
+    assert got == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "mistral"])
@@ -209,6 +247,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--batch-size", "4000"], "fewer than one batch of 4000"),
     (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
+    (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     data = tmp_path / "data.txt"

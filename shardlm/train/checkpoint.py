@@ -57,12 +57,14 @@ def pieces(model: nn.Module) -> list[Piece]:
 
 
 def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
-    """Whole tensors from the pieces of every tp rank."""
-    by_name: dict[str, list[Piece]] = {}
+    """Whole tensors from the pieces of every tp rank (and stage: a tied embedding comes twice)."""
+    by_name: dict[str, dict[tuple, Piece]] = {}
     for p in all_pieces:
-        by_name.setdefault(p.name, []).append(p)
+        key = (p.rows.start if p.rows else None, p.cols.start if p.cols else None)
+        by_name.setdefault(p.name, {})[key] = p
     out = {}
-    for name, parts in by_name.items():
+    for name, unique in by_name.items():
+        parts = list(unique.values())
         if parts[0].rows is not None:
             out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: p.rows.start)])
         elif parts[0].cols is not None:

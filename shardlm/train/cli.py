@@ -1,4 +1,4 @@
-"""``shardlm train``: fine-tune a model on a text file over dp x cp x tp ranks with ZeRO.
+"""``shardlm train``: fine-tune a model on a text file over dp x pp x cp x tp ranks with ZeRO.
 
 Each step logs its loss, gradient norm and throughput (one line on stderr; --json: one JSON
 object per step on stdout); --plot draws the loss curve.
@@ -22,6 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (each trains on a share of every batch)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (1F1B over the --grad-accum micro-batches; use at least pp of them)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel ranks: each holds 2 of 2 x cp chunks of every sequence (zig-zag)")
     p.add_argument("--tp", type=int, default=1,
@@ -51,6 +53,7 @@ def run(args) -> int:
     from shardlm.launch import LocalRanks, torchrun_env
     from shardlm.models.loader import open_checkpoint
     from shardlm.parallel.context import zigzag_positions
+    from shardlm.parallel.pipeline import stage_layers
     from shardlm.train.data import Batches
     from shardlm.train.trainer import Trainer, TrainConfig, check_trainable
 
@@ -59,20 +62,22 @@ def run(args) -> int:
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
-    config = TrainConfig(model=args.model, dp=args.dp, cp=args.cp, tp=args.tp, zero=args.zero, lr=args.lr,
+    config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero, lr=args.lr,
                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
                          grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
     ckpt = open_checkpoint(args.model)
     check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
+    stage_layers(ckpt.config, args.pp)  # at most one stage per layer
     ids = ckpt.tokenizer().encode(data.read_text(encoding="utf-8"))
     batches = Batches(ids, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, source=str(data))
     env = torchrun_env()
     speaker = env is None or env["rank"] == 0
     world = config.dims().world_size
     if speaker:
+        layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}, tp={args.tp}, ZeRO-{args.zero}"
         log(f"training {args.model} ({ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
-            f"rank{'s' if world > 1 else ''} (dp={args.dp}, cp={args.cp}, tp={args.tp}, ZeRO-{args.zero}); "
+            f"rank{'s' if world > 1 else ''} ({layout}); "
             f"{len(ids)} tokens of {data.name}: {len(batches.windows)} windows of {args.seq_len}, "
             f"{batches.per_epoch} steps an epoch")
     if env is not None:  # under torchrun: this process is one rank
@@ -124,7 +129,7 @@ def loss_plot(history: list[dict], args, directory: Path) -> Path:
     ax.plot(range(1, len(history) + 1), [s["loss"] for s in history], marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean next-token cross-entropy)")
-    ax.set_title(f"{args.model}: dp={args.dp} cp={args.cp} tp={args.tp} ZeRO-{args.zero}, "
+    ax.set_title(f"{args.model}: dp={args.dp} pp={args.pp} cp={args.cp} tp={args.tp} ZeRO-{args.zero}, "
                  f"batch {args.batch_size} x {args.seq_len}")
     ax.grid(alpha=0.3)
     path = directory / "loss.png"

@@ -21,9 +21,11 @@ from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads
 from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shardlm.train.schedule import StageIO, one_f_one_b
 from shardlm.train.zero import STAGES, Zero
 
 
@@ -33,6 +35,9 @@ class TrainConfig:
     """'smollm2' (embedded), a HF directory or a .gguf file, as for generate."""
     dp: int = 1
     """Data-parallel ranks; each trains on its share of every batch."""
+    pp: int = 1
+    """Pipeline stages, each holding a run of layers; a step's micro-batches (``grad_accum``) flow
+    through them in the 1F1B schedule."""
     cp: int = 1
     """Context-parallel ranks; each holds 2 of 2 x cp chunks of every sequence (seq_len must split)."""
     tp: int = 1
@@ -48,7 +53,8 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     grad_accum: int = 1
-    """Micro-batches per step on each dp rank (gradient accumulation)."""
+    """Micro-batches per step on each dp rank (gradient accumulation; with pp, at least pp keeps
+    every stage busy)."""
     threads: int | None = None
     """CPU threads per rank (default: this host's cores shared among its ranks)."""
     timeout_s: float = 300.0
@@ -67,7 +73,7 @@ class TrainConfig:
         self.dims()
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, cp=self.cp, tp=self.tp)
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
 
 
 def check_trainable(cfg, tp: int) -> None:
@@ -97,6 +103,18 @@ def replicated_over_tp(model: torch.nn.Module) -> set[int]:
     return out
 
 
+def embedding_group(dims: ParallelDims):
+    """The first and the last pipeline stage of this rank's (dp, cp, tp) position: the two holders
+    of a tied embedding. Collective: every rank creates every such group."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in dims.group_ranks("pp"):
+        g = dist.new_group([ranks[0], ranks[-1]])
+        mine = g if dist.get_rank() in (ranks[0], ranks[-1]) else mine
+    return mine
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
         torch.set_num_threads(config.threads or cpu_threads(world))
@@ -108,9 +126,13 @@ class Trainer:
         self.config = config
         self.checkpoint = ckpt = open_checkpoint(config.model)
         check_trainable(ckpt.config, dims.tp)
-        self.model = load_model(ckpt, dims).train().requires_grad_(True)
-        self.vocab_start = self.model.lm_head.rows.start
-        self.zero = Zero(self.model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(self.model))
+        layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
+        self.model = model = load_model(ckpt, dims, layers=layers).train().requires_grad_(True)
+        self.vocab_start = model.lm_head.rows.start if model.last else 0
+        # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
+        tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
+        self.embedding_group = embedding_group(dims) if dims.pp > 1 and ckpt.config.tie_word_embeddings else None
+        self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
 
@@ -138,20 +160,39 @@ class Trainer:
         micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
         group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
         count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
-        total = torch.zeros((), dtype=torch.float64)
         meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
             ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len)
-        for inputs, targets, positions in micros:
-            total += self._forward_backward(inputs, targets, positions, meta, count).detach().double()
+        io = StageIO(self.dims.pp_rank, self.dims.pp, self.dims.pp_group)
+        hidden = self.checkpoint.config.hidden_size
+        total = torch.zeros((), dtype=torch.float64)  # the loss summed over this rank's tokens (last stage)
+
+        def forward(i: int) -> None:
+            nonlocal total
+            inputs, targets, positions = micros[i]
+            b = inputs.shape[0]
+            x = inputs.reshape(-1) if io.first else io.receive(i, (b * len(positions), hidden), torch.float32)
+            out = self.zero.forward(x, positions.repeat(b), meta, [None] * len(self.model.layers),
+                                    local_logits=True)  # last stage: [tokens, local vocab] logits
+            if io.last:
+                loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
+                total += loss.detach().sum().double()
+                out = loss.sum() / count
+            io.produced(i, out)
+
+        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, io.backward)
+        io.flush()
         held = self.zero.state_bytes()
         self.zero.finish_backward()
-        norm = self.zero.clip(self.config.max_grad_norm, self.dims.tp_group) if self.config.max_grad_norm \
-            else self.zero.grad_norm(self.dims.tp_group)
+        if self.zero.tied is not None:
+            all_reduce(self.zero.tied.shard.grad, self.embedding_group)
+        norm = self.zero.grad_norm(self.dims.tp_group, self.dims.pp_group, count_tied=self.model.first)
+        if self.config.max_grad_norm:
+            self.zero.clip(self.config.max_grad_norm, norm)
         self.optimizer.step()
         self.zero.after_step()
         held["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
                                 if torch.is_tensor(t) and t.dim() > 0)  # moments, not the step count
-        loss = all_reduce(total, group) / count
+        loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
                 "seconds": time.perf_counter() - start, "state_bytes": held}
 
@@ -168,11 +209,3 @@ class Trainer:
         positions = torch.arange(seq_len) if self.dims.cp == 1 else \
             zigzag_positions(seq_len, self.dims.cp, self.dims.cp_rank)
         return ids[:, positions], ids[:, positions + 1], positions
-
-    def _forward_backward(self, inputs, targets, positions, meta, count: torch.Tensor) -> torch.Tensor:
-        b = inputs.shape[0]
-        logits = self.zero.forward(inputs.reshape(-1), positions.repeat(b), meta, [None] * len(self.model.layers),
-                                   local_logits=True)  # [b * n, local vocab]
-        loss = vocab_parallel_cross_entropy(logits, targets.reshape(-1), self.vocab_start, self.dims.tp_group).sum()
-        (loss / count).backward()
-        return loss

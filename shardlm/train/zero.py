@@ -171,16 +171,23 @@ class Zero:
     forward through ``forward``; after backward call ``finish_backward``, then step the
     optimizer over ``shards()``, then ``after_step``."""
 
-    def __init__(self, model: nn.Module, group, tp: int, stage: int, replicated: set[int]):
+    def __init__(self, model: nn.Module, group, tp: int, stage: int, replicated: set[int],
+                 tied: nn.Parameter | None = None):
+        """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
+        in a unit of its own, laid out alike on both stages, so its gradients can be summed across."""
         if stage not in STAGES:
             raise ValueError(f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
                              f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)")
         self.stage, self.model = stage, model
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
-        root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
+        outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
         self.units = [Unit(list(layer.named_parameters()), group, stage, replicated, tp) for layer in model.layers]
-        self.root = Unit(root, group, stage, replicated, tp)
-        self.units.append(self.root)
+        # outside the layers: the embedding, final norm and LM head (the tied embedding apart)
+        root = [(n, p) for n, p in outer if p is not tied]
+        self.outer = [Unit(named, group, stage, replicated, tp) for named in (root, [(n, p) for n, p in outer
+                                                                                      if p is tied]) if named]
+        self.tied = next((u for u in self.outer if u.params[0] is tied), None)
+        self.units += self.outer
         self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
         if stage == 2:
             for unit in self.units:
@@ -204,7 +211,8 @@ class Zero:
         if self.stage < 3:
             return self.model(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return functional_call(self.model, self.gathered(self.root), args, kwargs)
+            weights = {name: w for unit in self.outer for name, w in self.gathered(unit).items()}
+            return functional_call(self.model, weights, args, kwargs)
 
     def _pack(self, t: Tensor):
         unit = self._owner.get(t._base) if t._base is not None else None
@@ -229,21 +237,20 @@ class Zero:
                 if self.stage < 2 or unit.ready:
                     unit.reduce_grads()
 
-    def grad_norm(self, tp_group) -> Tensor:
-        """The global gradient norm: every element of the model counted once."""
-        sq = torch.stack([u.grad_sq() for u in self.units]).sum()
+    def grad_norm(self, tp_group, pp_group=None, count_tied: bool = True) -> Tensor:
+        """The global gradient norm: every element of the model counted once (a tied embedding
+        that two pipeline stages hold: on the one with ``count_tied``)."""
+        sq = torch.stack([u.grad_sq() for u in self.units if count_tied or u is not self.tied]).sum()
         if self.stage > 0:  # each rank of the group owns different elements
             all_reduce(sq, self.units[0].group)
-        return all_reduce(sq, tp_group).sqrt()
+        return all_reduce(all_reduce(sq, tp_group), pp_group).sqrt()
 
-    def clip(self, max_norm: float, tp_group) -> Tensor:
-        """Scale gradients so their global norm is at most ``max_norm`` (as
-        torch.nn.utils.clip_grad_norm_ does); returns the norm before clipping."""
-        norm = self.grad_norm(tp_group)
+    def clip(self, max_norm: float, norm: Tensor) -> None:
+        """Scale gradients so their global norm (``norm``) is at most ``max_norm``, as
+        torch.nn.utils.clip_grad_norm_ does."""
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for unit in self.units:
             unit.shard.grad.mul_(coef)
-        return norm
 
     def after_step(self) -> None:
         for unit in self.units:

@@ -1,0 +1,84 @@
+"""The 1F1B pipeline schedule (PipeDream-Flush; Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", https://arxiv.org/abs/2104.04473 §2.2).
+
+Stage s of p runs min(p - 1 - s, m) forward passes to fill the pipeline, then alternates one
+forward and one backward, then drains the remaining backwards; a stage never holds the
+activations of more than p - s micro-batches (GPipe holds all m), and the bubble is
+(p - 1) / (m + p - 1) of the step, as for GPipe. With one stage it is forward, backward,
+forward, backward: plain gradient accumulation.
+
+Between stages travel the hidden state and the residual stream (forward) and their gradients
+(backward), point to point on the pp group; sends are asynchronous, receives block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from shardlm.parallel.comm import isend, recv
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int, forward: Callable[[int], None],
+                backward: Callable[[int], None]) -> None:
+    """Call forward(i) and backward(i) for i in range(micro_batches) in 1F1B order for ``stage``."""
+    warmup = min(stages - 1 - stage, micro_batches)
+    for i in range(warmup):
+        forward(i)
+    for i in range(micro_batches - warmup):
+        forward(warmup + i)
+        backward(i)
+    for i in range(micro_batches - warmup, micro_batches):
+        backward(i)
+
+
+class StageIO:
+    """A stage's activations in flight: what it received (to send back its gradient) and what it
+    produced (to run backward from)."""
+
+    def __init__(self, stage: int, stages: int, group):
+        self.stage, self.stages, self.group = stage, stages, group
+        self.inputs: dict[int, tuple[Tensor, ...]] = {}
+        self.outputs: dict[int, tuple[Tensor, ...] | Tensor] = {}
+        self.pending = []
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _send(self, tensors, dst: int) -> None:
+        self.pending += [isend(t.contiguous(), dst, self.group) for t in tensors]
+
+    def receive(self, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Micro-batch i's (hidden, residual) from the previous stage, as leaves that keep their gradient."""
+        got = tuple(recv(shape, dtype, self.stage - 1, self.group).requires_grad_() for _ in range(2))
+        self.inputs[i] = got
+        return got
+
+    def produced(self, i: int, out) -> None:
+        """Micro-batch i's output: the loss on the last stage, else (hidden, residual), sent on."""
+        self.outputs[i] = out
+        if not self.last:
+            self._send([t.detach() for t in out], self.stage + 1)
+
+    def backward(self, i: int) -> None:
+        """Micro-batch i's backward: from the loss, or from the gradients the next stage sends."""
+        out = self.outputs.pop(i)
+        if self.last:
+            out.backward()
+        else:
+            grads = [recv(t.shape, t.dtype, self.stage + 1, self.group) for t in out]
+            torch.autograd.backward(list(out), grads)
+        if not self.first:
+            self._send([t.grad for t in self.inputs.pop(i)], self.stage - 1)
+
+    def flush(self) -> None:
+        for w in self.pending:
+            w.wait()
+        self.pending = []
