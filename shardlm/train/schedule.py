@@ -8,7 +8,8 @@ activations of more than p - s micro-batches (GPipe holds all m), and the bubble
 forward, backward: plain gradient accumulation.
 
 Between stages travel the hidden state and the residual stream (forward) and their gradients
-(backward), point to point on the pp group; sends are asynchronous, receives block.
+(backward), point to point on the pp group (``StageLinks``, as inference's pipeline uses them):
+sends are asynchronous, receives block.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from shardlm.parallel.comm import isend, recv
+from shardlm.parallel.comm import recv
+from shardlm.parallel.pipeline import StageLinks
 
 
 def one_f_one_b(stage: int, stages: int, micro_batches: int, forward: Callable[[int], None],
@@ -34,26 +36,14 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int, forward: Callable[[
         backward(i)
 
 
-class StageIO:
+class StageIO(StageLinks):
     """A stage's activations in flight: what it received (to send back its gradient) and what it
     produced (to run backward from)."""
 
-    def __init__(self, stage: int, stages: int, group):
-        self.stage, self.stages, self.group = stage, stages, group
+    def __init__(self, dims):
+        super().__init__(dims)
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
         self.outputs: dict[int, tuple[Tensor, ...] | Tensor] = {}
-        self.pending = []
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    def _send(self, tensors, dst: int) -> None:
-        self.pending += [isend(t.contiguous(), dst, self.group) for t in tensors]
 
     def receive(self, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Micro-batch i's (hidden, residual) from the previous stage, as leaves that keep their gradient."""
@@ -65,7 +55,8 @@ class StageIO:
         """Micro-batch i's output: the loss on the last stage, else (hidden, residual), sent on."""
         self.outputs[i] = out
         if not self.last:
-            self._send([t.detach() for t in out], self.stage + 1)
+            for t in out:
+                self._send(t.detach().contiguous(), self.stage + 1)
 
     def backward(self, i: int) -> None:
         """Micro-batch i's backward: from the loss, or from the gradients the next stage sends."""
@@ -76,9 +67,5 @@ class StageIO:
             grads = [recv(t.shape, t.dtype, self.stage + 1, self.group) for t in out]
             torch.autograd.backward(list(out), grads)
         if not self.first:
-            self._send([t.grad for t in self.inputs.pop(i)], self.stage - 1)
-
-    def flush(self) -> None:
-        for w in self.pending:
-            w.wait()
-        self.pending = []
+            for t in self.inputs.pop(i):
+                self._send(t.grad.contiguous(), self.stage - 1)

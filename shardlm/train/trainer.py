@@ -162,7 +162,7 @@ class Trainer:
         count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
         meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
             ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len)
-        io = StageIO(self.dims.pp_rank, self.dims.pp, self.dims.pp_group)
+        io = StageIO(self.dims)
         hidden = self.checkpoint.config.hidden_size
         total = torch.zeros((), dtype=torch.float64)  # the loss summed over this rank's tokens (last stage)
 
