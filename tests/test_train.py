@@ -92,12 +92,18 @@ LAYOUTS = [
     (1, 1, 1, {"pp": 3, "grad_accum": 4}),
     (2, 1, 2, {"pp": 2, "grad_accum": 2}),
     (1, 2, 3, {"pp": 2, "grad_accum": 2}),
+    # sequence parallel: tokens split over tp between the tp regions
+    (1, 2, 0, {"sequence_parallel": True}),
+    (2, 2, 3, {"sequence_parallel": True}),
+    (1, 2, 1, {"sequence_parallel": True, "pp": 2, "grad_accum": 2}),
+    (1, 2, 2, {"sequence_parallel": True, "cp": 2}),
 ]
 
 
 def _layout_id(dp, tp, zero, extra) -> str:
     accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
-    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}-tp{tp}-zero{zero}{accum}"
+    sp = "-sp" if extra.get("sequence_parallel") else ""
+    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}-tp{tp}{sp}-zero{zero}{accum}"
 
 
 @pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
@@ -248,6 +254,8 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     (["--batch-size", "4000"], "fewer than one batch of 4000"),
     (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
     (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
+    (["--tp", "3", "--sequence-parallel", "--batch-size", "1", "--seq-len", "16"],
+     "splits a micro-batch's 16 tokens on a rank over tp=3 evenly"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     data = tmp_path / "data.txt"

@@ -20,8 +20,9 @@ from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_atte
 from shardlm.models.config import ModelConfig
 from shardlm.models.moe import SparseMoE
 from shardlm.models.rope import Rotary, apply_rotary
+from shardlm.parallel.comm import copy_to_region
 from shardlm.parallel.context import ContextBatch, context_attention
-from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.tensor import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -42,9 +43,12 @@ class RMSNorm(nn.Module):
     and returns (y, new residual), saving a pass over the activations.
     """
 
-    def __init__(self, source: str, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, source: str, dim: int, eps: float, dtype: torch.dtype, sequence_group=None):
         super().__init__()
         self.source, self.eps = source, eps
+        # sequence parallel: each tp rank normalises its own tokens, so the weight's gradient is a
+        # partial sum over tp (the copy's backward sums it); None: every rank sees every token
+        self.sequence_group = sequence_group
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def load(self, src: TensorSource) -> None:
@@ -56,7 +60,8 @@ class RMSNorm(nn.Module):
             x = residual = x + residual
         # one fused kernel; it accumulates in float32 (bitwise equal to HF's float32 recipe
         # for float32 inputs, within one bf16 ulp for bfloat16)
-        y = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight if self.sequence_group is None else copy_to_region(self.weight, self.sequence_group)
+        y = F.rms_norm(x, w.shape, w, self.eps)
         return y if residual is None else (y, residual)
 
 
@@ -80,7 +85,7 @@ class QKNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype, sp: bool = False):
         super().__init__()
         part = partition_heads(cfg.num_heads, cfg.num_kv_heads, dims.tp, dims.tp_rank)
         self.num_q, self.num_kv, self.head_dim = part.num_q, part.num_kv, cfg.head_dim
@@ -89,14 +94,15 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         group = dims.tp_group
         self.qkv = ColumnParallelLinear(cfg.hidden_size, attention_sources(prefix, part, cfg.head_dim),
-                                        bias=cfg.qkv_bias, group=group, dtype=dtype)
+                                        bias=cfg.qkv_bias, group=group, dtype=dtype, sequence_parallel=sp)
         self.o = RowParallelLinear(f"{prefix}.o_proj", output_cols(part, cfg.head_dim), cfg.hidden_size,
-                                   bias=cfg.o_bias, group=group, dtype=dtype)
+                                   bias=cfg.o_bias, group=group, dtype=dtype, sequence_parallel=sp)
         self.qk_norm = QKNorm(prefix, part, cfg, dtype) if cfg.qk_norm else None
 
     def forward(self, x, rope, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        t, d, nq, nkv = x.shape[0], self.head_dim, self.num_q, self.num_kv
-        qkv = self.qkv(x)  # [tokens, (q_heads + 2 kv_heads) * d]
+        d, nq, nkv = self.head_dim, self.num_q, self.num_kv
+        qkv = self.qkv(x)  # [tokens, (q_heads + 2 kv_heads) * d] (all tokens, also under sequence parallel)
+        t = qkv.shape[0]
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)  # q heads, then k heads: rotated together
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
         if self.qk_norm is not None:
@@ -113,13 +119,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) (Shazeer 2020, https://arxiv.org/abs/2002.05202)."""
 
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype, sp: bool = False):
         super().__init__()
         rows = shard_range(cfg.intermediate_size, dims.tp, dims.tp_rank)
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [(f"{prefix}.gate_proj", rows), (f"{prefix}.up_proj", rows)],
-                                            bias=cfg.mlp_bias, group=dims.tp_group, dtype=dtype)
+        sources = [(f"{prefix}.gate_proj", rows), (f"{prefix}.up_proj", rows)]
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, sources, bias=cfg.mlp_bias, group=dims.tp_group,
+                                            dtype=dtype, sequence_parallel=sp)
         self.down = RowParallelLinear(f"{prefix}.down_proj", rows, cfg.hidden_size, bias=cfg.mlp_bias,
-                                      group=dims.tp_group, dtype=dtype)
+                                      group=dims.tp_group, dtype=dtype, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [tokens, local intermediate] each
@@ -127,13 +134,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, index: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dims: ParallelDims, index: int, dtype: torch.dtype, sp: bool = False):
         super().__init__()
         p = f"model.layers.{index}"
-        self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype)
-        self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else MLP(cfg, dims, f"{p}.mlp", dtype)
+        seq = dims.tp_group if sp else None
+        self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
+        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, sp)
+        self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
+        self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else \
+            MLP(cfg, dims, f"{p}.mlp", dtype, sp)
 
     def forward(self, h, residual, rope, meta, cache):
         if residual is None:  # first layer of the model: the residual stream starts here
@@ -150,22 +159,27 @@ class Transformer(nn.Module):
     and the final norm and LM head with the last layer (pipeline stages hold a run)."""
 
     def __init__(self, cfg: ModelConfig, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, layers: range | None = None):
+                 max_positions: int | None = None, layers: range | None = None, sequence_parallel: bool = False):
+        """``sequence_parallel``: hidden states between the tp regions hold 1/tp of the tokens
+        (see parallel/tensor.py); a step's token count must split evenly over tp."""
         super().__init__()
         cfg.check_supported()
         self.cfg = cfg
+        sp = sequence_parallel and dims.tp > 1
+        if sp and cfg.is_moe:
+            raise LayoutError("sequence parallelism is not supported for MoE models yet; leave it off")
         self.layer_ids = layers if layers is not None else range(cfg.num_layers)
         self.first = self.layer_ids.start == 0
         self.last = self.layer_ids.stop == cfg.num_layers
-        tp = dict(tp=dims.tp, tp_rank=dims.tp_rank, group=dims.tp_group, dtype=dtype)
+        tp = dict(tp=dims.tp, tp_rank=dims.tp_rank, group=dims.tp_group, dtype=dtype, sequence_parallel=sp)
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.embed = None
         if self.first or (self.last and cfg.tie_word_embeddings):
             self.embed = VocabParallelEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, **tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype) for i in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, sp) for i in self.layer_ids)
         self.norm = self.lm_head = None
         if self.last:
-            self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, dtype, dims.tp_group if sp else None)
             tied = self.embed.weight if cfg.tie_word_embeddings else None
             self.lm_head = ParallelLMHead("lm_head", cfg.vocab_size, cfg.hidden_size, tied=tied, **tp)
 

@@ -10,6 +10,11 @@ KV-head, MLP or vocabulary sizes:
 
 Each layer knows which rows/columns of which checkpoint tensor it holds (``sources``)
 and loads exactly those (``load``), so no rank ever reads the whole model.
+
+``sequence_parallel`` (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198 §4.2.2): between
+the tp regions activations are split by tokens over the tp ranks instead of replicated, so the
+norms and residual adds run on 1/tp of the tokens; a column-parallel layer all-gathers its input
+tokens and a row-parallel layer reduce-scatters its output (the same bytes as one all-reduce).
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.parallel.comm import all_reduce, copy_to_region, gather_from_region, reduce_from_region, split_sizes
+from shardlm.parallel.comm import (
+    all_gather_region,
+    all_reduce,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_region,
+    split_sizes,
+)
 from shardlm.parallel.dims import LayoutError
 
 
@@ -155,9 +168,9 @@ class ColumnParallelLinear(Int8Weight, nn.Module):
     """
 
     def __init__(self, in_features: int, sources: list[tuple[str, slice]], *, bias: bool,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
-        self.sources = sources
+        self.sources, self.sequence_parallel = sources, sequence_parallel
         self.out_sizes = [s.stop - s.start for _, s in sources]
         self.group = group
         self.weight = nn.Parameter(torch.empty(sum(self.out_sizes), in_features, dtype=dtype), requires_grad=False)
@@ -171,7 +184,10 @@ class ColumnParallelLinear(Int8Weight, nn.Module):
                 self.bias.copy_(torch.cat([src.read(f"{n}.bias", rows=r) for n, r in self.sources]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)  # backward: gradients of x summed over tp
+        if self.sequence_parallel:  # x holds this rank's tokens: gather all (backward: reduce-scatter)
+            x = all_gather_region(x, self.group, dim=0)
+        else:
+            x = copy_to_region(x, self.group)  # backward: gradients of x summed over tp
         return linear(x, self.weight, self.bias, self.weight_scale)  # [tokens, sum(out_sizes)]
 
 
@@ -182,9 +198,9 @@ class RowParallelLinear(Int8Weight, nn.Module):
     """
 
     def __init__(self, source: str, cols: slice, out_features: int, *, bias: bool,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
-        self.source, self.cols, self.group = source, cols, group
+        self.source, self.cols, self.group, self.sequence_parallel = source, cols, group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, cols.stop - cols.start, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.register_parameter("weight_scale", None)  # set by quantize_int8
@@ -200,17 +216,22 @@ class RowParallelLinear(Int8Weight, nn.Module):
         return all_reduce(w.abs().amax(1).float(), self.group, op="max")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_region(linear(x, self.weight, scale=self.weight_scale), self.group)  # [tokens, out]
-        return y if self.bias is None else y + self.bias
+        y = linear(x, self.weight, scale=self.weight_scale)  # [tokens, out], a partial sum
+        if not self.sequence_parallel:
+            y = reduce_from_region(y, self.group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_region(y, self.group, dim=0)  # [this rank's tokens, out]
+        # each rank adds the bias to its own tokens: its gradient is summed over tp
+        return y if self.bias is None else y + copy_to_region(self.bias, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a run of vocabulary rows; ids outside it embed to zero, then all-reduce."""
 
     def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype):
+                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
-        self.source, self.group = source, group
+        self.source, self.group, self.sequence_parallel = source, group, sequence_parallel
         self.rows = shard_range(vocab_size, tp, tp_rank)
         self.vocab_sizes = split_sizes(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(self.rows.stop - self.rows.start, dim, dtype=dtype), requires_grad=False)
@@ -226,6 +247,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [tokens, dim]
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:  # each rank keeps the sum for its own tokens
+            return reduce_scatter_region(h, self.group, dim=0)
         return reduce_from_region(h, self.group)
 
 
@@ -236,9 +259,10 @@ class ParallelLMHead(nn.Module):
     """
 
     def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype, tied: nn.Parameter | None = None):
+                 group: dist.ProcessGroup | None, dtype: torch.dtype, tied: nn.Parameter | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.source, self.group = source, group
+        self.source, self.group, self.sequence_parallel = source, group, sequence_parallel
         self.rows = shard_range(vocab_size, tp, tp_rank)
         self.vocab_sizes = split_sizes(vocab_size, tp)
         if tied is not None:
@@ -254,7 +278,8 @@ class ParallelLMHead(nn.Module):
                 self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
 
     def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        logits = linear(copy_to_region(h, self.group), self.weight)  # [tokens, local vocab]
+        h = all_gather_region(h, self.group, dim=0) if self.sequence_parallel else copy_to_region(h, self.group)
+        logits = linear(h, self.weight)  # [tokens, local vocab]
         if not gather:
             return logits
         return gather_from_region(logits, self.group, dim=-1, sizes=self.vocab_sizes)  # [tokens, vocab]

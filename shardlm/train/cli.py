@@ -28,6 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="context-parallel ranks: each holds 2 of 2 x cp chunks of every sequence (zig-zag)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (must keep each KV head's query group whole)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with tp: split activations between the tp regions by tokens (norms on 1/tp of them)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 0 plain dp, 1 optimizer state sharded (default), 2 + gradients, 3 + weights")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
@@ -62,13 +64,18 @@ def run(args) -> int:
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
-    config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, zero=args.zero, lr=args.lr,
+    config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp,
+                         sequence_parallel=args.sequence_parallel, zero=args.zero, lr=args.lr,
                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
                          grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
     ckpt = open_checkpoint(args.model)
     check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
     stage_layers(ckpt.config, args.pp)  # at most one stage per layer
+    tokens = args.batch_size // (args.dp * args.grad_accum) * (args.seq_len // args.cp)  # a micro-batch on a rank
+    if args.sequence_parallel and tokens % args.tp:
+        raise UsageError(f"--sequence-parallel splits a micro-batch's {tokens} tokens on a rank over tp={args.tp} "
+                         f"evenly; choose --batch-size, --grad-accum and --seq-len so that tp divides them")
     ids = ckpt.tokenizer().encode(data.read_text(encoding="utf-8"))
     batches = Batches(ids, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, source=str(data))
     env = torchrun_env()

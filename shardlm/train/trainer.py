@@ -38,6 +38,10 @@ class TrainConfig:
     pp: int = 1
     """Pipeline stages, each holding a run of layers; a step's micro-batches (``grad_accum``) flow
     through them in the 1F1B schedule."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: between the tp regions each tp rank holds 1/tp of the tokens
+    (norms and residual adds on a share; all-gather / reduce-scatter instead of all-reduce). A
+    micro-batch's tokens on a rank (sequences x seq_len / cp) must split evenly over tp."""
     cp: int = 1
     """Context-parallel ranks; each holds 2 of 2 x cp chunks of every sequence (seq_len must split)."""
     tp: int = 1
@@ -127,7 +131,8 @@ class Trainer:
         self.checkpoint = ckpt = open_checkpoint(config.model)
         check_trainable(ckpt.config, dims.tp)
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
-        self.model = model = load_model(ckpt, dims, layers=layers).train().requires_grad_(True)
+        self.model = model = load_model(ckpt, dims, layers=layers, sequence_parallel=config.sequence_parallel)
+        model.train().requires_grad_(True)
         self.vocab_start = model.lm_head.rows.start if model.last else 0
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
@@ -158,6 +163,11 @@ class Trainer:
                              f"{dp * self.config.grad_accum}")
         seq_len = batch.shape[1] - 1
         micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
+        tokens = micros[0][0].numel()  # per micro-batch on this rank
+        sp = self.config.sequence_parallel and self.dims.tp > 1
+        if sp and tokens % self.dims.tp:
+            raise UsageError(f"sequence parallelism splits a micro-batch's {tokens} tokens over tp={self.dims.tp} "
+                             f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them")
         group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
         count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
         meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
@@ -170,7 +180,8 @@ class Trainer:
             nonlocal total
             inputs, targets, positions = micros[i]
             b = inputs.shape[0]
-            x = inputs.reshape(-1) if io.first else io.receive(i, (b * len(positions), hidden), torch.float32)
+            local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
+            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), torch.float32)
             out = self.zero.forward(x, positions.repeat(b), meta, [None] * len(self.model.layers),
                                     local_logits=True)  # last stage: [tokens, local vocab] logits
             if io.last:
