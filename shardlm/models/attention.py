@@ -158,10 +158,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     slots, then attends. Returns [tokens, q_heads, d]. With no ``cache`` (training, see
     ``causal_metadata``) every sequence attends causally to its own fresh keys.
     """
+    gqa = heads.group > 1
+    if cache is None and window is None and _same_length(meta.prefills):  # a training batch: one call
+        b, n, d = len(meta.prefills), meta.prefills[0].length, q.shape[-1]
+        qs = heads.group_q(q).view(b, n, -1, d).transpose(1, 2)  # [b, kv * group, n, d]
+        ks, vs = k.view(b, n, -1, d).transpose(1, 2), v.view(b, n, -1, d).transpose(1, 2)  # [b, kv, n, d]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))
     if cache is not None:
         torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
     outputs = []
-    gqa = heads.group > 1
     for s in meta.prefills:
         qs = heads.group_q(q[s.start:s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
         if s.context_len == s.length:  # nothing cached before: attend to the fresh keys
@@ -181,6 +187,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     if meta.decode_block_tables is not None:
         outputs.append(_decode(q[meta.num_prefill_tokens:], cache, meta, heads, scale, window))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _same_length(prefills: list[PrefillSeq]) -> bool:
+    """Whole sequences of one length laid back to back (as ``causal_metadata`` makes them)."""
+    n = prefills[0].length if prefills else 0
+    return bool(prefills) and all(s.start == i * n and s.length == n == s.context_len for i, s in enumerate(prefills))
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

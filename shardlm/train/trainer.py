@@ -190,6 +190,7 @@ class Trainer:
                 out = loss.sum() / count
             io.produced(i, out)
 
+        self.zero.start_backward()
         one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, io.backward)
         io.flush()
         held = self.zero.state_bytes()

@@ -60,6 +60,7 @@ class Unit:
             offset += p.numel()
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.flat: Tensor | None = None
+        self.flat_grad: Tensor | None = None  # stages 0-1: the gradients' flat buffer during backward
         self.regathered: Tensor | None = None  # stage 3: weights gathered again for backward
         if stage == 3:
             self.shard = nn.Parameter(flat[self.lo:self.hi].clone())
@@ -82,9 +83,21 @@ class Unit:
         return out
 
     # ---- gradients -----------------------------------------------------------------------
+    def bucket_grads(self) -> None:
+        """Stages 0-1: before backward, point every parameter's gradient into one flat buffer
+        (autograd then accumulates in place, as DDP's gradient_as_bucket_view does), so the
+        reduction needs no copy."""
+        if self.stage < 2 and self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for p, view in zip(self.params, self.views(self.flat_grad)):
+                p.grad = view
+
     def reduce_grads(self) -> None:
         """Sum the unit's gradients over dp into ``shard.grad`` and free the full ones."""
-        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        if self.flat_grad is not None:
+            g, self.flat_grad = self.flat_grad, None
+        else:
+            g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         for p in self.params:
             p.grad = None
         mine = all_reduce(g, self.group) if self.stage == 0 else reduce_scatter(g, self.group, sizes=self.sizes)
@@ -106,11 +119,11 @@ class Unit:
     def grad_sq(self) -> Tensor:
         """Sum of squares of the gradient elements this rank owns (tp-replicated ones weighted)."""
         g = self.shard.grad.float()
-        total = g.pow(2).sum()
+        total = torch.linalg.vector_norm(g) ** 2
         for a, b, w in self.tp_weighted:
             a, b = max(a, self.lo), min(b, self.hi)
             if a < b:
-                total -= (1 - w) * g[a - self.lo:b - self.lo].pow(2).sum()
+                total -= (1 - w) * torch.linalg.vector_norm(g[a - self.lo:b - self.lo]) ** 2
         return total
 
     # ---- weights -------------------------------------------------------------------------
@@ -167,9 +180,9 @@ class Zero:
     weights and sum their gradients (dp, or dp x cp with context parallelism).
 
     Construction rewires the model: stages 0-2 move its parameters into flat vectors; stage 3
-    replaces each decoder layer by a wrapper that gathers the layer's weights per call. Run the
-    forward through ``forward``; after backward call ``finish_backward``, then step the
-    optimizer over ``shards()``, then ``after_step``."""
+    replaces each decoder layer by a wrapper that gathers the layer's weights per call. A step:
+    ``start_backward``, the forward through ``forward`` and backward, ``finish_backward``, the
+    optimizer over ``shards()``, ``after_step``."""
 
     def __init__(self, model: nn.Module, group, tp: int, stage: int, replicated: set[int],
                  tied: nn.Parameter | None = None):
@@ -196,6 +209,11 @@ class Zero:
         if stage == 3:
             for i, layer in enumerate(model.layers):
                 model.layers[i] = _Sharded(layer, self.units[i], self)
+
+    def start_backward(self) -> None:
+        """Call before a step's first backward."""
+        for unit in self.units:
+            unit.bucket_grads()
 
     def shards(self) -> list[nn.Parameter]:
         """What the optimizer steps on: this rank's part of every unit."""
