@@ -4,11 +4,14 @@ state each ZeRO stage holds per rank against ZeRO's formula.
 1. Step time, one process: HF transformers (its forward, torch's cross-entropy, backward,
    clip_grad_norm_, AdamW) and shardlm's Trainer (dp=1, tp=1) on the same batches, timed in
    turns (median of --repeats); their first losses are printed side by side.
-2. ZeRO at dp=2: one step of each stage over two ranks; the bytes of weights, gradients (at their
+2. Activation recomputation, one rank: a step of 4 x 512 tokens without and with "full"
+   recompute (each layer's forward again in backward), each in a fresh process: peak resident
+   memory and step time.
+3. ZeRO at dp=2: one step of each stage over two ranks; the bytes of weights, gradients (at their
    peak, after backward) and Adam state a rank holds, measured, next to the formula
    (plan/zero.py, float32 Adam: 4 + 4 + 8 bytes per parameter, sharded as each stage says).
 
-    python benchmarks/train.py [--batch 4] [--seq-len 128] [--repeats 3] [--skip-zero]
+    python benchmarks/train.py [--batch 4] [--seq-len 128] [--repeats 3] [--skip-zero] [--skip-recompute]
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def step_times(args) -> None:
     print(f"shardlm / HF step throughput: {med['HF transformers'] / med['shardlm']:.2f}x   ({load_note()})")
 
 
+def recompute_memory() -> None:
+    from shardlm.launch import LocalRanks
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    batch = torch.randint(0, 49152, (4, 513), generator=torch.Generator().manual_seed(2)).tolist()
+    print("\nactivation recomputation, 1 rank, 4 x 512 tokens: peak RSS and the second step's time")
+    got = {}
+    for mode in ("none", "full"):
+        ranks = LocalRanks(1, Trainer.spawned, (TrainConfig(model="smollm2", recompute=mode),), timeout_s=600)
+        try:
+            ranks.collect("ready")
+            ranks.call("step", batch)
+            got[mode] = ranks.call("step", batch)[0]
+        finally:
+            ranks.close()
+        print(f"  {mode:5s} peak RSS {got[mode]['max_rss_bytes'] / 2**30:.2f} GiB, step {got[mode]['seconds']:.2f} s",
+              flush=True)
+    saved = (got["none"]["max_rss_bytes"] - got["full"]["max_rss_bytes"]) / 2**30
+    slower = got["full"]["seconds"] / got["none"]["seconds"]
+    print(f"full recompute: {saved:.2f} GiB less at peak, step time {slower:.2f}x")
+
+
 def zero_memory(args) -> None:
     from shardlm.launch import LocalRanks
     from shardlm.plan.zero import model_states
@@ -95,10 +120,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
-    ap.add_argument("--skip-zero", action="store_true", help="only the step-time comparison")
+    ap.add_argument("--skip-zero", action="store_true", help="leave out the ZeRO memory table")
+    ap.add_argument("--skip-recompute", action="store_true", help="leave out the recomputation comparison")
     args = ap.parse_args()
     print(f"SmolLM2-135M float32 training, batch {args.batch} x {args.seq_len} tokens; {load_note()}", flush=True)
     step_times(args)
+    if not args.skip_recompute:
+        recompute_memory()
     if not args.skip_zero:
         zero_memory(args)
 

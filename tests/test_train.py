@@ -97,12 +97,16 @@ LAYOUTS = [
     (2, 2, 3, {"sequence_parallel": True}),
     (1, 2, 1, {"sequence_parallel": True, "pp": 2, "grad_accum": 2}),
     (1, 2, 2, {"sequence_parallel": True, "cp": 2}),
+    # activation recomputation: each layer's forward again in backward (ZeRO-3 gathers again)
+    (1, 1, 0, {"recompute": "full"}),
+    (2, 1, 3, {"recompute": "full"}),
+    (1, 2, 1, {"recompute": "full", "pp": 2, "grad_accum": 2}),
 ]
 
 
 def _layout_id(dp, tp, zero, extra) -> str:
     accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
-    sp = "-sp" if extra.get("sequence_parallel") else ""
+    sp = ("-sp" if extra.get("sequence_parallel") else "") + ("-recompute" if "recompute" in extra else "")
     return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}-tp{tp}{sp}-zero{zero}{accum}"
 
 

@@ -8,10 +8,12 @@ global number of target tokens), so any layout takes the same step as one proces
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 
 from shardlm.errors import UsageError
 from shardlm.launch import cpu_threads, init_distributed
@@ -54,6 +56,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    recompute: str = "none"
+    """Activation recomputation: "none", or "full": each decoder layer keeps only its inputs for
+    backward and runs its forward again there (activation checkpointing)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     grad_accum: int = 1
@@ -72,6 +77,8 @@ class TrainConfig:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
+        if self.recompute not in ("none", "full"):
+            raise UsageError(f"recompute={self.recompute!r} is not supported; use 'none' or 'full'")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
         self.dims()
@@ -107,6 +114,18 @@ def replicated_over_tp(model: torch.nn.Module) -> set[int]:
     return out
 
 
+class Recomputed(torch.nn.Module):
+    """A decoder layer that keeps only its inputs for backward and recomputes the rest there
+    (activation checkpointing; Chen et al. 2016, https://arxiv.org/abs/1604.06174)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+
+
 def embedding_group(dims: ParallelDims):
     """The first and the last pipeline stage of this rank's (dp, cp, tp) position: the two holders
     of a tied embedding. Collective: every rank creates every such group."""
@@ -138,6 +157,9 @@ class Trainer:
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
         self.embedding_group = embedding_group(dims) if dims.pp > 1 and ckpt.config.tie_word_embeddings else None
         self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
+        if config.recompute == "full":  # around ZeRO-3's gathering wrapper: the recomputation gathers again
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = Recomputed(layer)
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
 
@@ -151,7 +173,8 @@ class Trainer:
     def step(self, batch: torch.Tensor | list[list[int]]) -> dict:
         """One optimizer step on a global batch of token ids [batch, seq_len + 1] (every rank passes
         the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds, and
-        the bytes of weights, gradients (at their peak, after backward) and optimizer state held."""
+        the bytes of weights, gradients (at their peak, after backward) and optimizer state held, and
+        the process's peak resident memory so far."""
         start = time.perf_counter()
         batch = torch.as_tensor(batch)
         dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
@@ -206,7 +229,8 @@ class Trainer:
                                 if torch.is_tensor(t) and t.dim() > 0)  # moments, not the step count
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
-                "seconds": time.perf_counter() - start, "state_bytes": held}
+                "seconds": time.perf_counter() - start, "state_bytes": held,
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
     def save(self, directory: str) -> str:
         """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""
