@@ -36,6 +36,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all dp ranks (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each dp rank (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: mixed precision, float32 master weights in the optimizer (default float32)")
     p.add_argument("--recompute", default="none", choices=["none", "full"],
                    help="full: each layer keeps only its inputs and runs its forward again in backward")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
@@ -67,7 +69,8 @@ def run(args) -> int:
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
     config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp,
-                         sequence_parallel=args.sequence_parallel, recompute=args.recompute, zero=args.zero, lr=args.lr,
+                         sequence_parallel=args.sequence_parallel, recompute=args.recompute, dtype=args.dtype,
+                         zero=args.zero, lr=args.lr,
                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
                          grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
     ckpt = open_checkpoint(args.model)

@@ -51,6 +51,9 @@ class TrainConfig:
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
+    dtype: str = "float32"
+    """Weights, activations and gradients: float32, or bfloat16 with float32 master weights in
+    the optimizer (mixed precision; gradients are summed over ranks in float32)."""
     lr: float = 1e-4
     """AdamW learning rate (constant)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -77,6 +80,8 @@ class TrainConfig:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32 or bfloat16")
         if self.recompute not in ("none", "full"):
             raise UsageError(f"recompute={self.recompute!r} is not supported; use 'none' or 'full'")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -150,7 +155,9 @@ class Trainer:
         self.checkpoint = ckpt = open_checkpoint(config.model)
         check_trainable(ckpt.config, dims.tp)
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
-        self.model = model = load_model(ckpt, dims, layers=layers, sequence_parallel=config.sequence_parallel)
+        self.dtype = getattr(torch, config.dtype)
+        self.model = model = load_model(ckpt, dims, dtype=self.dtype, layers=layers,
+                                        sequence_parallel=config.sequence_parallel)
         model.train().requires_grad_(True)
         self.vocab_start = model.lm_head.rows.start if model.last else 0
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
@@ -204,7 +211,7 @@ class Trainer:
             inputs, targets, positions = micros[i]
             b = inputs.shape[0]
             local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
-            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), torch.float32)
+            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), self.dtype)
             out = self.zero.forward(x, positions.repeat(b), meta, [None] * len(self.model.layers),
                                     local_logits=True)  # last stage: [tokens, local vocab] logits
             if io.last:
@@ -219,14 +226,14 @@ class Trainer:
         held = self.zero.state_bytes()
         self.zero.finish_backward()
         if self.zero.tied is not None:
-            all_reduce(self.zero.tied.shard.grad, self.embedding_group)
+            all_reduce(self.zero.tied.master.grad, self.embedding_group)
         norm = self.zero.grad_norm(self.dims.tp_group, self.dims.pp_group, count_tied=self.model.first)
         if self.config.max_grad_norm:
             self.zero.clip(self.config.max_grad_norm, norm)
         self.optimizer.step()
         self.zero.after_step()
-        held["optimizer"] = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values()
-                                if torch.is_tensor(t) and t.dim() > 0)  # moments, not the step count
+        held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
+            t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
                 "seconds": time.perf_counter() - start, "state_bytes": held,

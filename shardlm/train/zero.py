@@ -72,6 +72,10 @@ class Unit:
             for p, view in zip(self.params, self.views(flat)):
                 p.data = view  # the model's parameters live in the flat vector
             self.shard = nn.Parameter(flat[self.lo:self.hi])  # a view: the optimizer updates the model
+        # what the optimizer steps on: the shard itself in float32; for 16-bit weights a float32
+        # master copy of it (mixed precision, ZeRO §3: K = 12 bytes of state per parameter)
+        wide = self.shard.dtype == torch.float32
+        self.master = self.shard if wide else nn.Parameter(self.shard.detach().float())
         self.ready = 0
 
     def views(self, flat: Tensor) -> list[Tensor]:
@@ -93,22 +97,24 @@ class Unit:
                 p.grad = view
 
     def reduce_grads(self) -> None:
-        """Sum the unit's gradients over dp into ``shard.grad`` and free the full ones."""
+        """Sum the unit's gradients over dp (in float32) into ``master.grad``; free the full ones."""
         if self.flat_grad is not None:
             g, self.flat_grad = self.flat_grad, None
         else:
             g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         for p in self.params:
             p.grad = None
+        g = g.float()
         mine = all_reduce(g, self.group) if self.stage == 0 else reduce_scatter(g, self.group, sizes=self.sizes)
         self.accumulate(mine)
         self.ready = 0
 
     def accumulate(self, g: Tensor) -> None:
-        if self.shard.grad is None:
-            self.shard.grad = g
+        g = g.float()
+        if self.master.grad is None:
+            self.master.grad = g
         else:
-            self.shard.grad += g
+            self.master.grad += g
 
     def param_ready(self) -> None:
         """Stage 2: one more parameter's gradient is complete; reduce once all of them are."""
@@ -118,7 +124,7 @@ class Unit:
 
     def grad_sq(self) -> Tensor:
         """Sum of squares of the gradient elements this rank owns (tp-replicated ones weighted)."""
-        g = self.shard.grad.float()
+        g = self.master.grad
         total = torch.linalg.vector_norm(g) ** 2
         for a, b, w in self.tp_weighted:
             a, b = max(a, self.lo), min(b, self.hi)
@@ -133,7 +139,11 @@ class Unit:
         return full.clone() if group_size(self.group) == 1 else full  # one rank: all_gather returns its input
 
     def after_step(self) -> None:
-        """Stages 1-2: every rank's updated shard back into everyone's full weights."""
+        """The updated master into the shard; stages 1-2: every rank's shard back into everyone's
+        full weights."""
+        if self.master is not self.shard:
+            self.shard.data.copy_(self.master.detach())
+        self.master.grad = self.shard.grad = None
         if self.stage in (1, 2) and group_size(self.group) > 1:
             self.flat.copy_(all_gather(self.shard.detach(), self.group, sizes=self.sizes))
 
@@ -150,7 +160,8 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         unit = ctx.unit
         unit.regathered = None  # this unit's backward is over: drop its re-gathered weights
-        return reduce_scatter(grad.contiguous(), unit.group, sizes=unit.sizes), None
+        summed = reduce_scatter(grad.float().contiguous(), unit.group, sizes=unit.sizes)  # float32 sum
+        return summed.to(unit.shard.dtype), None
 
 
 @dataclass(frozen=True)
@@ -216,8 +227,8 @@ class Zero:
             unit.bucket_grads()
 
     def shards(self) -> list[nn.Parameter]:
-        """What the optimizer steps on: this rank's part of every unit."""
-        return [u.shard for u in self.units]
+        """What the optimizer steps on: this rank's part of every unit, in float32."""
+        return [u.master for u in self.units]
 
     # ---- forward -------------------------------------------------------------------------
     def gathered(self, unit: Unit) -> dict[str, Tensor]:
@@ -249,11 +260,14 @@ class Zero:
 
     # ---- backward and step ---------------------------------------------------------------
     def finish_backward(self) -> None:
-        """Reduce what backward has not reduced yet (stages 0-1: everything, at once)."""
-        if self.stage < 3:
-            for unit in self.units:
-                if self.stage < 2 or unit.ready:
-                    unit.reduce_grads()
+        """Reduce what backward has not reduced yet (stages 0-1: everything, at once); stage 3's
+        16-bit shard gradients go to the float32 masters."""
+        for unit in self.units:
+            if self.stage < 3 and (self.stage < 2 or unit.ready):
+                unit.reduce_grads()
+            elif self.stage == 3 and unit.master is not unit.shard and unit.shard.grad is not None:
+                unit.accumulate(unit.shard.grad)
+                unit.shard.grad = None
 
     def grad_norm(self, tp_group, pp_group=None, count_tied: bool = True) -> Tensor:
         """The global gradient norm: every element of the model counted once (a tied embedding
@@ -268,12 +282,11 @@ class Zero:
         torch.nn.utils.clip_grad_norm_ does."""
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for unit in self.units:
-            unit.shard.grad.mul_(coef)
+            unit.master.grad.mul_(coef)
 
     def after_step(self) -> None:
         for unit in self.units:
             unit.after_step()
-            unit.shard.grad = None
 
     @contextmanager
     def full_weights(self):
@@ -293,9 +306,11 @@ class Zero:
                     p.data = p.data.new_empty(0)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of weights and gradients this rank holds now (call right after backward, before
-        ``finish_backward``, to see the gradients at their peak)."""
+        """Bytes of weights, gradients and float32 masters (mixed precision) this rank holds now
+        (call right after backward, before ``finish_backward``, to see the gradients at their peak)."""
         weights = sum((u.shard if self.stage == 3 else u.flat).nbytes for u in self.units)
         grads = sum(p.grad.nbytes for u in self.units for p in u.params if p.grad is not None)
-        grads += sum(u.shard.grad.nbytes for u in self.units if u.shard.grad is not None)
-        return {"weights": weights, "gradients": grads}
+        grads += sum(u.master.grad.nbytes for u in self.units if u.master.grad is not None)
+        grads += sum(u.shard.grad.nbytes for u in self.units if u.master is not u.shard and u.shard.grad is not None)
+        masters = sum(u.master.nbytes for u in self.units if u.master is not u.shard)
+        return {"weights": weights, "gradients": grads, "masters": masters}
