@@ -14,15 +14,13 @@ tensor below 1e-6, while three steps of lr 1e-3 move the weights by ~3e-3.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from multirank import run_ranks
 from rankfns import train_and_save, train_steps
+from test_cli import shardlm
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 STEPS, BATCH, SEQ = 3, 12, 16  # 12 sequences split over dp = 1, 2, 3 and 2 x 2 micro-batches
@@ -153,6 +151,31 @@ def test_bfloat16_with_float32_masters(hf_run, dp, tp, zero):
         assert held["optimizer"] == 12 * (numel if zero == 0 else owned)
 
 
+def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monkeypatch):
+    """What equal losses cannot show: ZeRO-3 keeps no gathered weights from forward to backward
+    (every unit is gathered exactly twice a step, once for each), and full recomputation runs
+    every layer's forward again in backward."""
+    from shardlm.train import zero
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    path = str(tiny("llama").path)
+    batch = torch.randint(0, 251, (2, 9), generator=torch.Generator().manual_seed(3))
+    gathers, real = [], zero.Unit.gather
+    monkeypatch.setattr(zero.Unit, "gather", lambda unit: gathers.append(unit) or real(unit))
+    trainer = Trainer(TrainConfig(model=path, zero=3))
+    trainer.step(batch)
+    units = trainer.zero.units
+    assert sorted(map(id, gathers)) == sorted(map(id, units * 2))
+    assert all(u.regathered is None for u in units)  # dropped once each unit's backward ended
+    for recompute, runs in (("none", 1), ("full", 2)):
+        trainer, calls = Trainer(TrainConfig(model=path, recompute=recompute)), []
+        for layer in trainer.model.modules():
+            if type(layer).__name__ == "DecoderLayer":
+                layer.register_forward_pre_hook(lambda m, args: calls.append(m))
+        trainer.step(batch)
+        assert len(calls) == runs * trainer.checkpoint.config.num_layers, recompute
+
+
 def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
     """pp=2 x tp=2 at ZeRO-3 saves a directory HF loads, holding the weights HF trained itself
     (pieces of two stages and two tp ranks, the tied embedding held by both stages once)."""
@@ -236,16 +259,11 @@ def test_bad_input_is_refused_with_a_reason(tiny):
     assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
 
 
-def _shardlm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "shardlm"), *args], capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
-
-
 def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     """Context parallel (each sequence's zig-zag halves on two ranks), ZeRO-2 over those two."""
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
-    r = _shardlm("train", "--data", str(data), "--cp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
+    r = shardlm("train", "--data", str(data), "--cp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
                  "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
                  "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
@@ -290,6 +308,6 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("a few words of text " * 50)
-    r = _shardlm("train", "--data", str(data), *args)
+    r = shardlm("train", "--data", str(data), *args)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr

@@ -206,11 +206,11 @@ class Zero:
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
         self.units = [Unit(list(layer.named_parameters()), group, stage, replicated, tp) for layer in model.layers]
-        # outside the layers: the embedding, final norm and LM head (the tied embedding apart)
+        # outside the layers: the embedding, final norm and LM head; the tied embedding apart
         root = [(n, p) for n, p in outer if p is not tied]
-        self.outer = [Unit(named, group, stage, replicated, tp) for named in (root, [(n, p) for n, p in outer
-                                                                                      if p is tied]) if named]
-        self.tied = next((u for u in self.outer if u.params[0] is tied), None)
+        tied_named = [(n, p) for n, p in outer if p is tied]
+        self.outer = [Unit(named, group, stage, replicated, tp) for named in (root, tied_named) if named]
+        self.tied = self.outer[-1] if tied_named else None
         self.units += self.outer
         self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
         if stage == 2:
