@@ -29,7 +29,6 @@ import contextlib
 import io
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading

@@ -99,7 +99,7 @@ def zero_memory(args) -> None:
     from shardlm.train.trainer import Trainer, TrainConfig
 
     batch = torch.randint(0, 49152, (2, args.seq_len + 1), generator=torch.Generator().manual_seed(1)).tolist()
-    print(f"\nZeRO at dp=2, SmolLM2 float32 + AdamW: MiB per rank, measured / formula")
+    print("\nZeRO at dp=2, SmolLM2 float32 + AdamW: MiB per rank, measured / formula")
     print(f"{'stage':>5} {'weights':>17} {'gradients':>17} {'Adam state':>17} {'total':>17} {'ratio':>6}")
     for stage in (0, 1, 2, 3):
         ranks = LocalRanks(2, Trainer.spawned, (TrainConfig(model="smollm2", dp=2, zero=stage),), timeout_s=300)

@@ -147,6 +147,12 @@ def check_primitives(group) -> None:
             w.wait()
         eq(buf, V((r - 1) % n, (2, 3)))
         nontrivial(buf, V(r, (2, 3)))
+        # shift: the same ring in one call, two in flight at once kept apart by their tags
+        (got, works), (got2, works2) = comm.shift(V(r, (2, 3)), group), comm.shift(V(r, (5,), salt=1), group, tag=1)
+        for w in works + works2:
+            w.wait()
+        eq(got, V((r - 1) % n, (2, 3)))
+        eq(got2, V((r - 1) % n, (5,), salt=1))
         if r == 0:
             comm.send(V(0, (4,)), n - 1, group)
         elif r == n - 1:
@@ -255,6 +261,8 @@ def check_noop(group) -> None:
     assert comm.all_to_all_region(x, group) is x
     with pytest.raises(ValueError, match="one-rank group"):
         comm.send(x, 0, group)
+    with pytest.raises(ValueError, match="shift in a one-rank group"):
+        comm.shift(x, group)
     for bad in (lambda: comm.scatter(x, 0, group, sizes=[3]), lambda: comm.all_reduce(x, group, "mean"),
                 lambda: comm.broadcast(x, 1, group), lambda: comm.all_gather(x, group, sizes=[1, 3])):
         with pytest.raises(ValueError):  # arguments are checked on one rank too

@@ -84,6 +84,10 @@ LAYOUTS = [
     (2, 2, 3, {}),
     (2, 1, 2, {"cp": 2}),
     (1, 2, 1, {"cp": 2}),
+    # ring attention: key/value blocks passed around the cp ranks
+    (1, 1, 0, {"cp": 2, "cp_attention": "ring"}),
+    (1, 1, 3, {"cp": 4, "cp_attention": "ring"}),
+    (1, 2, 2, {"cp": 2, "cp_attention": "ring", "sequence_parallel": True}),
     # pipeline: 1F1B over the micro-batches; the tied embedding lives on the first and last stage
     (1, 1, 0, {"pp": 2, "grad_accum": 4}),
     (1, 1, 3, {"pp": 2, "grad_accum": 2}),
@@ -105,7 +109,8 @@ LAYOUTS = [
 def _layout_id(dp, tp, zero, extra) -> str:
     accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
     sp = ("-sp" if extra.get("sequence_parallel") else "") + ("-recompute" if "recompute" in extra else "")
-    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}-tp{tp}{sp}-zero{zero}{accum}"
+    ring = "-ring" if extra.get("cp_attention") == "ring" else ""
+    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}"
 
 
 @pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
@@ -260,11 +265,11 @@ def test_bad_input_is_refused_with_a_reason(tiny):
 
 
 def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
-    """Context parallel (each sequence's zig-zag halves on two ranks), ZeRO-2 over those two."""
+    """Context parallel with ring attention (each sequence's zig-zag halves on two ranks), ZeRO-2 over those two."""
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
-    r = shardlm("train", "--data", str(data), "--cp", "2", "--zero", "2", "--steps", "3", "--batch-size", "2",
-                 "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
+    r = shardlm("train", "--data", str(data), "--cp", "2", "--cp-attention", "ring", "--zero", "2", "--steps", "3",
+                 "--batch-size", "2", "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
                  "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
     steps = [json.loads(line) for line in r.stdout.splitlines()]
@@ -272,7 +277,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     assert all(s["tokens"] == 2 * 16 for s in steps)
     # repeated text: three steps on it make the next windows more likely (measured 4.9 -> 1.3)
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"], steps
-    assert "step 3/3  loss" in r.stderr
+    assert "step 3/3  loss" in r.stderr and "cp=2 ring" in r.stderr
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     # the saved GGUF model is a HF directory: config, weights, and the same tokenizer and chat template
     from shardlm.engine.tokenizer import Tokenizer

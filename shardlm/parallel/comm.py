@@ -33,6 +33,7 @@ from shardlm.parallel.collectives import (
     reduce_scatter,
     scatter,
     send,
+    shift,
     split_sizes,
 )
 from shardlm.parallel.collectives import _a2a_sizes, _dim, _sizes  # shared argument checks
@@ -40,7 +41,7 @@ from shardlm.parallel.collectives import _a2a_sizes, _dim, _sizes  # shared argu
 __all__ = [
     # primitives (collectives.py)
     "split_sizes", "group_size", "group_rank", "broadcast", "scatter", "gather", "reduce", "all_gather",
-    "all_reduce", "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv",
+    "all_reduce", "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv", "shift",
     # autograd duals
     "copy_to_region", "reduce_from_region", "split_to_region", "gather_from_region",
     "all_gather_region", "reduce_scatter_region", "all_to_all_region",

@@ -3,12 +3,19 @@
 Zig-zag sharding: a sequence is cut into 2 * cp equal chunks and cp rank r holds chunks r and
 2cp - 1 - r, so under a causal mask every rank has the same amount of attention work (a rank
 holding only the last chunk would do most of it). Everything but attention is per token and
-runs on the local tokens as it is. Attention all-gathers each layer's keys and values over the
-cp group and attends the local queries to them with a causal mask in global positions: the
-all-gather form of context parallelism that Llama 3 trains with (Dubey et al. 2024, "The Llama 3
-Herd of Models", https://arxiv.org/abs/2407.21783 §3.3.2), whose backward is a reduce-scatter of
-the key and value gradients. Ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889),
-which passes key/value blocks around the ring overlapped with compute, is not built.
+runs on the local tokens as it is. Attention over the whole sequence comes in two forms:
+
+- "all-gather": each layer all-gathers the keys and values over the cp group and attends the
+  local queries to them with a causal mask in global positions, as Llama 3 trains (Dubey et al.
+  2024, https://arxiv.org/abs/2407.21783 §3.3.2); backward reduce-scatters the key and value
+  gradients. Simple and fast when keys and values are small (GQA), but every rank holds, and
+  saves for backward, the whole sequence's keys and values.
+- "ring": ring attention (Liu et al. 2023, https://arxiv.org/abs/2310.01889). The key/value
+  blocks travel around the ring, one hop a step, the next hop in flight while the current block
+  is attended; partial results merge by their log-sum-exp (online softmax, as flash attention
+  merges tiles). A rank only ever holds two blocks and saves only its own for backward, which
+  passes the blocks around again with their key/value gradients travelling alongside, so the
+  gradient of every block arrives back at its owner.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shardlm.parallel.comm import all_gather_region, group_rank, group_size
+from shardlm.parallel.comm import all_gather_region, group_rank, group_size, shift
 from shardlm.parallel.dims import LayoutError
 
 
@@ -33,6 +40,9 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
 
 
+ALGORITHMS = ("all-gather", "ring")
+
+
 @dataclass
 class ContextBatch:
     """A training step's attention layout under cp: ``batch`` sequences of ``seq_len`` tokens, each
@@ -42,12 +52,16 @@ class ContextBatch:
     batch: int
     positions: Tensor  # [local tokens of one sequence]
     key_positions: Tensor  # [seq_len]: positions of the all-gathered keys, rank by rank
+    algorithm: str = "all-gather"  # or "ring"
 
     @classmethod
-    def build(cls, group, batch: int, seq_len: int) -> ContextBatch:
+    def build(cls, group, batch: int, seq_len: int, algorithm: str = "all-gather") -> ContextBatch:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"cp attention {algorithm!r} is not one of {ALGORITHMS}; 'ring' passes key/value "
+                             "blocks around the ring (less memory), 'all-gather' gathers them at once")
         cp, rank = group_size(group), group_rank(group)
         keys = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
-        return cls(group, batch, zigzag_positions(seq_len, cp, rank), keys)
+        return cls(group, batch, zigzag_positions(seq_len, cp, rank), keys, algorithm)
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads, scale: float,
@@ -55,6 +69,11 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] of this rank's tokens. Returns
     [tokens, q_heads, d]: each local query attends to every earlier key of its sequence."""
     b, n, d = meta.batch, len(meta.positions), q.shape[-1]
+    if meta.algorithm == "ring":
+        qs = heads.group_q(q).view(b, n, heads.num_kv, heads.group, d).permute(0, 2, 3, 1, 4)  # [b, kv, g, n, d]
+        ks, vs = (t.view(b, n, -1, d).transpose(1, 2) for t in (k, v))  # [b, kv, n, d]
+        o = _RingAttention.apply(qs, ks, vs, meta, scale, window)  # [b, kv, g, n, d]
+        return heads.ungroup(o.permute(0, 3, 1, 2, 4).reshape(b * n, -1, d))
     kv = torch.stack([k, v]).view(2, b, n, k.shape[1], d)
     kv = all_gather_region(kv, meta.group, dim=2)  # [2, b, seq_len, kv_heads, d], rank by rank
     qs = heads.group_q(q).view(b, n, -1, d).transpose(1, 2)  # [b, kv * group, n, d]
@@ -65,3 +84,107 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads
         mask &= k_pos[None, :] > q_pos[:, None] - window
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=heads.group > 1)
     return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))  # [tokens, q_heads, d]
+
+
+TILE = 256
+"""Query rows attended at once in ring attention: a tile's scores are [tile, block keys] per head,
+so memory stays bounded however long the sequence (flash attention's tiling, in plain torch)."""
+
+
+def _tiles(meta: ContextBatch, src: int, window: int | None) -> list[tuple[slice, slice, Tensor | None]]:
+    """The work of this rank's queries on the keys of cp rank ``src``, in query tiles of at most TILE
+    rows: (query rows, the key range they see, the mask within it or None when all visible). Tiles
+    that see no key are left out: under zig-zag half of every block off the diagonal, and the
+    upper triangle of the diagonal one."""
+    q_pos = meta.positions
+    k_pos = meta.key_positions.view(group_size(meta.group), -1)[src]
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    tiles = []
+    for start in range(0, len(q_pos), TILE):
+        rows = slice(start, min(start + TILE, len(q_pos)))
+        cols = visible[rows].any(0).nonzero().flatten()
+        if len(cols):
+            cols = slice(cols[0].item(), cols[-1].item() + 1)
+            mask = visible[rows, cols]
+            tiles.append((rows, cols, None if mask.all() else mask))
+    return tiles
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    """float32 scores of q [b, kv, g, n, d] against k [b, kv, m, d]: [b, kv, g, n, m]; masked -inf."""
+    s = (q @ k.unsqueeze(2).transpose(-1, -2)).float() * scale
+    return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries to the whole sequence, the key/value blocks passed around
+    the cp ring. Forward keeps a running max ``m``, sum ``l`` and unnormalised output per query,
+    rescaled as each block arrives; backward recomputes each block's probabilities from the saved
+    log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, scale: float, window: int | None):
+        cp, rank = group_size(meta.group), group_rank(meta.group)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        l = torch.zeros(q.shape[:-1], device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            if step < cp - 1:  # the next block travels while this one is attended
+                nxt, works = shift(kv, meta.group, tag=0)
+            for rows, cols, mask in _tiles(meta, (rank - step) % cp, window):
+                s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, mask)
+                m_new = torch.maximum(m[..., rows], s.amax(-1))
+                p = torch.exp(s - m_new[..., None])  # masked keys: exp(-inf) = 0
+                alpha = torch.exp(m[..., rows] - m_new)
+                l[..., rows] = l[..., rows] * alpha + p.sum(-1)
+                pv = p.to(v.dtype) @ kv[1][..., cols, :].unsqueeze(2)
+                acc[..., rows, :] = acc[..., rows, :] * alpha[..., None] + pv
+                m[..., rows] = m_new
+            if step < cp - 1:
+                for w in works:
+                    w.wait()
+                kv = nxt
+        # every query sees at least its own key, so l > 0
+        out = (acc / l[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, m + torch.log(l))
+        ctx.meta, ctx.scale, ctx.window = meta, scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        meta, scale = ctx.meta, ctx.scale
+        cp, rank = group_size(meta.group), group_rank(meta.group)
+        grad = grad.contiguous()
+        delta = (grad.float() * out.float()).sum(-1)  # [b, kv, g, n]: rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, arriving = torch.stack([k, v]), None
+        for step in range(cp):
+            if step < cp - 1:
+                nxt, works = shift(kv, meta.group, tag=0)
+            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+            for rows, cols, mask in _tiles(meta, (rank - step) % cp, ctx.window):
+                kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
+                qr, gr = q[..., rows, :], grad[..., rows, :]
+                p = torch.exp(_scores(qr, kb, scale, mask) - lse[..., rows, None])  # [b, kv, g, n, m]
+                dkv[1][..., cols, :] += (p.to(v.dtype).transpose(-1, -2) @ gr).float().sum(2)
+                dp = (gr @ vb.unsqueeze(2).transpose(-1, -2)).float()
+                ds = p * (dp - delta[..., rows, None]) * scale
+                dq[..., rows, :] += ds.to(q.dtype) @ kb.unsqueeze(2)
+                dkv[0][..., cols, :] += (ds.to(q.dtype).transpose(-1, -2) @ qr).float().sum(2)
+            if arriving is not None:  # the block's gradient from the ranks it visited before
+                for w in arriving[1]:
+                    w.wait()
+                dkv += arriving[0]
+            arriving = shift(dkv, meta.group, tag=1)  # on to the rank that attends this block next
+            if step < cp - 1:
+                for w in works:
+                    w.wait()
+                kv = nxt
+        for w in arriving[1]:
+            w.wait()
+        dkv = arriving[0]  # after cp hops: every rank's gradient of this rank's own block
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from shardlm.cli import log
@@ -26,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="pipeline stages (1F1B over the --grad-accum micro-batches; use at least pp of them)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel ranks: each holds 2 of 2 x cp chunks of every sequence (zig-zag)")
+    p.add_argument("--cp-attention", default="all-gather", choices=["all-gather", "ring"],
+                   help="with cp: all-gather each layer's keys/values (default), or ring attention (blocks "
+                        "passed rank to rank; a rank never holds the whole sequence's keys/values)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (must keep each KV head's query group whole)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -68,11 +70,10 @@ def run(args) -> int:
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
-    config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp,
-                         sequence_parallel=args.sequence_parallel, recompute=args.recompute, dtype=args.dtype,
-                         zero=args.zero, lr=args.lr,
-                         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
-                         grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
+    config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, cp_attention=args.cp_attention,
+                         tp=args.tp, sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                         dtype=args.dtype, zero=args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                         max_grad_norm=args.max_grad_norm or None, grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
     ckpt = open_checkpoint(args.model)
     check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
@@ -87,7 +88,8 @@ def run(args) -> int:
     speaker = env is None or env["rank"] == 0
     world = config.dims().world_size
     if speaker:
-        layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}, tp={args.tp}, ZeRO-{args.zero}"
+        ring = " ring" if args.cp > 1 and args.cp_attention == "ring" else ""
+        layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}{ring}, tp={args.tp}, ZeRO-{args.zero}"
         log(f"training {args.model} ({ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
             f"rank{'s' if world > 1 else ''} ({layout}); "
             f"{len(ids)} tokens of {data.name}: {len(batches.windows)} windows of {args.seq_len}, "

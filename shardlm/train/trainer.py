@@ -21,7 +21,7 @@ from shardlm.models.attention import causal_metadata
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.comm import all_reduce
-from shardlm.parallel.context import ContextBatch, zigzag_positions
+from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads
@@ -46,6 +46,10 @@ class TrainConfig:
     micro-batch's tokens on a rank (sequences x seq_len / cp) must split evenly over tp."""
     cp: int = 1
     """Context-parallel ranks; each holds 2 of 2 x cp chunks of every sequence (seq_len must split)."""
+    cp_attention: str = "all-gather"
+    """How attention sees the whole sequence under cp: "all-gather" (each layer gathers all keys and
+    values) or "ring" (ring attention: key/value blocks passed rank to rank, overlapped with
+    compute; a rank holds two blocks, not the whole sequence's)."""
     tp: int = 1
     """Tensor-parallel ranks; each holds a slice of every weight matrix."""
     zero: int = 1
@@ -82,6 +86,8 @@ class TrainConfig:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
         if self.dtype not in ("float32", "bfloat16"):
             raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32 or bfloat16")
+        if self.cp_attention not in ALGORITHMS:
+            raise UsageError(f"cp_attention={self.cp_attention!r} is not supported; use one of {ALGORITHMS}")
         if self.recompute not in ("none", "full"):
             raise UsageError(f"recompute={self.recompute!r} is not supported; use 'none' or 'full'")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -201,7 +207,7 @@ class Trainer:
         group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
         count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
         meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
-            ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len)
+            ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention)
         io = StageIO(self.dims)
         hidden = self.checkpoint.config.hidden_size
         total = torch.zeros((), dtype=torch.float64)  # the loss summed over this rank's tokens (last stage)
