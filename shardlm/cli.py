@@ -32,6 +32,18 @@ def layer_counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of layer counts; write e.g. 10,10,10") from None
 
 
+def json_object(text: str) -> dict:
+    """'{"method": "ngram"}' -> a dict."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg}); write e.g. "
+                                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; write e.g. '{{\"method\": \"ngram\"}}'")
+    return value
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -60,13 +72,17 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run decode steps through torch.compile: faster decoding after a one-time compile "
                         "(tens of seconds, cached on disk); dense models")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(drafts looked up in each sequence's history; greedy output unchanged)")
 
 
 def layout_options(args) -> dict:
     """The EngineConfig fields that add_layout_args' flags set."""
     return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
                 micro_batches=args.micro_batches, dtype=args.dtype, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype, device=args.device, compile=args.compile)
+                kv_cache_dtype=args.kv_cache_dtype, device=args.device, compile=args.compile,
+                speculative_config=args.speculative_config)
 
 
 def add_generate(sub) -> None:

@@ -73,6 +73,9 @@ def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
     (["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
      "does not fit the context of 8 tokens"),
     (["--dtype", "int8", "x"], "invalid choice"),
+    (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
+    (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
+    (["--pp", "2", "--speculative-config", '{"method": "ngram"}', "x"], "speculative decoding runs on one pipeline"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     r = shardlm("generate", *args, timeout=120)

@@ -20,6 +20,7 @@ from shardlm.engine.block_manager import BlockManager, block_hash
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence, Status
+from shardlm.engine.speculative import SpeculativeConfig, propose
 from shardlm.errors import UsageError
 
 VOCAB = 97
@@ -33,12 +34,18 @@ def fake_next(ids: list[int]) -> int:
     return h % VOCAB
 
 
-def reference(prompt: list[int], params: SamplingParams, eos_ids=()) -> tuple[list[int], str]:
+def cyclic_next(ids: list[int]) -> int:
+    """A 'model' that falls into cycles (its output depends on the last two tokens only), so
+    n-gram drafts are often right and sometimes wrong."""
+    return (ids[-1] * 5 + (ids[-2] if len(ids) > 1 else 0) * 3 + 1) % 11
+
+
+def reference(prompt: list[int], params: SamplingParams, eos_ids=(), model=fake_next) -> tuple[list[int], str]:
     """Outputs and finish reason with no scheduler at all: feed the history, append, repeat."""
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     out: list[int] = []
     while True:
-        out.append(fake_next(prompt + out))
+        out.append(model(prompt + out))
         if out[-1] in stop:
             return out, "stop"
         if len(out) >= params.max_tokens:
@@ -72,9 +79,11 @@ class CheckedScheduler(Scheduler):
 
 
 class Driver:
-    """Runs a scheduler with the fake model, checking invariants every step."""
+    """Runs a scheduler with the fake model, checking invariants every step. With drafts
+    (speculative decoding) the model verifies them greedily from the cache's contents."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True, **cfg):
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True, model=fake_next, **cfg):
+        self.model = model
         self.bm = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cfg = SchedulerConfig(**cfg)
         self.s = CheckedScheduler(self.bm, self.cfg)
@@ -140,14 +149,17 @@ class Driver:
         assert len(s.running) <= self.cfg.max_num_seqs and len(batch.seqs) <= self.cfg.max_num_seqs
         dec = [n == 1 and x.is_decoding for x, n in zip(batch.seqs, batch.counts)]
         assert dec == sorted(dec), "prefill chunks must come before single-token steps"
-        for x, n in zip(batch.seqs, batch.counts):
+        drafts = [batch.draft(i) for i in range(len(batch.seqs))]
+        for x, n, dr in zip(batch.seqs, batch.counts, drafts):
             assert x.status is Status.RUNNING and x in s.running
-            assert 1 <= n <= x.num_tokens - x.num_computed
+            assert 1 <= n <= x.num_tokens - x.num_computed + len(dr)
+            assert not dr or (x.is_decoding and n == 1 + len(dr)), "drafts only follow a decode's token"
             assert len(x.block_table) * bm.block_size >= x.num_computed + n  # table covers the writes
-        # every decoding sequence still running gets exactly one token
+        # every decoding sequence still running gets exactly one token (and its drafts)
         for x in s.running:
             if x.is_decoding:
-                assert x in batch.seqs and batch.counts[batch.seqs.index(x)] == 1
+                i = batch.seqs.index(x)
+                assert batch.counts[i] == 1 + len(drafts[i])
         for x in before:
             assert x in batch.seqs or x.id in victims or not x.is_decoding
         # the token budget; only decodes of already-running sequences may go past it
@@ -156,20 +168,29 @@ class Driver:
         self.check_blocks()
         # the fake model: write K/V (never into a block another sequence shares), then read
         written = set()
-        for x, n in zip(batch.seqs, batch.counts):
-            for p in range(x.num_computed, x.num_computed + n):
+        for x, n, dr in zip(batch.seqs, batch.counts, drafts):
+            fed = x.tokens(x.num_computed, x.num_computed + n - len(dr)) + dr
+            for p, token in zip(range(x.num_computed, x.num_computed + n), fed):
                 sl = self.slot(x, p)
                 assert bm.ref_counts[sl // bm.block_size] == 1, "write into a shared block"
                 assert sl not in written
                 written.add(sl)
-                self.kv[sl] = x.tokens(p, p + 1)[0]
+                self.kv[sl] = token
         tokens = []
-        for x, n, yes in zip(batch.seqs, batch.counts, batch.samples()):
-            assert yes == (x.num_computed + n == x.num_tokens)
+        for x, n, yes, dr in zip(batch.seqs, batch.counts, batch.samples(), drafts):
+            assert yes == (x.num_computed + n - len(dr) == x.num_tokens)
             # what this entry attends to: its whole context, read back through its block table
             ctx = [self.kv[self.slot(x, p)] for p in range(x.num_computed + n)]
-            assert ctx == x.tokens(0, x.num_computed + n), "the cache holds the wrong tokens"
-            tokens.append(fake_next(ctx) if yes else None)
+            assert ctx == x.tokens(0, x.num_computed + n - len(dr)) + dr, "the cache holds the wrong tokens"
+            if not yes:
+                tokens.append(None)
+                continue
+            run = []  # greedy verification: accept drafts while the model agrees, then its own token
+            for i in range(len(dr) + 1):
+                run.append(self.model(ctx[:x.num_tokens + i]))
+                if i == len(dr) or run[-1] != dr[i]:
+                    break
+            tokens.append(run if dr else run[0])
         self.steps.append([(x.id, n) for x, n in zip(batch.seqs, batch.counts)])
         self.sampled.append({x.id for x, t in zip(batch.seqs, tokens) if t is not None})
         done = s.update(batch, tokens)
@@ -202,7 +223,7 @@ class Driver:
     def check_outputs(self, eos=()) -> None:
         for x in self.seqs:
             if x.finish_reason != "abort":
-                assert (x.output_ids, x.finish_reason) == reference(x.prompt_ids, x.params, eos), x.id
+                assert (x.output_ids, x.finish_reason) == reference(x.prompt_ids, x.params, eos, self.model), x.id
 
 
 def steps_of(d: Driver, i: int) -> list[tuple[int, int]]:
@@ -548,3 +569,72 @@ def test_micro_batches_sharing_blocks_do_not_deadlock_on_chunked_prompts():
             s.update(b, [fake_next(x.token_ids()) if y else None for x, y in zip(b.seqs, b.samples())])
     assert [(x.output_ids, x.finish_reason) for x in seqs] == \
         [reference(x.prompt_ids, x.params) for x in seqs]
+
+
+# ---- speculative decoding (n-gram drafts) -----------------------------------------------
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("num_blocks,block_size,lengths,max_tokens,budget", [
+    (1000, 4, [5, 6, 7, 3], 30, 8192),  # room for every draft
+    (9, 4, [5, 6, 7, 3], 20, 8192),  # blocks run out: drafts shrink, sequences are preempted
+    (40, 2, [1, 2, 9, 4], 25, 5),  # a budget that leaves few tokens for drafts
+])
+def test_speculative_decoding_keeps_outputs(num_blocks, block_size, lengths, max_tokens, budget, prefix_caching):
+    d = Driver(num_blocks, block_size, prefix_caching=prefix_caching, model=cyclic_next,
+               max_num_batched_tokens=budget, speculative=SPEC)
+    d.add(*[seq(i, prompt(i, n) if n > 1 else [i], max_tokens, eos=(10,)) for i, n in enumerate(lengths)])
+    d.run()
+    d.check_outputs(eos=(10,))
+    s = d.s
+    # it can fail: drafts were fed, many accepted, some rejected (their stale K/V overwritten later)
+    assert s.draft_tokens > s.accepted_tokens > 0, (s.draft_tokens, s.accepted_tokens)
+    plain = Driver(num_blocks, block_size, prefix_caching=prefix_caching, model=cyclic_next,
+                   max_num_batched_tokens=budget)
+    plain.add(*[seq(i, prompt(i, n) if n > 1 else [i], max_tokens, eos=(10,)) for i, n in enumerate(lengths)])
+    plain.run()
+    assert [x.output_ids for x in plain.seqs] == [x.output_ids for x in d.seqs]
+    assert len(d.steps) < len(plain.steps)  # accepted drafts save steps
+
+
+def test_drafts_stop_at_max_tokens_and_a_stop_token():
+    d = Driver(1000, 4, model=cyclic_next, speculative=SpeculativeConfig(num_speculative_tokens=8))
+    x = seq(0, [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=3)
+    d.add(x)
+    d.run()
+    d.check_outputs()
+    # at most max_tokens - 1 drafts after the first token: never a token past max_tokens
+    assert all(n <= 3 for st in d.steps[1:] for _, n in st)
+    # a stop token inside an accepted run ends the sequence there
+    for eos in set(reference([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=30), (), cyclic_next)[0][3:]):
+        d = Driver(1000, 4, model=cyclic_next, speculative=SpeculativeConfig(num_speculative_tokens=8))
+        d.add(seq(0, [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=30, eos=(eos,)))
+        d.run()
+        d.check_outputs(eos=(eos,))
+
+
+def test_drafts_never_preempt():
+    """With every block taken, a decode gets its next token but no drafts."""
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    d = Driver(4, 2, model=cyclic_next, speculative=spec)
+    a, b = seq(0, [1, 2, 1], max_tokens=3), seq(1, [3, 4, 3], max_tokens=3)  # 2 blocks each: the cache is full
+    d.add(a, b)
+    d.step()
+    assert propose(a.token_ids(), spec, 4), "a has a draft to offer"
+    batch = d.step()
+    assert batch.counts == [1, 1] and batch.drafts is None
+    assert d.bm.num_free == 0 and d.s.preempted == []
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there():
+    s = Scheduler(BlockManager(16, 4), SchedulerConfig(speculative=SpeculativeConfig(num_speculative_tokens=3)))
+    x = seq(0, [5, 6, 7, 5], max_tokens=10, eos=(7,))
+    s.add(x)
+    s.update(s.schedule(), [6])  # the prompt's step samples 6
+    batch = s.schedule()
+    assert batch.seqs == [x] and batch.drafts == [[7, 5, 6]] and batch.counts == [4]  # what followed "5 6"
+    done = s.update(batch, [[7, 5, 6, 9]])  # all three drafts accepted, then 9
+    assert done == [x] and x.output_ids == [6, 7] and x.finish_reason == "stop"
+    assert s.running == [] and s.blocks.num_free == 16 and (s.draft_tokens, s.accepted_tokens) == (3, 3)

@@ -21,7 +21,7 @@ from shardlm.engine.async_llm import AsyncLLM
 MAX_TOKENS = [20, 3, 12, 7]
 
 
-def serve_all(path: str, **layout) -> tuple[list[list[int]], dict]:
+def serve_all(path: str, max_tokens=MAX_TOKENS, **layout) -> tuple[list[list[int]], dict]:
     engine = AsyncLLM(path, threads=1, timeout_s=60, **layout)
 
     async def one(ids, n):
@@ -31,7 +31,7 @@ def serve_all(path: str, **layout) -> tuple[list[list[int]], dict]:
         return out
 
     async def run():
-        return await asyncio.gather(*[one(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+        return await asyncio.gather(*[one(p, n) for p, n in zip(PROMPTS, max_tokens)])
 
     try:
         return asyncio.run(run()), engine.stats
@@ -46,6 +46,20 @@ def test_dense_serving_matches_hf(tiny, layout):
     tokens, stats = serve_all(str(ref.path), **layout)
     assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0  # everything freed
+
+
+def test_speculative_serving_streams_the_offline_tokens(tiny):
+    """n-gram drafts over two replicas: verified runs stream several tokens a step, and the
+    answers are plain greedy decoding's (200 tokens, so the random model repeats itself)."""
+    from shardlm import LLM
+
+    ref = tiny("llama")
+    plain = [o.token_ids for o in LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(max_tokens=200))]
+    tokens, stats = serve_all(str(ref.path), [200] * len(PROMPTS), dp=2,
+                              speculative_config={"num_speculative_tokens": 3})
+    assert tokens == plain
+    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0, stats
+    assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2),

@@ -62,7 +62,8 @@ class AsyncLLM(EngineFront):
         self._lock = threading.Lock()
         self.error: str | None = None
         self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
-                      "prefix_cache_hits": 0, "prefix_cache_queries": 0, "expert_load": None}
+                      "prefix_cache_hits": 0, "prefix_cache_queries": 0, "spec_draft_tokens": 0,
+                      "spec_accepted_tokens": 0, "expert_load": None}
         self._replica_stats = [dict(self.stats) for _ in self._replica_leaders]
         for conn in self._ranks.conns:
             conn.send(("serve", None))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
 from shardlm.models.attention import INT8_SCALED
 from shardlm.parallel.dims import ParallelDims
@@ -71,6 +72,10 @@ class EngineConfig:
     """Run decode-only steps through torch.compile (inductor), which fuses the small ops between
     the matrix products. Each shape class (one sequence, several) compiles on its first step:
     tens of seconds on a small CPU, then cached on disk. Dense models only."""
+    speculative_config: SpeculativeConfig | dict | None = None
+    """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own
+    history, verified in the step that feeds them (greedy output unchanged). One pipeline stage."""
     threads: int | None = None
     """CPU threads per rank; default: the cores shared evenly among the local ranks."""
     timeout_s: float = 300.0
@@ -97,6 +102,10 @@ class EngineConfig:
                 raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
+        if self.speculative_config is not None and self.pp > 1:
+            raise UsageError(f"speculative decoding runs on one pipeline stage; pp={self.pp} was asked for. Use "
+                             "tp or dp to split the model, or leave out speculative_config")
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
 

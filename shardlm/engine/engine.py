@@ -32,6 +32,7 @@ from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence
+from shardlm.engine.speculative import verify
 from shardlm.models.moe import idle_forward
 from shardlm.parallel import comm
 from shardlm.parallel.pipeline import StageLinks
@@ -57,6 +58,8 @@ class RunStats:
     decode_s: float = 0.0  # from the first sampled token to the end
     decode_tokens: int = 0  # tokens generated after each sequence's first
     busy_s: float = 0.0  # this rank computing (model and sampling), not waiting on other stages
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted
     expert_load: dict | None = None  # MoE: tokens per expert and per ep rank, imbalance (ExpertLoad)
 
     @property
@@ -140,10 +143,11 @@ class Engine:
         if tokens is None:  # sampled by the last stage
             got = iter(self.links.recv_tokens(sum(samples), self.runner.device) if any(samples) else [])
             tokens = [next(got) if s else None for s in samples]
+        before = [len(s.output_ids) for s in batch.seqs]
         done = sched.update(batch, tokens)
-        if on_token is not None:
-            for seq, tok in zip(batch.seqs, tokens):
-                if tok is not None:
+        if on_token is not None:  # the tokens each sequence kept (a stop ends a verified run early)
+            for seq, n in zip(batch.seqs, before):
+                for tok in seq.output_ids[n:]:
                     on_token(seq.id, tok)
         return done
 
@@ -161,12 +165,32 @@ class Engine:
             self.links.send_hidden(hidden)
             return None
         samples = batch.samples()
-        picked = [s for s, yes in zip(batch.seqs, samples) if yes]
-        drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked]) if picked else [])
-        tokens = [next(drawn) if yes else None for yes in samples]
+        if batch.drafts:
+            tokens = self._verify(batch, out.cpu())
+        else:
+            picked = [s for s, yes in zip(batch.seqs, samples) if yes]
+            drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked])
+                         if picked else [])
+            tokens = [next(drawn) if yes else None for yes in samples]
         self.busy_s += time.perf_counter() - t0
-        if picked:
+        if any(samples):
             self.links.send_tokens([t for t in tokens if t is not None], self.runner.device)
+        return tokens
+
+    @staticmethod
+    def _verify(batch: Batch, logits: torch.Tensor) -> list[int | list[int] | None]:
+        """A step with drafts (one stage): each sampling sequence's logits rows are its last token's
+        and its drafts'; sequences with drafts emit the verified run, the others one token."""
+        tokens, row = [], 0
+        for i, (seq, yes) in enumerate(zip(batch.seqs, batch.samples())):
+            drafts = batch.draft(i)
+            if not yes:
+                tokens.append(None)
+            elif drafts:
+                tokens.append(verify(logits[row:row + 1 + len(drafts)], drafts, seq.params, seq.generator))
+            else:
+                tokens.append(sample(logits[row:row + 1], [seq.params], [seq.generator])[0])
+            row += (1 + len(drafts)) if yes else 0
         return tokens
 
     # ---- offline ------------------------------------------------------------------------
@@ -175,12 +199,18 @@ class Engine:
         seqs = [self.add(i, r) for i, r in sorted(requests.items())]
         start = time.perf_counter()
         self.busy_s = 0.0
+        drafted, accepted = self.speculation()
         while self.any_replica(self.has_work()):
             self.step_round(on_token)
         self.links.flush()
         stats = _stats(seqs, start)
         stats.busy_s = self.busy_s
+        stats.draft_tokens, stats.accepted_tokens = (a - b for a, b in zip(self.speculation(), (drafted, accepted)))
         return seqs, stats
+
+    def speculation(self) -> tuple[int, int]:
+        """Draft tokens verified and accepted so far, over the micro-batches."""
+        return sum(s.draft_tokens for s in self.scheds), sum(s.accepted_tokens for s in self.scheds)
 
 
 def _stats(seqs: list[Sequence], start: float) -> RunStats:

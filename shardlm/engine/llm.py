@@ -197,6 +197,8 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
                     prompt_tokens=sum(p.prompt_tokens for p in parts),
                     generated_tokens=sum(p.generated_tokens for p in parts),
                     decode_s=max(p.decode_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts),
+                    draft_tokens=sum(p.draft_tokens for p in parts),
+                    accepted_tokens=sum(p.accepted_tokens for p in parts),
                     expert_load=parts[0].expert_load)  # already summed over the stage's dp x tp ranks
 
 

@@ -72,7 +72,7 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
         last token of each sequence that reaches its end this step (a prompt chunk that
-        does not is computed for its K/V only)."""
+        does not is computed for its K/V only), and each of its draft tokens."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -81,18 +81,18 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=None, block_size=bs)
         dev = self.device
         decodes = []
-        for seq, n, samples in zip(batch.seqs, batch.counts, batch.samples()):
-            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
+        for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.counts, batch.samples())):
+            start, end, table, drafts = seq.num_computed, seq.num_computed + n, seq.block_table, batch.draft(i)
             if n == 1 and seq.is_decoding:  # the batch lists these last
                 decodes.append(seq)
             else:
                 meta.prefills.append(PrefillSeq(start=len(ids), length=n, context_len=end,
                                                 block_table=torch.tensor(table, device=dev)))
-            ids.extend(seq.tokens(start, end))
+            ids.extend(seq.tokens(start, end - len(drafts)) + drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if samples:
-                rows.append(len(ids) - 1)
+            if samples:  # the last token's logits, and each draft's to verify it
+                rows.extend(range(len(ids) - 1 - len(drafts), len(ids)))
         meta.num_prefill_tokens = len(ids) - len(decodes)
         if decodes:
             # compiled: at least two columns (a padding block is masked), or dynamo would specialise
@@ -112,8 +112,9 @@ class ModelRunner:
         """This stage's part of one step. The first stage starts from token ids, the others
         from the previous stage's ``hidden`` ([2 (hidden, residual), tokens, dim]).
 
-        Returns float32 logits [seqs, vocab] for each sequence's next token on the last
-        stage (with ``all_positions``: [tokens, vocab]), else (hidden, residual).
+        Returns float32 logits [rows, vocab] on the last stage: one row per sequence that
+        samples, 1 + its drafts with speculative decoding (with ``all_positions``: [tokens,
+        vocab]), else (hidden, residual).
         """
         ids, positions, meta, last_rows = self.prepare(batch)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)

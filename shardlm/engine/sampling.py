@@ -57,11 +57,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = logits.max(dim=-1).indices.tolist()  # argmax (first of ties), at twice argmax's speed on CPU
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _draw(logits[i].float() / p.temperature, p, generators[i])
+            tokens[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=generators[i]).item())
     return tokens
 
 
-def _draw(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from: logits [vocab] after temperature, top-k, top-p."""
+    scores = logits.float() / p.temperature
     if 0 < p.top_k < scores.numel():
         kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -72,4 +74,4 @@ def _draw(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) 
         drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return probs

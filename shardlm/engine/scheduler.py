@@ -9,6 +9,10 @@ prompt is longer than what is left. New sequences join between steps.
 When a decoding sequence needs a KV block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of the
 queue to be recomputed later, with nothing it generated lost.
+
+Speculative decoding (``speculative``, see speculative.py): a decoding sequence may feed
+its last token and up to k draft tokens in one step, when the budget and free blocks
+allow (drafts never preempt anyone); the step then emits one to k + 1 tokens for it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.sequence import Sequence, Status
+from shardlm.engine.speculative import SpeculativeConfig, propose
 from shardlm.errors import UsageError
 
 
@@ -28,15 +33,22 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     """Most prompt tokens fed through the model in one step (longer prompts are prefilled in
     chunks); decoding sequences always get their one token, bounded by max_num_seqs."""
+    speculative: SpeculativeConfig | None = None
+    """Draft tokens for decoding sequences (n-gram lookup), verified in the same step."""
 
 
 @dataclass
 class Batch:
-    """One step: ``seqs[i]`` feeds ``counts[i]`` tokens, starting at its ``num_computed``.
-    Prefill chunks come first, then single-token decodes."""
+    """One step: ``seqs[i]`` feeds ``counts[i]`` tokens, starting at its ``num_computed``: its
+    own tokens, then ``drafts[i]`` (speculative decoding; the drafts count in ``counts``).
+    Prefill chunks and sequences with drafts come first, then single-token decodes."""
 
     seqs: list[Sequence]
     counts: list[int]
+    drafts: list[list[int]] | None = None  # None: no drafts this step
+
+    def draft(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
 
     def num_tokens(self) -> int:
         """Tokens this step feeds through the model."""
@@ -44,7 +56,8 @@ class Batch:
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (so a token is sampled)."""
-        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.counts)]
+        return [s.num_computed + n - len(self.draft(i)) == s.num_tokens
+                for i, (s, n) in enumerate(zip(self.seqs, self.counts))]
 
 
 class Scheduler:
@@ -53,6 +66,8 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.draft_tokens = 0  # speculative decoding: drafts fed so far
+        self.accepted_tokens = 0  # of those, the ones the target model accepted
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; refuse one that could not finish even with the whole cache."""
@@ -87,6 +102,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
+        drafted: dict[Sequence, list[int]] = {}
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted below
@@ -97,6 +113,11 @@ class Scheduler:
             if self._make_room(seq, seq.num_tokens):
                 decodes.append(seq)
                 budget -= 1
+        for seq in list(decodes):  # drafts take only what every decode's next token left over
+            if drafts := self._drafts(seq, budget):
+                decodes.remove(seq)
+                drafted[seq] = drafts
+                budget -= len(drafts)
         for seq in self.running:  # prompts already started, in admission order
             if seq.status is Status.RUNNING and not seq.is_decoding and budget > 0:
                 n = min(seq.num_tokens - seq.num_computed, budget)
@@ -121,7 +142,25 @@ class Scheduler:
         # (a prompt whose last token is all that is left after a cache hit is one of those)
         decodes += [s for s, n in chunks if n == 1 and s.is_decoding]
         chunks = [(s, n) for s, n in chunks if not (n == 1 and s.is_decoding)]
-        return Batch([s for s, _ in chunks] + decodes, [n for _, n in chunks] + [1] * len(decodes))
+        chunks += [(s, 1 + len(d)) for s, d in drafted.items()]
+        seqs = [s for s, _ in chunks] + decodes
+        return Batch(seqs, [n for _, n in chunks] + [1] * len(decodes),
+                     [drafted.get(s, []) for s in seqs] if drafted else None)
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence that has its slot for the next token: as many as
+        the budget, its remaining max_tokens (the step emits one more than it accepts) and free
+        blocks allow; free blocks only, no one is preempted for a draft."""
+        spec = self.config.speculative
+        if spec is None or budget < 1:
+            return []
+        room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+        drafts = propose(seq.token_ids(), spec, room)
+        if not drafts or not self.blocks.can_grow(seq, seq.num_tokens + len(drafts)):
+            return []
+        self.blocks.grow(seq, seq.num_tokens + len(drafts))
+        self.draft_tokens += len(drafts)
+        return drafts
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq`` to ``num_tokens``, preempting the newest running sequences as needed."""
@@ -148,18 +187,24 @@ class Scheduler:
         self.blocks.free(seq)
         seq.finish("abort")
 
-    def update(self, batch: Batch, tokens: list[int | None]) -> list[Sequence]:
+    def update(self, batch: Batch, tokens: list[int | list[int] | None]) -> list[Sequence]:
         """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a
-        prompt chunk that did not reach the end). Returns the sequences that finished."""
+        prompt chunk that did not reach the end; with drafts, the accepted drafts and the token
+        after them). Returns the sequences that finished."""
         done = []
-        for seq, n, token in zip(batch.seqs, batch.counts, tokens):
+        for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.counts, tokens)):
             if seq.status is Status.FINISHED:  # aborted while its step was in flight
                 continue
-            seq.num_computed += n
+            emitted = [] if token is None else token if isinstance(token, list) else [token]
+            if batch.draft(i):
+                self.accepted_tokens += len(emitted) - 1
+            # the cache holds the fed tokens but the rejected drafts (their slots are overwritten later)
+            seq.num_computed += n - len(batch.draft(i)) + max(len(emitted) - 1, 0)
+            for t in emitted:
+                seq.append(t)
+                if seq.status is Status.FINISHED:
+                    break  # a stop token or max_tokens: the rest are dropped
             self.blocks.commit(seq)
-            if token is None:
-                continue
-            seq.append(token)
             if seq.status is Status.FINISHED:
                 self.blocks.free(seq)
                 self.running.remove(seq)

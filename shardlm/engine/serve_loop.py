@@ -97,4 +97,5 @@ def engine_stats(engine, expert_load: dict | None) -> dict:
         "kv_blocks_total": blocks.num_blocks,
         "prefix_cache_hits": blocks.hits,
         "prefix_cache_queries": blocks.queries,
+        **dict(zip(("spec_draft_tokens", "spec_accepted_tokens"), engine.speculation())),
     }

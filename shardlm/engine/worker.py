@@ -71,7 +71,8 @@ class Worker:
                                   announce=rank == 0)
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                                    max_num_batched_tokens=config.max_num_batched_tokens),
+                                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                                    speculative=config.speculative_config),
                              links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp,
                              lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None)
         self.moe = bool(moe_blocks(self.model))

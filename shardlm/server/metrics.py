@@ -85,6 +85,11 @@ class _EngineCollector:
         q = s["prefix_cache_queries"]
         yield _gauge("shardlm_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start",
                      s["prefix_cache_hits"] / q if q else 0.0)
+        for key, doc in (("spec_draft_tokens", "Speculative decoding: draft tokens verified"),
+                         ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted")):
+            family = CounterMetricFamily(f"shardlm_{key}", doc)
+            family.add_metric([], s[key])
+            yield family
         yield _gauge("shardlm_healthy", "1 while every rank is alive, 0 once one failed", 1.0 if e.healthy else 0.0)
 
 

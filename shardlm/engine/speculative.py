@@ -1,0 +1,108 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts.
+
+A decoding sequence whose recent tokens occurred before in its own history (a document it
+is asked about, code it edits, a list it repeats) is likely to continue as it did then. The
+proposer finds the latest earlier occurrence of the sequence's last n tokens (n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``) and drafts the up to k tokens that
+followed it (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` method). The step then
+feeds the last token and the k drafts together, one forward over k + 1 positions, which costs
+about one token's forward while decoding is bound by reading the weights; the target model's
+logits at those positions verify the drafts.
+
+Verification keeps the output distribution exact (Leviathan et al. 2023,
+https://arxiv.org/abs/2211.17192; Chen et al. 2023, https://arxiv.org/abs/2302.01318). Greedy:
+drafts are accepted while each equals the target's argmax, then the target's own token follows,
+so the tokens are those of plain greedy decoding. Sampling: an n-gram draft is one token with
+probability 1, so draft x is accepted with probability p(x) (p: the target's distribution after
+temperature, top-k and top-p), and on rejection the token is drawn from p with x removed; every
+token is then distributed as p, whatever the drafts were.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.engine.sampling import SamplingParams, probabilities
+from shardlm.errors import UsageError
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for the n-gram method."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    """Most draft tokens verified per sequence and step (k)."""
+    prompt_lookup_max: int = 4
+    """Longest suffix n-gram looked up in the sequence's history."""
+    prompt_lookup_min: int = 1
+    """Shortest suffix n-gram that may propose a draft."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"speculative method={self.method!r} is not supported; use one of {METHODS} "
+                             "(drafts looked up in the sequence's own history)")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"speculative {name}={v!r} must be a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise UsageError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
+                             f"{self.prompt_lookup_max}; use min <= max, e.g. 1 and 4")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """A config from vLLM's dict form ({"method": "ngram", "num_speculative_tokens": 4, ...})."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise UsageError(f"speculative_config={value!r} must be a dict such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise UsageError(f"speculative_config has unknown keys {sorted(unknown)}; known: method, "
+                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
+        return cls(**value)
+
+
+def propose(tokens: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
+    """Up to ``min(k, limit)`` draft tokens to follow ``tokens``: what followed the latest earlier
+    occurrence of its longest suffix n-gram (none found: no draft)."""
+    k = min(config.num_speculative_tokens, limit)
+    if k < 1 or len(tokens) < config.prompt_lookup_min + 1:
+        return []
+    # search the history as bytes (4 per token): the C substring search instead of a Python loop
+    history = array("i", tokens).tobytes()
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
+        suffix = history[-4 * n:]
+        end = 4 * (len(tokens) - 1)  # within the tokens before the last: an earlier occurrence, a token after it
+        while (at := history.rfind(suffix, 0, end)) >= 0:
+            if at % 4 == 0:  # aligned to a token, not straddling two
+                return tokens[at // 4 + n:at // 4 + n + k]
+            end = at + len(suffix) - 1  # the next occurrence to the left
+    return []
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator) -> list[int]:
+    """The tokens a step emits for one sequence: logits [len(drafts) + 1, vocab] at the last token
+    and at each draft. Returns the accepted drafts, then one token of the target's own (the
+    correction at the first rejection, or the next token after the last draft)."""
+    if params.greedy:
+        best = logits.max(dim=-1).indices.tolist()  # first of ties, as the sampler's argmax
+        n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
+        return drafts[:n] + [best[n]]
+    out = []
+    for i, d in enumerate(drafts):
+        p = probabilities(logits[i], params)
+        if torch.rand((), generator=generator).item() < p[d].item():
+            out.append(d)
+            continue
+        p[d] = 0.0  # rejected: draw from what is left of p, renormalised
+        return out + [int(torch.multinomial(p / p.sum(), 1, generator=generator).item())]
+    p = probabilities(logits[len(drafts)], params)
+    return out + [int(torch.multinomial(p, 1, generator=generator).item())]
