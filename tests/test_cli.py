@@ -75,7 +75,7 @@ def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
     (["--dtype", "int8", "x"], "invalid choice"),
     (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
     (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
-    (["--pp", "2", "--speculative-config", '{"method": "ngram"}', "x"], "speculative decoding runs on one pipeline"),
+    (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     r = shardlm("generate", *args, timeout=120)

@@ -76,8 +76,9 @@ def test_sampled_verify_keeps_the_target_distribution():
 
 
 def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
-    """One process and tp=2: 200 tokens a prompt, so the random model falls into repeats that
-    drafts predict."""
+    """One process, tp=2, pp=2 (the last stage sends each step's verified runs up the pipeline)
+    and pp=2 x tp=2: 200 tokens a prompt, so the random model falls into repeats that drafts
+    predict."""
     ref = tiny("llama")
     n = [200] * len(PROMPTS)
     plain = LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(max_tokens=200))
@@ -87,9 +88,11 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
     assert [o.token_ids[:32] for o in out] == ref.tokens  # and HF's own greedy tokens
     stats = spec.last_stats
     assert stats.draft_tokens > stats.accepted_tokens > 0, (stats.draft_tokens, stats.accepted_tokens)
-    for tokens, _ in run_ranks(2, llm_generate, str(ref.path), PROMPTS, n, tp=2,
-                               speculative_config={"num_speculative_tokens": 3}):
-        assert tokens == [o.token_ids for o in plain]
+    for layout in (dict(tp=2), dict(pp=2), dict(pp=2, tp=2)):
+        world = layout.get("tp", 1) * layout.get("pp", 1)
+        for tokens, _ in run_ranks(world, llm_generate, str(ref.path), PROMPTS, n,
+                                   speculative_config={"num_speculative_tokens": 3}, **layout):
+            assert tokens == [o.token_ids for o in plain], layout
 
 
 def test_smollm2_repeating_text_takes_fewer_steps_for_the_same_tokens():
@@ -122,8 +125,3 @@ def test_bad_speculative_config(config, match):
         EngineConfig(speculative_config=config)
 
 
-def test_speculation_needs_one_pipeline_stage():
-    from shardlm.engine.config import EngineConfig
-
-    with pytest.raises(UsageError, match="one pipeline stage; pp=2"):
-        EngineConfig(pp=2, speculative_config={"method": "ngram"})

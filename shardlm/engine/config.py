@@ -75,7 +75,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own
-    history, verified in the step that feeds them (greedy output unchanged). One pipeline stage."""
+    history, verified in the step that feeds them (greedy output unchanged)."""
     threads: int | None = None
     """CPU threads per rank; default: the cores shared evenly among the local ranks."""
     timeout_s: float = 300.0
@@ -103,9 +103,6 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
-        if self.speculative_config is not None and self.pp > 1:
-            raise UsageError(f"speculative decoding runs on one pipeline stage; pp={self.pp} was asked for. Use "
-                             "tp or dp to split the model, or leave out speculative_config")
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
 

@@ -139,10 +139,9 @@ class Engine:
         return done
 
     def _finish_step(self, sched: Scheduler, batch: Batch, tokens, on_token) -> list[Sequence]:
-        samples = batch.samples()
         if tokens is None:  # sampled by the last stage
-            got = iter(self.links.recv_tokens(sum(samples), self.runner.device) if any(samples) else [])
-            tokens = [next(got) if s else None for s in samples]
+            slots = _token_slots(batch)
+            tokens = _unpack(batch, self.links.recv_tokens(sum(slots), self.runner.device) if any(slots) else [])
         before = [len(s.output_ids) for s in batch.seqs]
         done = sched.update(batch, tokens)
         if on_token is not None:  # the tokens each sequence kept (a stop ends a verified run early)
@@ -174,7 +173,7 @@ class Engine:
             tokens = [next(drawn) if yes else None for yes in samples]
         self.busy_s += time.perf_counter() - t0
         if any(samples):
-            self.links.send_tokens([t for t in tokens if t is not None], self.runner.device)
+            self.links.send_tokens(_pack(batch, tokens), self.runner.device)
         return tokens
 
     @staticmethod
@@ -211,6 +210,31 @@ class Engine:
     def speculation(self) -> tuple[int, int]:
         """Draft tokens verified and accepted so far, over the micro-batches."""
         return sum(s.draft_tokens for s in self.scheds), sum(s.accepted_tokens for s in self.scheds)
+
+
+def _token_slots(batch: Batch) -> list[int]:
+    """Tokens each sequence of a step may emit: 0 (a prompt chunk short of its end), 1, or with
+    drafts 1 + their number. The message that carries a step's tokens down the pipeline has
+    this many slots a sequence, so every stage knows its size before it arrives."""
+    return [(1 + len(batch.draft(i))) if yes else 0 for i, yes in enumerate(batch.samples())]
+
+
+def _pack(batch: Batch, tokens: list[int | list[int] | None]) -> list[int]:
+    """A step's emitted tokens in their slots, unused slots -1."""
+    flat = []
+    for n, token in zip(_token_slots(batch), tokens):
+        run = [] if token is None else token if isinstance(token, list) else [token]
+        flat += run + [-1] * (n - len(run))
+    return flat
+
+
+def _unpack(batch: Batch, flat: list[int]) -> list[int | list[int] | None]:
+    tokens, at = [], 0
+    for i, n in enumerate(_token_slots(batch)):
+        run = [t for t in flat[at:at + n] if t >= 0]
+        tokens.append(None if n == 0 else run if batch.draft(i) else run[0])
+        at += n
+    return tokens
 
 
 def _stats(seqs: list[Sequence], start: float) -> RunStats:
