@@ -201,6 +201,30 @@ def test_two_tp_groups_at_once_dp2_tp2():
     assert run_ranks(4, subgroups_at_once) == [None] * 4
 
 
+def inference_then_backward() -> list[torch.Tensor]:
+    """A group's first collectives under inference_mode (generation), then duals in a backward
+    pass on the same group and sizes (training): the cached slot views must accept the writes."""
+    group = dims(dp=1, tp=2).tp_group
+    assert shm.route(group) is not None
+    me = dist.get_rank()
+    x = torch.arange(6.0) + 10 * me
+    with torch.inference_mode():
+        comm.all_reduce(x.clone(), group)
+        comm.reduce_scatter(x.clone(), group)
+        comm.all_gather(x[:3].clone(), group)
+    leaf = x.clone().requires_grad_()
+    y = comm.all_gather_region(comm.reduce_scatter_region(leaf, group), group)
+    y.backward(torch.ones(6))
+    return [y.detach(), leaf.grad]
+
+
+def test_inference_then_training_on_one_group():
+    """Generation, then training in the same processes (an RL loop) on the same shared memory."""
+    for y, grad in run_ranks(2, inference_then_backward):
+        assert y.tolist() == [10.0, 12.0, 14.0, 16.0, 18.0, 20.0]  # sum of the two ranks' x
+        assert grad.tolist() == [2.0] * 6  # each rank's chunk's gradient gathered, then summed back
+
+
 def test_segment_unlinked_while_mapped():
     facts = run_ranks(3, segment_facts)
     names = {name for name, _, _ in facts}

@@ -55,7 +55,8 @@ class ShmGroup:
         key = (j, parity, dtype)
         t = self._typed.get(key)
         if t is None:
-            t = self._typed[key] = self.seg.slots[j][parity].view(dtype)
+            with torch.inference_mode(False):  # see Segment: usable by inference and autograd alike
+                t = self._typed[key] = self.seg.slots[j][parity].view(dtype)
         return t
 
     def _view(self, j: int, parity: int, dtype: torch.dtype, k: int) -> Tensor:
@@ -65,7 +66,8 @@ class ShmGroup:
         if t is None:
             if len(self._views) > 512:  # message sizes vary (prefill lengths): stay bounded
                 self._views.clear()
-            t = self._views[key] = self._slot(j, parity, dtype)[:k]
+            with torch.inference_mode(False):
+                t = self._views[key] = self._slot(j, parity, dtype)[:k]
         return t
 
     def _round(self, op: str) -> int:

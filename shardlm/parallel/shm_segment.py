@@ -96,10 +96,13 @@ class Segment:
         self.wake = wake
         self.addresses = [wake_address(name, j) for j in range(n)]
         self.ctl = memoryview(mm).cast("q")  # int64 words: rank j's seq at 8 j, abort 8 j + 1, sleeping 8 j + 2
-        self.mem = torch.frombuffer(mm, dtype=torch.uint8)  # [bytes]
-        hdr = header_bytes(n)
-        self.slots = [[self.mem[hdr + (2 * j + p) * slot_bytes: hdr + (2 * j + p + 1) * slot_bytes]
-                       for p in (0, 1)] for j in range(n)]
+        # never inference tensors, even when the first collective runs under inference_mode: a
+        # later collective in a backward pass writes into them, which torch forbids for those
+        with torch.inference_mode(False):
+            self.mem = torch.frombuffer(mm, dtype=torch.uint8)  # [bytes]
+            hdr = header_bytes(n)
+            self.slots = [[self.mem[hdr + (2 * j + p) * slot_bytes: hdr + (2 * j + p + 1) * slot_bytes]
+                           for p in (0, 1)] for j in range(n)]
         self.others = [8 * j for j in range(n) if j != rank]
         cores = len(os.sched_getaffinity(0))
         self.spin_s = 30e-6 if n <= cores else 2e-6  # spinning steals a core a peer may need
