@@ -30,15 +30,11 @@ Q_HEADS, KV_HEADS, D = 9, 3, 64
 
 def saved_bytes(fn) -> tuple[object, int]:
     """(fn(), bytes of the distinct storages autograd saved for backward while it ran)."""
-    storages = {}
+    from shardlm.train.measure import saved_for_backward
 
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as saved:
         out = fn()
-    return out, sum(storages.values())
+    return out, sum(saved.values())
 
 
 def attend(algorithm: str, q, k, v, seq: int):

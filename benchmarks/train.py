@@ -7,11 +7,16 @@ state each ZeRO stage holds per rank against ZeRO's formula.
 2. Activation recomputation, one rank: a step of 4 x 512 tokens without and with "full"
    recompute (each layer's forward again in backward), each in a fresh process: peak resident
    memory and step time.
-3. ZeRO at dp=2: one step of each stage over two ranks; the bytes of weights, gradients (at their
+3. Activations per layer, one process, bfloat16: the bytes a decoder layer saves for backward
+   (distinct storages seen by autograd's saved-tensor hooks, parameters and tensors shared with
+   the next layer left out) next to the planner's count (plan/activations.py), without and with
+   full recomputation.
+4. ZeRO at dp=2: one step of each stage over two ranks; the bytes of weights, gradients (at their
    peak, after backward) and Adam state a rank holds, measured, next to the formula
    (plan/zero.py, float32 Adam: 4 + 4 + 8 bytes per parameter, sharded as each stage says).
 
     python benchmarks/train.py [--batch 4] [--seq-len 128] [--repeats 3] [--skip-zero] [--skip-recompute]
+                               [--skip-activations]
 """
 
 from __future__ import annotations
@@ -93,6 +98,26 @@ def recompute_memory() -> None:
     print(f"full recompute: {saved:.2f} GiB less at peak, step time {slower:.2f}x")
 
 
+def activation_bytes() -> None:
+    from shardlm.plan.activations import layer_activation_bytes
+    from shardlm.plan.memory import layer_shape
+    from shardlm.plan.roofline import ModelCosts
+    from shardlm.train.measure import layer_activations
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    print("\nactivations a layer saves for backward, SmolLM2 bfloat16: measured / planner (MiB)")
+    print(f"{'batch x seq':>12} {'recompute':>9} {'measured':>9} {'planner':>8} {'ratio':>6}")
+    for b, seq in ((2, 256), (4, 512)):
+        for recompute in ("none", "full"):
+            trainer = Trainer(TrainConfig(model="smollm2", dtype="bfloat16", recompute=recompute))
+            batch = torch.randint(0, 49152, (b, seq + 1), generator=torch.Generator().manual_seed(4))
+            got = layer_activations(trainer, batch, layer=3)
+            costs = ModelCosts(trainer.checkpoint.config)
+            want = layer_activation_bytes(layer_shape(costs, False), seq=seq, micro_batch=b, recompute=recompute)
+            print(f"{f'{b} x {seq}':>12} {recompute:>9} {got / 2**20:9.2f} {want / 2**20:8.2f} {got / want:6.3f}",
+                  flush=True)
+
+
 def zero_memory(args) -> None:
     from shardlm.launch import LocalRanks
     from shardlm.plan.zero import model_states
@@ -122,11 +147,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
     ap.add_argument("--skip-zero", action="store_true", help="leave out the ZeRO memory table")
     ap.add_argument("--skip-recompute", action="store_true", help="leave out the recomputation comparison")
+    ap.add_argument("--skip-activations", action="store_true", help="leave out the per-layer activation count")
     args = ap.parse_args()
     print(f"SmolLM2-135M float32 training, batch {args.batch} x {args.seq_len} tokens; {load_note()}", flush=True)
     step_times(args)
     if not args.skip_recompute:
         recompute_memory()
+    if not args.skip_activations:
+        activation_bytes()
     if not args.skip_zero:
         zero_memory(args)
 

@@ -152,3 +152,17 @@ def context_attention_grads(algorithm: str, q, k, v, grad, kv_of_q: list[int], w
         context.TILE = default
     n = len(meta.positions)
     return meta.positions, *(t.detach().view(b, n, -1, d) for t in (o, *(x.grad for x in local)))
+
+
+def layer_activations_on_rank(model: str, tp: int, seq: int, batch: int, **options) -> int:
+    """Bytes decoder layer 1 saves for backward on this rank in one bfloat16 training step."""
+    import torch
+
+    from shardlm.train.measure import layer_activations
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    trainer = Trainer(TrainConfig(model=model, tp=tp, dtype="bfloat16", threads=1, **options),
+                      rank=dist.get_rank() if dist.is_initialized() else 0,
+                      world=dist.get_world_size() if dist.is_initialized() else 1)
+    ids = torch.randint(0, 251, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
+    return layer_activations(trainer, ids, layer=1)

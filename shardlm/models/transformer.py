@@ -61,8 +61,34 @@ class RMSNorm(nn.Module):
         # one fused kernel; it accumulates in float32 (bitwise equal to HF's float32 recipe
         # for float32 inputs, within one bf16 ulp for bfloat16)
         w = self.weight if self.sequence_group is None else copy_to_region(self.weight, self.sequence_group)
-        y = F.rms_norm(x, w.shape, w, self.eps)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            y = _RMSNormFunction.apply(x, w, self.eps)
+        else:
+            y = F.rms_norm(x, w.shape, w, self.eps)
         return y if residual is None else (y, residual)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """F.rms_norm's forward, keeping for backward only the input and 1/rms per token. Autograd
+    through F.rms_norm keeps the input widened to float32 and the float32 normalised input as
+    well: 8 bytes an element where 2 (bfloat16) or 4 (float32) suffice; measured on a SmolLM2
+    layer in bfloat16 training, a third of its activations."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)  # [tokens, 1] float32
+        ctx.save_for_backward(x, w, rstd)
+        return F.rms_norm(x, w.shape, w, eps)  # the very kernel inference runs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = grad.float()
+        dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
+        gx = g * w.float()  # the gradient of xhat
+        dx = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
 
 
 class QKNorm(nn.Module):
@@ -105,6 +131,8 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)  # q heads, then k heads: rotated together
         v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        if torch.is_grad_enabled():  # saved for backward as a view, v would keep all of qkv alive
+            v = v.contiguous()
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = apply_rotary(qk, *rope)

@@ -28,11 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.parallel.comm import (
+    all_gather,
     all_gather_region,
     all_reduce,
     copy_to_region,
     gather_from_region,
+    group_size,
     reduce_from_region,
+    reduce_scatter,
     reduce_scatter_region,
     split_sizes,
 )
@@ -184,11 +187,36 @@ class ColumnParallelLinear(Int8Weight, nn.Module):
                 self.bias.copy_(torch.cat([src.read(f"{n}.bias", rows=r) for n, r in self.sources]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = self.sequence_parallel and group_size(self.group) > 1
+        if gathered and self.weight_scale is None and torch.is_grad_enabled():  # training
+            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
         if self.sequence_parallel:  # x holds this rank's tokens: gather all (backward: reduce-scatter)
             x = all_gather_region(x, self.group, dim=0)
         else:
             x = copy_to_region(x, self.group)  # backward: gradients of x summed over tp
         return linear(x, self.weight, self.bias, self.weight_scale)  # [tokens, sum(out_sizes)]
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Sequence parallelism's column-parallel product: all-gather the tokens, multiply. Backward
+    needs the gathered input for the weight gradient; it keeps only this rank's tokens and
+    all-gathers them again (Korthikanti et al. 2022 §4.2.2), so a layer's column-parallel
+    inputs take 1/tp of the memory, and the input's gradient is reduce-scattered back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather(x, group, dim=0), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        full = all_gather(x, ctx.group, dim=0)  # [all tokens, in]
+        dx = reduce_scatter(grad @ weight, ctx.group, dim=0)
+        dw = grad.t() @ full
+        return dx, dw, grad.sum(0) if ctx.has_bias else None, None
 
 
 class RowParallelLinear(Int8Weight, nn.Module):

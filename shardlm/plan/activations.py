@@ -8,6 +8,13 @@ attention core divide by ``t`` while 10 units stay replicated unless sequence pa
 splits them too. This module keeps every term separate so that the same count serves
 GPT-style layers (4h GELU MLP, MHA, dropout: exactly Table 2) and Llama-style ones (SwiGLU,
 GQA, no dropout). Full recomputation stores only each layer's input (2sbh, /t with SP).
+
+Two departures from the paper's layer, as shardlm (and any current trainer) runs it, and as
+``benchmarks/train.py`` measures it (saved-tensor bytes of one layer against this count):
+fused attention (flash / SDPA) stores no a x s x s softmax, only a float32 log-sum-exp per
+head and token (``flash``); and a layer that hands the residual stream on separately from its
+output (the residual add fused into the next norm) receives two tensors, which full
+recomputation keeps (``inputs``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ class LayerShape:
     """SwiGLU (gate and up) rather than one up-projection with GELU."""
     dropout: bool = False
     """Dropout after attention softmax and after each block (GPT-3 yes, Llama no)."""
+    flash: bool = False
+    """Fused attention: a float32 log-sum-exp per head and token instead of the softmax."""
+    inputs: int = 1
+    """Tensors of sbh a layer receives (2: output and residual stream apart)."""
 
     @classmethod
     def gpt(cls, hidden: int, heads: int) -> LayerShape:
@@ -50,7 +61,7 @@ def layer_activation_bytes(
     s, b, h, t = seq, micro_batch, shape.hidden, tp
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh / (t if sp else 1)  # only the layer input (16-bit)
+        return 2 * shape.inputs * sbh / (t if sp else 1)  # only the layer input (16-bit)
     mask = 1 if shape.dropout else 0
     # replicated under TP unless SP splits them along the sequence (Table 2 "10" units)
     replicated = sbh * (2 + 2 + mask + 2 + 2 + mask)  # LN in, QKV in, attn-out mask, LN in, fc1 in, mlp mask
@@ -61,8 +72,12 @@ def layer_activation_bytes(
         split += sb * shape.ffn * (2 + 2 + 2 + 2)
     else:  # fc1 output (GELU input) and GELU output
         split += sb * shape.ffn * (2 + 2)
-    # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b
-    core = shape.heads * s * s * b * (2 + (mask + 2 if shape.dropout else 0))
+    # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b;
+    # fused attention: its log-sum-exp, 4 bytes per head and token
+    if shape.flash:
+        core = shape.heads * s * b * 4
+    else:
+        core = shape.heads * s * s * b * (2 + (mask + 2 if shape.dropout else 0))
     if recompute == "selective":
         core = 0
     return replicated / (t if sp else 1) + split / t + core / t
