@@ -166,3 +166,23 @@ def layer_activations_on_rank(model: str, tp: int, seq: int, batch: int, **optio
                       world=dist.get_world_size() if dist.is_initialized() else 1)
     ids = torch.randint(0, 251, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
     return layer_activations(trainer, ids, layer=1)
+
+
+def train_resumed(model: str, batches, dp: int, tp: int, zero: int, directory: str, **options):
+    """Train on the first batches, save the state, then in a new Trainer load it and train on
+    the rest: (the resumed step's stats, this rank's weights as checkpoint pieces)."""
+    from shardlm.train.checkpoint import pieces
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    config = TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = Trainer(config, rank=rank, world=world)
+    for b in batches[:-1]:
+        first.step(b)
+    first.save_state(directory)
+    del first
+    second = Trainer(config, rank=rank, world=world)
+    assert second.load_state(directory) == len(batches) - 1
+    stats = [second.step(batches[-1])]
+    with second.zero.full_weights():
+        return stats, pieces(second.model)

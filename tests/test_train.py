@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from rankfns import layer_activations_on_rank, train_and_save, train_steps
+from rankfns import layer_activations_on_rank, train_and_save, train_resumed, train_steps
 from test_cli import shardlm
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
@@ -229,6 +229,35 @@ def test_planner_activation_count_is_what_a_layer_saves(tiny, tp, options):
         assert want <= n <= 1.02 * want, (rank, n, want)
 
 
+@pytest.mark.parametrize("dp,tp,zero,extra", [(2, 1, 1, {"dtype": "bfloat16"}), (1, 2, 3, {"pp": 2, "grad_accum": 2})],
+                         ids=["dp2-zero1-bf16", "pp2-tp2-zero3"])
+def test_resumed_training_takes_the_same_step(hf_run, tmp_path, dp, tp, zero, extra):
+    """Two steps, save the state, a new Trainer loads it and takes the third: bitwise the third
+    step of an uninterrupted run (loss, grad norm, every weight), so AdamW's moments and step
+    count and the float32 masters all came back."""
+    path, batches = hf_run[:2]
+    world = dp * tp * extra.get("pp", 1)
+    straight = run_ranks(world, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
+    resumed = run_ranks(world, train_resumed, path, batches, dp, tp, zero, str(tmp_path), **OPTIM, **extra)
+    for (stats, pieces, _, _), (again, again_pieces) in zip(straight, resumed):
+        assert (again[0]["loss"], again[0]["grad_norm"]) == (stats[-1]["loss"], stats[-1]["grad_norm"])
+        for a, b in zip(pieces, again_pieces):
+            assert a.name == b.name and torch.equal(a.tensor, b.tensor), a.name
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["meta.json"] + [
+        f"rank-{r}.pt" for r in range(world)]
+    # it can fail: a fresh model (no state loaded) takes a different third step
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    other = Trainer(TrainConfig(model=path, zero=zero, **OPTIM, **{k: v for k, v in extra.items() if k == "dtype"}))
+    assert other.step(batches[-1])["loss"] != straight[0][0][-1]["loss"]
+    from shardlm.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"was saved with \{.*\}, this run is \{.*'dp': 1, 'pp': 1, 'cp': 1, 'tp': 1"):
+        other.load_state(str(tmp_path))
+    with pytest.raises(UsageError, match="holds no training state"):
+        other.load_state(str(tmp_path / "nothing"))
+
+
 def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
     """pp=2 x tp=2 at ZeRO-3 saves a directory HF loads, holding the weights HF trained itself
     (pieces of two stages and two tp ranks, the tied embedding held by both stages once)."""
@@ -348,8 +377,25 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
         assert 0 < moved < 1e-3, (name, moved)
 
 
+def test_cli_checkpoint_resumes_where_it_stopped(tmp_path):
+    """--checkpoint DIR: a 2-step run leaves the state in DIR; the same command for 3 steps
+    resumes after step 2 and runs only step 3 (the state's contents: test_resumed_training_...)."""
+    data = tmp_path / "data.txt"
+    data.write_text("Pipeline parallelism cuts the layers into stages that pass activations on. " * 30)
+    common = ["train", "--data", str(data), "--dp", "2", "--zero", "1", "--batch-size", "2", "--seq-len", "16",
+              "--threads", "1", "--json", "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    first = shardlm(*common, "--steps", "2")
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "ckpt" / "state" / "meta.json").is_file()
+    again = shardlm(*common, "--steps", "3")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr and "after step 2" in again.stderr
+    assert [json.loads(line)["step"] for line in again.stdout.splitlines()] == [3]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", "missing.txt"], "--data 'missing.txt' is not a file"),
+    (["--checkpoint-every", "0"], "--checkpoint-every 0 must be at least 1"),
     (["--tp", "2"], "query group over two ranks (9 query heads, 3 KV heads)"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--batch-size", "4000"], "fewer than one batch of 4000"),

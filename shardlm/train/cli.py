@@ -50,6 +50,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
     p.add_argument("--save", metavar="DIR", default=None,
                    help="after training, write the model as a HF directory (safetensors, config, tokenizer)")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="keep the training state (each rank's shards and AdamW state) in DIR, every "
+                        "--checkpoint-every steps and at the end; if DIR holds one, resume from it")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N",
+                   help="steps between training-state saves (default 100)")
     p.add_argument("--plot", metavar="DIR", default=None, help="write loss.png (loss per step) into DIR")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     p.set_defaults(func=run)
@@ -67,6 +72,8 @@ def run(args) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")
+    if args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be at least 1, e.g. 100")
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
@@ -96,7 +103,7 @@ def run(args) -> int:
             f"{batches.per_epoch} steps an epoch")
     if env is not None:  # under torchrun: this process is one rank
         trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
-        step, save = trainer.step, trainer.save
+        step, save, save_state, load_state = trainer.step, trainer.save, trainer.save_state, trainer.load_state
         close = lambda: None  # noqa: E731
     else:
         ranks = LocalRanks(world, Trainer.spawned, (config,), timeout_s=config.timeout_s)
@@ -111,11 +118,20 @@ def run(args) -> int:
         # as lists: a tensor on a pipe would go by torch's shared-memory handles, which these ranks cannot open
         step = lambda b: ranks.call("step", b.tolist())[0]  # noqa: E731
         save = lambda d: ranks.call("save", d)[0]  # noqa: E731
+        save_state = lambda d: ranks.call("save_state", d)  # noqa: E731
+        load_state = lambda d: ranks.call("load_state", d)[0]  # noqa: E731
     history = []
     try:
-        for i in range(args.steps):
+        first = 0
+        if args.checkpoint and (Path(args.checkpoint) / "state" / "meta.json").is_file():
+            first = load_state(args.checkpoint)
+            if speaker:
+                log(f"resumed from {args.checkpoint} after step {first}")
+        for i in range(first, args.steps):
             s = step(batches(i))
-            history.append(s)
+            if args.checkpoint and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
+                save_state(args.checkpoint)
+            history.append({"step": i + 1, **s})
             if not speaker:
                 continue
             tok_s = s["tokens"] / s["seconds"]
@@ -140,7 +156,7 @@ def loss_plot(history: list[dict], args, directory: Path) -> Path:
     plt = _plt()
     directory.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(history) + 1), [s["loss"] for s in history], marker="o", markersize=3)
+    ax.plot([s["step"] for s in history], [s["loss"] for s in history], marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean next-token cross-entropy)")
     ax.set_title(f"{args.model}: dp={args.dp} pp={args.pp} cp={args.cp} tp={args.tp} ZeRO-{args.zero}, "

@@ -8,11 +8,14 @@ global number of target tokens), so any layout takes the same step as one proces
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 
 from shardlm.errors import UsageError
@@ -137,6 +140,11 @@ class Recomputed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
 
 
+def _all_ranks_here() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def embedding_group(dims: ParallelDims):
     """The first and the last pipeline stage of this rank's (dp, cp, tp) position: the two holders
     of a tied embedding. Collective: every rank creates every such group."""
@@ -175,6 +183,7 @@ class Trainer:
                 model.layers[i] = Recomputed(layer)
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
+        self.steps = 0  # optimizer steps taken (counting those of a loaded state)
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:
@@ -238,12 +247,54 @@ class Trainer:
             self.zero.clip(self.config.max_grad_norm, norm)
         self.optimizer.step()
         self.zero.after_step()
+        self.steps += 1
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
             t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
                 "seconds": time.perf_counter() - start, "state_bytes": held,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+
+    def save_state(self, directory: str) -> str:
+        """Write what resuming needs after the steps taken so far (collective): each rank its
+        own float32 shards and AdamW state (``state/rank-<r>.pt``, so no rank gathers anything),
+        rank 0 the layout they belong to (``state/meta.json``). A rank writes to a temporary
+        name and renames, and meta.json goes last, so a run killed while saving leaves the
+        previous state readable."""
+        folder = Path(directory) / "state"
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / f"rank-{self.dims.global_rank}.pt"
+        torch.save({"step": self.steps, "masters": [m.detach() for m in self.zero.shards()],
+                    "optimizer": self.optimizer.state_dict()}, mine.with_suffix(".tmp"))
+        mine.with_suffix(".tmp").replace(mine)
+        _all_ranks_here()  # every shard written before meta.json says the state is whole
+        if self.dims.global_rank == 0:
+            (folder / "meta.json").write_text(json.dumps({"step": self.steps, "layout": self._state_layout()}))
+        _all_ranks_here()
+        return str(folder)
+
+    def load_state(self, directory: str) -> int:
+        """Resume from ``save_state``'s files: this rank's shards and optimizer state; returns the
+        number of steps they had taken. The layout must be the one they were saved with."""
+        folder = Path(directory) / "state"
+        try:
+            meta = json.loads((folder / "meta.json").read_text())
+        except FileNotFoundError:
+            raise UsageError(f"{directory!r} holds no training state (no state/meta.json); "
+                             "save one with save_state / --checkpoint") from None
+        if meta["layout"] != self._state_layout():
+            raise UsageError(f"the training state in {directory!r} was saved with {meta['layout']}, this run is "
+                             f"{self._state_layout()}; resume with the layout it was saved with")
+        saved = torch.load(folder / f"rank-{self.dims.global_rank}.pt", weights_only=True)
+        self.zero.load_masters(saved["masters"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.steps = saved["step"]
+        return self.steps
+
+    def _state_layout(self) -> dict:
+        c = self.config
+        return {"model": str(c.model), "dp": c.dp, "pp": c.pp, "cp": c.cp, "tp": c.tp, "zero": c.zero,
+                "dtype": c.dtype}
 
     def save(self, directory: str) -> str:
         """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""

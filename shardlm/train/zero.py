@@ -288,6 +288,16 @@ class Zero:
         for unit in self.units:
             unit.after_step()
 
+    def load_masters(self, masters: list[Tensor]) -> None:
+        """Set this rank's owned part of every unit (as ``shards()`` lists them, float32) and
+        rebuild the weights from it, as after an optimizer step (stages 1-2 all-gather)."""
+        if [tuple(m.shape) for m in masters] != [tuple(u.master.shape) for u in self.units]:
+            raise ValueError("the saved shards do not fit this rank's ZeRO units (a different model or layout)")
+        with torch.no_grad():
+            for unit, m in zip(self.units, masters):
+                unit.master.copy_(m)
+        self.after_step()
+
     @contextmanager
     def full_weights(self):
         """Inside: every parameter of the model holds its whole (tp-shard) value, also at stage 3
