@@ -346,7 +346,8 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
     r = shardlm("train", "--data", str(data), "--cp", "2", "--cp-attention", "ring", "--zero", "2", "--steps", "3",
-                 "--batch-size", "2", "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json", "--plot", str(tmp_path),
+                 "--batch-size", "2", "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json",
+                 "--plot", str(tmp_path),
                  "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
     steps = [json.loads(line) for line in r.stdout.splitlines()]

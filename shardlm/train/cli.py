@@ -80,7 +80,8 @@ def run(args) -> int:
     config = TrainConfig(model=args.model, dp=args.dp, pp=args.pp, cp=args.cp, cp_attention=args.cp_attention,
                          tp=args.tp, sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                          dtype=args.dtype, zero=args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                         max_grad_norm=args.max_grad_norm or None, grad_accum=args.grad_accum, threads=args.threads, timeout_s=args.timeout)
+                         max_grad_norm=args.max_grad_norm or None, grad_accum=args.grad_accum,
+                         threads=args.threads, timeout_s=args.timeout)
     ckpt = open_checkpoint(args.model)
     check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
