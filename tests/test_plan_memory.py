@@ -136,3 +136,25 @@ def test_expert_parallel_divides_experts():
     assert rank_layer(cfg, 60, tp=8, ep=8).experts == 32
     assert rank_layer(cfg, 60, tp=8, ep=64).experts == 4
     assert rank_layer(cfg, 0, tp=8, ep=64).experts == 0  # first_k_dense layers have no experts
+
+
+@pytest.mark.parametrize("kv_dtype,engine_dtype", [("bf16", "bfloat16"), ("int8", "int8"), ("fp8", "fp8")])
+def test_planner_kv_bytes_equal_the_engines_cache(kv_dtype, engine_dtype):
+    """KV bytes a token costs (SmolLM2, one rank): the planner's count against the block size the
+    engine allocates per token for --kv-cache-dtype (int8: head_dim + 4 bytes a row for its scale)."""
+    import torch
+
+    from shardlm.engine.config import DTYPES, KV_CACHE_DTYPES
+    from shardlm.engine.model_runner import ModelRunner
+    from shardlm.models.loader import load_model as load_shards, open_checkpoint
+    from shardlm.parallel.dims import ParallelDims
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import kv_bytes_per_seq_token
+    from shardlm.plan.roofline import ModelCosts, kv_element_bytes
+
+    ckpt = open_checkpoint("smollm2")
+    model = load_shards(ckpt, ParallelDims().build_mesh("cpu"), dtype=torch.bfloat16, layers=range(1))
+    per_layer = ModelRunner.kv_bytes_per_block(model, 16, {**DTYPES, **KV_CACHE_DTYPES}[engine_dtype]) / 16
+    costs = ModelCosts(ckpt.config)
+    planned = kv_bytes_per_seq_token(costs, Layout(), kv_element_bytes(ckpt.config, kv_dtype))
+    assert planned == pytest.approx(per_layer * ckpt.config.num_layers, rel=1e-12)

@@ -22,15 +22,22 @@ from shardlm.plan.training import TrainWorkload
 TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp")
 INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
+KV_DTYPES = DTYPES + ("int8",)
 ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
-def dtype_arg(value: str) -> str:
+def dtype_arg(value: str, allowed: tuple[str, ...] = DTYPES) -> str:
     """A dtype name; torch spellings (bfloat16, float32) are accepted too."""
     v = ALIASES.get(value.lower(), value.lower())
-    if v not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; pick one of {', '.join(DTYPES)}")
+    if v not in allowed:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; pick one of {', '.join(allowed)}")
     return v
+
+
+def kv_dtype_arg(value: str) -> str:
+    """A KV-cache dtype: the model dtypes, or int8 (with a float32 scale per token and head, as
+    ``shardlm generate --kv-cache-dtype int8`` stores it)."""
+    return dtype_arg(value, KV_DTYPES)
 
 
 DEFAULTS = {"prompt_len": 1024, "output_len": 256, "global_batch": 512, "seq_len": 4096}
@@ -66,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
     g.add_argument("--batch", type=int, help="sequences per replica (default: as many as fit / 1 for latency)")
     g.add_argument(
-        "--kv-dtype", type=dtype_arg, metavar="{" + ",".join(DTYPES) + "}", help="KV-cache dtype (default: --dtype)"
+        "--kv-dtype", type=kv_dtype_arg, metavar="{" + ",".join(KV_DTYPES) + "}",
+        help="KV-cache dtype (default: --dtype); int8 counts its scale per token and head as shardlm stores it"
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")

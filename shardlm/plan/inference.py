@@ -26,7 +26,7 @@ from shardlm.plan import constants as C
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
-from shardlm.plan.roofline import ModelCosts, Step, Work, kv_bytes_per_token, layer_work
+from shardlm.plan.roofline import ModelCosts, Step, Work, kv_bytes_per_token, kv_element_bytes, layer_work
 
 LOGIT_BYTES = 4
 """Logits are gathered in fp32 for sampling."""
@@ -114,7 +114,7 @@ def stage_step(
     seqs: float,
     w_bytes: int,
     a_bytes: int,
-    kv_bytes: int,
+    kv_bytes: float,
     dtype: str,
 ) -> StepTime:
     cfg, gpu = costs.cfg, cluster.gpu
@@ -213,7 +213,7 @@ def evaluate(
 ) -> InferenceResult:
     w_bytes = C.DTYPE_BYTES[wl.dtype]
     a_bytes = max(2, w_bytes)  # fp8 weights still compute in 16-bit activations
-    kv_bytes = C.DTYPE_BYTES[wl.kv_dtype or wl.dtype]
+    kv_bytes = kv_element_bytes(costs.cfg, wl.kv_dtype or wl.dtype)
     bytes_ = (w_bytes, a_bytes, kv_bytes)
     cap = cluster.gpu.memory_bytes
     seq_len = wl.prompt_len + wl.output_len

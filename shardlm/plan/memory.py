@@ -64,7 +64,7 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int) -> float:
     return best * w_bytes
 
 
-def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: int) -> float:
+def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: float) -> float:
     """KV bytes one token of one sequence costs on the busiest rank (its stage's layers, /cp)."""
     cfg = costs.cfg
     dense = kv_bytes_per_token(cfg, costs.rank_layer(False, lay.tp), kv_bytes)

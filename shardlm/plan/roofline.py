@@ -14,6 +14,7 @@ from functools import cached_property
 
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.pipeline import stage_layers
+from shardlm.plan import constants as C
 from shardlm.plan.hardware import GpuSpec
 from shardlm.plan.shard import (
     RankLayer,
@@ -50,7 +51,17 @@ class Work:
         return max(self.flops / gpu.matmul_flops(dtype), self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s
 
 
-def kv_bytes_per_token(cfg: ModelConfig, rl: RankLayer, kv_bytes: int) -> float:
+def kv_element_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """Bytes a KV-cache element of ``dtype`` takes on average: int8 carries a float32 scale per
+    token and head (shardlm's --kv-cache-dtype int8: head_dim + 4 bytes a row; for MLA one
+    scale per latent row)."""
+    if dtype == "int8":
+        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        return 1 + 4 / row
+    return C.DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, rl: RankLayer, kv_bytes: float) -> float:
     """KV-cache bytes one token adds to one layer on one rank: 2 x KV heads x head_dim (GQA),
     or the compressed latent plus the RoPE key (MLA, replicated on every tp rank;
     DeepSeek-V2 §2.1.2, https://arxiv.org/abs/2405.04434)."""
@@ -94,7 +105,7 @@ class Step:
 
 
 def layer_work(
-    cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: int, ep: int, half_rows: float
+    cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: float, ep: int, half_rows: float
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
     the size-dependent GEMM efficiency of the device (``half_rows``)."""
