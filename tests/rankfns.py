@@ -134,22 +134,24 @@ def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: 
     return trainer.save(directory)
 
 
-def context_attention_grads(algorithm: str, q, k, v, grad, kv_of_q: list[int], window, tile: int | None = None):
+def context_attention_grads(algorithm: str, q, k, v, grad, kv_of_q: list[int], window,
+                            tile: tuple[int, int] | None = None):
     """This cp rank's share of attention over whole sequences (q, k, v, grad: [b, seq, heads, d]):
     (its positions, output, dq, dk, dv), each [b, local tokens, heads, d]. ``tile``: ring
-    attention's query tile for this call."""
+    attention's (query, key) tile for this call."""
     from shardlm.models.attention import GroupedHeads
     from shardlm.parallel import context
 
     b, seq, _, d = q.shape
     meta = context.ContextBatch.build(dist.group.WORLD, b, seq, algorithm)
     local = [t[:, meta.positions].flatten(0, 1).clone().requires_grad_() for t in (q, k, v)]
-    default, context.TILE = context.TILE, tile or context.TILE
+    default = context.TILE, context.KEY_TILE
+    context.TILE, context.KEY_TILE = tile or default
     try:
         o = context.context_attention(*local, meta, GroupedHeads(kv_of_q), d ** -0.5, window)
         o.backward(grad[:, meta.positions].flatten(0, 1))
     finally:
-        context.TILE = default
+        context.TILE, context.KEY_TILE = default
     n = len(meta.positions)
     return meta.positions, *(t.detach().view(b, n, -1, d) for t in (o, *(x.grad for x in local)))
 

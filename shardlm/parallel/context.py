@@ -20,7 +20,8 @@ runs on the local tokens as it is. Attention over the whole sequence comes in tw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ class ContextBatch:
     positions: Tensor  # [local tokens of one sequence]
     key_positions: Tensor  # [seq_len]: positions of the all-gathered keys, rank by rank
     algorithm: str = "all-gather"  # or "ring"
+    tiles: dict = field(default_factory=dict, repr=False)  # ring attention's work list per block
 
     @classmethod
     def build(cls, group, batch: int, seq_len: int, algorithm: str = "all-gather") -> ContextBatch:
@@ -86,35 +88,49 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads
     return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))  # [tokens, q_heads, d]
 
 
-TILE = 256
-"""Query rows attended at once in ring attention: a tile's scores are [tile, block keys] per head,
-so memory stays bounded however long the sequence (flash attention's tiling, in plain torch)."""
+TILE, KEY_TILE = 256, 1024
+"""Ring attention works on tiles of at most TILE queries x KEY_TILE keys: a tile's scores are
+[TILE, KEY_TILE] per head, so memory stays bounded however long the sequence (flash attention's
+tiling, in plain torch)."""
 
 
-def _tiles(meta: ContextBatch, src: int, window: int | None) -> list[tuple[slice, slice, Tensor | None]]:
-    """The work of this rank's queries on the keys of cp rank ``src``, in query tiles of at most TILE
-    rows: (query rows, the key range they see, the mask within it or None when all visible). Tiles
-    that see no key are left out: under zig-zag half of every block off the diagonal, and the
-    upper triangle of the diagonal one."""
+def _tiles(meta: ContextBatch, src: int, window: int | None) -> list[tuple[slice, slice, bool]]:
+    """The work of this rank's queries on the keys of cp rank ``src``: (query rows, keys, whether
+    some of those keys are hidden from some of those rows). A rank's positions increase along
+    its tokens, so each query sees one contiguous run of keys, found by binary search; tiles no
+    query sees are left out (under zig-zag, half of every block off the diagonal and the upper
+    triangle of the diagonal one). Cached on ``meta``: every layer, forward and backward, asks."""
+    key = (src, window)
+    if key in meta.tiles:
+        return meta.tiles[key]
     q_pos = meta.positions
     k_pos = meta.key_positions.view(group_size(meta.group), -1)[src]
-    visible = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        visible &= k_pos[None, :] > q_pos[:, None] - window
+    hi = torch.searchsorted(k_pos, q_pos, right=True).tolist()  # row i sees keys [lo[i], hi[i])
+    lo = [0] * len(q_pos) if window is None else torch.searchsorted(k_pos, q_pos - window, right=True).tolist()
     tiles = []
-    for start in range(0, len(q_pos), TILE):
-        rows = slice(start, min(start + TILE, len(q_pos)))
-        cols = visible[rows].any(0).nonzero().flatten()
-        if len(cols):
-            cols = slice(cols[0].item(), cols[-1].item() + 1)
-            mask = visible[rows, cols]
-            tiles.append((rows, cols, None if mask.all() else mask))
+    for a in range(0, len(q_pos), TILE):
+        z = min(a + TILE, len(q_pos))  # rows [a, z); the key ranges move right with the row
+        for c in range(lo[a], hi[z - 1], KEY_TILE):
+            e = min(c + KEY_TILE, hi[z - 1])
+            first, last = bisect_right(hi, c, a, z), bisect_left(lo, e, a, z)  # rows that see [c, e)
+            if first < last:
+                tiles.append((slice(first, last), slice(c, e), not (lo[last - 1] <= c and hi[first] >= e)))
+    meta.tiles[key] = tiles
     return tiles
 
 
+def _mask(meta: ContextBatch, src: int, rows: slice, cols: slice, window: int | None) -> Tensor:
+    """[rows, cols] bool: which of these keys of cp rank ``src`` each of these queries sees."""
+    q_pos = meta.positions[rows, None]
+    k_pos = meta.key_positions.view(group_size(meta.group), -1)[src, cols][None, :]
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
-    """float32 scores of q [b, kv, g, n, d] against k [b, kv, m, d]: [b, kv, g, n, m]; masked -inf."""
-    s = (q @ k.unsqueeze(2).transpose(-1, -2)).float() * scale
+    """float32 scores of q [b, kv, g, n, d] against k [b, kv, m, d]: [b, kv, g, n, m]; masked -inf.
+    16-bit inputs are widened first, so the scores are not rounded before the softmax (as SDPA)."""
+    s = (q.float() @ k.float().unsqueeze(2).transpose(-1, -2)) * scale
     return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
 
 
@@ -134,9 +150,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is attended
                 nxt, works = shift(kv, meta.group, tag=0)
-            for rows, cols, mask in _tiles(meta, (rank - step) % cp, window):
+            src = (rank - step) % cp
+            for rows, cols, masked in _tiles(meta, src, window):
+                mask = _mask(meta, src, rows, cols, window) if masked else None
                 s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, mask)
                 m_new = torch.maximum(m[..., rows], s.amax(-1))
+                m_new = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row that has seen no key yet
                 p = torch.exp(s - m_new[..., None])  # masked keys: exp(-inf) = 0
                 alpha = torch.exp(m[..., rows] - m_new)
                 l[..., rows] = l[..., rows] * alpha + p.sum(-1)
@@ -166,12 +185,14 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 nxt, works = shift(kv, meta.group, tag=0)
             dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-            for rows, cols, mask in _tiles(meta, (rank - step) % cp, ctx.window):
+            src = (rank - step) % cp
+            for rows, cols, masked in _tiles(meta, src, ctx.window):
+                mask = _mask(meta, src, rows, cols, ctx.window) if masked else None
                 kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
                 qr, gr = q[..., rows, :], grad[..., rows, :]
                 p = torch.exp(_scores(qr, kb, scale, mask) - lse[..., rows, None])  # [b, kv, g, n, m]
                 dkv[1][..., cols, :] += (p.to(v.dtype).transpose(-1, -2) @ gr).float().sum(2)
-                dp = (gr @ vb.unsqueeze(2).transpose(-1, -2)).float()
+                dp = gr.float() @ vb.float().unsqueeze(2).transpose(-1, -2)
                 ds = p * (dp - delta[..., rows, None]) * scale
                 dq[..., rows, :] += ds.to(q.dtype) @ kb.unsqueeze(2)
                 dkv[0][..., cols, :] += (ds.to(q.dtype).transpose(-1, -2) @ qr).float().sum(2)
@@ -179,7 +200,8 @@ class _RingAttention(torch.autograd.Function):
                 for w in arriving[1]:
                     w.wait()
                 dkv += arriving[0]
-            arriving = shift(dkv, meta.group, tag=1)  # on to the rank that attends this block next
+            # on to the rank that attends this block next (one rank: it is home already)
+            arriving = shift(dkv, meta.group, tag=1) if cp > 1 else (dkv, [])
             if step < cp - 1:
                 for w in works:
                     w.wait()
