@@ -605,8 +605,8 @@ def test_drafts_stop_at_max_tokens_and_a_stop_token():
     d.add(x)
     d.run()
     d.check_outputs()
-    # at most max_tokens - 1 drafts after the first token: never a token past max_tokens
-    assert all(n <= 3 for st in d.steps[1:] for _, n in st)
+    # after the first token, 2 more may come: one draft and the model's own token at most
+    assert all(n <= 2 for st in d.steps[1:] for _, n in st)
     # a stop token inside an accepted run ends the sequence there
     for eos in set(reference([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=30), (), cyclic_next)[0][3:]):
         d = Driver(1000, 4, model=cyclic_next, speculative=SpeculativeConfig(num_speculative_tokens=8))
@@ -638,3 +638,26 @@ def test_a_stop_token_inside_an_accepted_run_ends_it_there():
     done = s.update(batch, [[7, 5, 6, 9]])  # all three drafts accepted, then 9
     assert done == [x] and x.output_ids == [6, 7] and x.finish_reason == "stop"
     assert s.running == [] and s.blocks.num_free == 16 and (s.draft_tokens, s.accepted_tokens) == (3, 3)
+
+
+def test_drafts_shrink_to_the_free_slots_and_rejected_ones_give_their_blocks_back():
+    spec = SpeculativeConfig(num_speculative_tokens=6)
+    s = Scheduler(BlockManager(5, 4), SchedulerConfig(speculative=spec))
+    x = seq(0, [1, 2, 3, 4, 5, 1, 2], max_tokens=10)  # 2 blocks for the prompt and the next token
+    z = seq(1, [10, 11, 12, 13, 14, 15, 16], max_tokens=10)  # 2 more: one block stays free
+    s.add(x)
+    s.add(z)
+    s.update(s.schedule(), [3, 17])
+    batch = s.schedule()  # "1 2 3" occurred: 5 tokens followed, but the free block holds only 4
+    assert batch.seqs == [x, z] and batch.drafts == [[4, 5, 1, 2], []] and s.blocks.num_free == 0
+    s.update(batch, [[4, 9], 18])  # the second draft rejected, 9 instead
+    assert x.output_ids == [3, 4, 9] and (x.num_computed, x.num_tokens) == (9, 10)
+    assert len(x.block_table) == 3  # 10 tokens: 3 blocks still needed
+    s = Scheduler(BlockManager(3, 4), SchedulerConfig(speculative=spec))
+    y = seq(1, [1, 2, 3, 1, 2, 3], max_tokens=6)
+    s.add(y)
+    s.update(s.schedule(), [1])
+    batch = s.schedule()
+    assert batch.drafts == [[2, 3, 1]] and len(y.block_table) == 3 and s.blocks.num_free == 0
+    s.update(batch, [[9]])  # every draft rejected: 8 tokens fit in 2 blocks, the third goes back
+    assert y.output_ids == [1, 9] and y.num_computed == 7 and len(y.block_table) == 2 and s.blocks.num_free == 1

@@ -58,6 +58,16 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks at the end of ``seq``'s table beyond ``num_tokens`` tokens (grown
+        for speculative drafts that were rejected: their own, never named by a hash)."""
+        keep = -(-num_tokens // self.block_size)
+        for block in seq.block_table[keep:]:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_ids[block] = None
+        del seq.block_table[keep:]
+
     def reuse_prefix(self, seq: Sequence) -> None:
         """Start a new sequence on the cached blocks of its longest cached prefix.
 

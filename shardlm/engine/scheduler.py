@@ -154,9 +154,11 @@ class Scheduler:
         spec = self.config.speculative
         if spec is None or budget < 1:
             return []
-        room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+        bs = self.blocks.block_size
+        slots = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_tokens  # free slots after its own
+        room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1, slots)
         drafts = propose(seq.token_ids(), spec, room)
-        if not drafts or not self.blocks.can_grow(seq, seq.num_tokens + len(drafts)):
+        if not drafts:
             return []
         self.blocks.grow(seq, seq.num_tokens + len(drafts))
         self.draft_tokens += len(drafts)
@@ -196,14 +198,19 @@ class Scheduler:
             if seq.status is Status.FINISHED:  # aborted while its step was in flight
                 continue
             emitted = [] if token is None else token if isinstance(token, list) else [token]
-            if batch.draft(i):
+            drafts = batch.draft(i)
+            if drafts:
                 self.accepted_tokens += len(emitted) - 1
-            # the cache holds the fed tokens but the rejected drafts (their slots are overwritten later)
-            seq.num_computed += n - len(batch.draft(i)) + max(len(emitted) - 1, 0)
+            kept = 0
             for t in emitted:
                 seq.append(t)
+                kept += 1
                 if seq.status is Status.FINISHED:
                     break  # a stop token or max_tokens: the rest are dropped
+            # the cache holds the fed tokens and the kept drafts (rejected ones: slots overwritten later)
+            seq.num_computed += n - len(drafts) + max(kept - 1, 0)
+            if drafts and seq.status is not Status.FINISHED:
+                self.blocks.trim(seq, seq.num_tokens)  # blocks grown for rejected drafts go back
             self.blocks.commit(seq)
             if seq.status is Status.FINISHED:
                 self.blocks.free(seq)
