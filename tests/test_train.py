@@ -229,8 +229,9 @@ def test_planner_activation_count_is_what_a_layer_saves(tiny, tp, options):
         assert want <= n <= 1.02 * want, (rank, n, want)
 
 
-@pytest.mark.parametrize("dp,tp,zero,extra", [(2, 1, 1, {"dtype": "bfloat16"}), (1, 2, 3, {"pp": 2, "grad_accum": 2})],
-                         ids=["dp2-zero1-bf16", "pp2-tp2-zero3"])
+@pytest.mark.parametrize("dp,tp,zero,extra", [(2, 1, 2, {}), (2, 1, 1, {"dtype": "bfloat16"}),
+                                              (1, 2, 3, {"pp": 2, "grad_accum": 2})],
+                         ids=["dp2-zero2", "dp2-zero1-bf16", "pp2-tp2-zero3"])
 def test_resumed_training_takes_the_same_step(hf_run, tmp_path, dp, tp, zero, extra):
     """Two steps, save the state, a new Trainer loads it and takes the third: bitwise the third
     step of an uninterrupted run (loss, grad norm, every weight), so AdamW's moments and step
@@ -243,8 +244,11 @@ def test_resumed_training_takes_the_same_step(hf_run, tmp_path, dp, tp, zero, ex
         assert (again[0]["loss"], again[0]["grad_norm"]) == (stats[-1]["loss"], stats[-1]["grad_norm"])
         for a, b in zip(pieces, again_pieces):
             assert a.name == b.name and torch.equal(a.tensor, b.tensor), a.name
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["meta.json"] + [
-        f"rank-{r}.pt" for r in range(world)]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["meta.json", "step-2"]
+    assert sorted(p.name for p in (tmp_path / "state" / "step-2").iterdir()) == [f"rank-{r}.pt" for r in range(world)]
+    for r in range(world):  # each rank's file holds its own shards, not the flat buffers they are views of
+        saved = torch.load(tmp_path / "state" / "step-2" / f"rank-{r}.pt", weights_only=True)
+        assert all(m.untyped_storage().nbytes() == m.nbytes for m in saved["masters"])
     # it can fail: a fresh model (no state loaded) takes a different third step
     from shardlm.train.trainer import Trainer, TrainConfig
 
@@ -392,6 +396,8 @@ def test_cli_checkpoint_resumes_where_it_stopped(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stderr and "after step 2" in again.stderr
     assert [json.loads(line)["step"] for line in again.stdout.splitlines()] == [3]
+    other = shardlm(*common, "--steps", "4", "--seed", "1")  # another data order
+    assert other.returncode == 2 and "resume with the same --data, --seq-len, --batch-size and --seed" in other.stderr
 
 
 @pytest.mark.parametrize("args,message", [

@@ -124,7 +124,13 @@ def run(args) -> int:
     history = []
     try:
         first = 0
-        if args.checkpoint and (Path(args.checkpoint) / "state" / "meta.json").is_file():
+        order = {"data": str(data.resolve()), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+        state = Path(args.checkpoint or ".") / "state"
+        if args.checkpoint and (state / "meta.json").is_file():
+            saved = json.loads((state / "batches.json").read_text()) if (state / "batches.json").is_file() else order
+            if saved != order:  # the steps ahead would not be the batches the saved ones were followed by
+                raise UsageError(f"the training state in {args.checkpoint!r} was trained on {saved}, this run asks "
+                                 f"for {order}; resume with the same --data, --seq-len, --batch-size and --seed")
             first = load_state(args.checkpoint)
             if speaker:
                 log(f"resumed from {args.checkpoint} after step {first}")
@@ -132,6 +138,8 @@ def run(args) -> int:
             s = step(batches(i))
             if args.checkpoint and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
                 save_state(args.checkpoint)
+                if speaker:
+                    (state / "batches.json").write_text(json.dumps(order))
             history.append({"step": i + 1, **s})
             if not speaker:
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,37 +258,51 @@ class Trainer:
 
     def save_state(self, directory: str) -> str:
         """Write what resuming needs after the steps taken so far (collective): each rank its
-        own float32 shards and AdamW state (``state/rank-<r>.pt``, so no rank gathers anything),
-        rank 0 the layout they belong to (``state/meta.json``). A rank writes to a temporary
-        name and renames, and meta.json goes last, so a run killed while saving leaves the
-        previous state readable."""
-        folder = Path(directory) / "state"
+        own float32 shards and AdamW state in ``state/step-<n>/rank-<r>.pt`` (nothing gathered),
+        then rank 0 points ``state/meta.json`` at that folder and removes older ones. A run
+        killed while saving leaves meta.json naming the previous, complete folder."""
+        root = Path(directory) / "state"
+        folder = root / f"step-{self.steps}"
         folder.mkdir(parents=True, exist_ok=True)
         mine = folder / f"rank-{self.dims.global_rank}.pt"
-        torch.save({"step": self.steps, "masters": [m.detach() for m in self.zero.shards()],
-                    "optimizer": self.optimizer.state_dict()}, mine.with_suffix(".tmp"))
+        masters = [m.detach().clone() for m in self.zero.shards()]  # a view would save its whole buffer
+        torch.save({"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict()},
+                   mine.with_suffix(".tmp"))
         mine.with_suffix(".tmp").replace(mine)
-        _all_ranks_here()  # every shard written before meta.json says the state is whole
+        _all_ranks_here()  # every rank's file is written before meta.json names the folder
         if self.dims.global_rank == 0:
-            (folder / "meta.json").write_text(json.dumps({"step": self.steps, "layout": self._state_layout()}))
+            meta = root / "meta.json"
+            meta.with_suffix(".tmp").write_text(json.dumps({"step": self.steps, "folder": folder.name,
+                                                            "layout": self._state_layout()}))
+            meta.with_suffix(".tmp").replace(meta)
+            for old in root.glob("step-*"):
+                if old != folder:
+                    shutil.rmtree(old)
         _all_ranks_here()
         return str(folder)
 
     def load_state(self, directory: str) -> int:
-        """Resume from ``save_state``'s files: this rank's shards and optimizer state; returns the
-        number of steps they had taken. The layout must be the one they were saved with."""
-        folder = Path(directory) / "state"
+        """Resume from ``save_state``'s files: this rank's shards and AdamW moments; returns the
+        number of steps they had taken. The layout must be the one they were saved with; the
+        hyperparameters (lr, betas, eps, weight decay) are this run's."""
+        root = Path(directory) / "state"
         try:
-            meta = json.loads((folder / "meta.json").read_text())
+            meta = json.loads((root / "meta.json").read_text())
         except FileNotFoundError:
             raise UsageError(f"{directory!r} holds no training state (no state/meta.json); "
                              "save one with save_state / --checkpoint") from None
         if meta["layout"] != self._state_layout():
             raise UsageError(f"the training state in {directory!r} was saved with {meta['layout']}, this run is "
                              f"{self._state_layout()}; resume with the layout it was saved with")
-        saved = torch.load(folder / f"rank-{self.dims.global_rank}.pt", weights_only=True)
+        saved = torch.load(root / meta["folder"] / f"rank-{self.dims.global_rank}.pt", weights_only=True)
+        if saved["step"] != meta["step"]:
+            raise UsageError(f"{root / meta['folder']} holds step {saved['step']} for rank "
+                             f"{self.dims.global_rank} but meta.json says {meta['step']}; the state is damaged")
         self.zero.load_masters(saved["masters"])
         self.optimizer.load_state_dict(saved["optimizer"])
+        c = self.config
+        for group in self.optimizer.param_groups:  # this run's settings, not the saved ones
+            group.update(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
         self.steps = saved["step"]
         return self.steps
 
