@@ -24,8 +24,9 @@ def shardlm(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 
 def rank_processes() -> list[str]:
+    """Rank processes of this checkout's shardlm (another checkout's runs on the host are not ours)."""
     out = subprocess.run(["pgrep", "-f", "-a", "shardlm.launch"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+    return [line for line in out.splitlines() if "pgrep" not in line and str(BIN) in line]
 
 
 @pytest.fixture(scope="module")

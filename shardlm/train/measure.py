@@ -34,6 +34,9 @@ def layer_activations(trainer, batch: torch.Tensor, layer: int) -> int:
     """Bytes that decoder layer ``layer`` (of this rank's model, not the last) saves for backward
     in one ``trainer.step(batch)``, parameters left out, and tensors the next layer saves too
     (the rotary tables every layer shares)."""
+    if trainer.zero.stage == 3:  # the innermost saved-tensor hook wins: this one would displace ZeRO-3's
+        raise ValueError("layer_activations measures ZeRO stages 0-2: under ZeRO-3 its hook would replace the "
+                         "one that drops gathered weights, and count (and keep) them")
     params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     counts: list[dict[int, int]] = []
     for module in trainer.model.layers[layer:layer + 2]:
