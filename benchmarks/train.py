@@ -9,8 +9,8 @@ state each ZeRO stage holds per rank against ZeRO's formula.
    memory and step time.
 3. Activations per layer, one process, bfloat16: the bytes a decoder layer saves for backward
    (distinct storages seen by autograd's saved-tensor hooks, parameters and tensors shared with
-   the next layer left out) next to the planner's count (plan/activations.py), without and with
-   full recomputation.
+   the next layer left out) next to the planner's count (plan/activations.py), without, with
+   selective (the SwiGLU activation) and with full recomputation.
 4. ZeRO at dp=2: one step of each stage over two ranks; the bytes of weights, gradients (at their
    peak, after backward) and Adam state a rank holds, measured, next to the formula
    (plan/zero.py, float32 Adam: 4 + 4 + 8 bytes per parameter, sharded as each stage says).
@@ -108,7 +108,7 @@ def activation_bytes() -> None:
     print("\nactivations a layer saves for backward, SmolLM2 bfloat16: measured / planner (MiB)")
     print(f"{'batch x seq':>12} {'recompute':>9} {'measured':>9} {'planner':>8} {'ratio':>6}")
     for b, seq in ((2, 256), (4, 512)):
-        for recompute in ("none", "full"):
+        for recompute in ("none", "selective", "full"):
             trainer = Trainer(TrainConfig(model="smollm2", dtype="bfloat16", recompute=recompute))
             batch = torch.randint(0, 49152, (b, seq + 1), generator=torch.Generator().manual_seed(4))
             got = layer_activations(trainer, batch, layer=3)

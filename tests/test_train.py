@@ -103,12 +103,16 @@ LAYOUTS = [
     (1, 1, 0, {"recompute": "full"}),
     (2, 1, 3, {"recompute": "full"}),
     (1, 2, 1, {"recompute": "full", "pp": 2, "grad_accum": 2}),
+    # selective: the SwiGLU activation recomputed inside the down projection's backward
+    (1, 1, 0, {"recompute": "selective"}),
+    (1, 2, 3, {"recompute": "selective", "sequence_parallel": True}),
 ]
 
 
 def _layout_id(dp, tp, zero, extra) -> str:
     accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
-    sp = ("-sp" if extra.get("sequence_parallel") else "") + ("-recompute" if "recompute" in extra else "")
+    sp = "-sp" if extra.get("sequence_parallel") else ""
+    sp += f"-recompute-{extra['recompute']}" if "recompute" in extra else ""
     ring = "-ring" if extra.get("cp_attention") == "ring" else ""
     return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}"
 
@@ -208,9 +212,9 @@ def test_rms_norm_keeps_only_its_input_and_the_inverse_rms(dtype, rtol):
 
 
 @pytest.mark.parametrize("tp,options", [
-    (1, {}), (1, {"recompute": "full"}), (2, {}), (2, {"sequence_parallel": True}),
-    (2, {"sequence_parallel": True, "recompute": "full"}),
-], ids=["tp1", "tp1-full", "tp2", "tp2-sp", "tp2-sp-full"])
+    (1, {}), (1, {"recompute": "full"}), (1, {"recompute": "selective"}), (2, {}), (2, {"sequence_parallel": True}),
+    (2, {"sequence_parallel": True, "recompute": "full"}), (2, {"sequence_parallel": True, "recompute": "selective"}),
+], ids=["tp1", "tp1-full", "tp1-selective", "tp2", "tp2-sp", "tp2-sp-full", "tp2-sp-selective"])
 def test_planner_activation_count_is_what_a_layer_saves(tiny, tp, options):
     """The planner's per-layer activation bytes (plan/activations.py) against what autograd
     saves for one decoder layer of a bfloat16 step, on every rank: within 2% (measured: the

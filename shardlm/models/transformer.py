@@ -156,9 +156,40 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(f"{prefix}.down_proj", rows, cfg.hidden_size, bias=cfg.mlp_bias,
                                       group=dims.tp_group, dtype=dtype, sequence_parallel=sp)
 
+    recompute_act = False
+    """Training: keep only gate and up for backward and recompute silu(gate) * up there (set by
+    the trainer's ``recompute="selective"``)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [tokens, local intermediate] each
+        gate_up = self.gate_up(x)
+        if self.recompute_act and torch.is_grad_enabled() and self.down.weight_scale is None:
+            return self.down.reduce(_SwiGLUDown.apply(gate_up, self.down.weight))
+        gate, up = gate_up.chunk(2, dim=-1)  # [tokens, local intermediate] each
         return self.down(F.silu(gate) * up)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """(silu(gate) * up) @ W_down^T, keeping for backward only [gate, up] and the weight: the
+    activation (silu(gate) and the product, half of a SwiGLU MLP's stored activations) is
+    recomputed in backward, a few elementwise ops against a matrix product (as Megatron-Core's
+    activation recomputation)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up, weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate_up, weight = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        act = gate * sig  # silu(gate)
+        dw = grad.reshape(-1, grad.shape[-1]).t() @ (act * up).reshape(-1, up.shape[-1])
+        dh = grad @ weight  # the product's gradient
+        d_gate = dh * up * (sig * (1 + gate * (1 - sig)))  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
+        return torch.cat([d_gate, dh * act], dim=-1), dw
 
 
 class DecoderLayer(nn.Module):

@@ -244,7 +244,10 @@ class RowParallelLinear(Int8Weight, nn.Module):
         return all_reduce(w.abs().amax(1).float(), self.group, op="max")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, scale=self.weight_scale)  # [tokens, out], a partial sum
+        return self.reduce(linear(x, self.weight, scale=self.weight_scale))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product y = x_r @ W_r^T [tokens, out] summed over tp, plus the bias."""
         if not self.sequence_parallel:
             y = reduce_from_region(y, self.group)
             return y if self.bias is None else y + self.bias

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RECOMPUTE = ("none", "selective", "full")
-"""Activation recomputation: none; selective (the attention core, §5); full (the layer)."""
+"""Activation recomputation: none; selective (the attention core, §5, and for a gated MLP its
+activation, as shardlm's trainer recomputes it); full (the layer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +69,9 @@ def layer_activation_bytes(
     # split by TP (Table 2 "24" units for GPT): Q, K, V, attention-output-proj input, MLP hidden
     sb = s * b
     split = sb * (2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * shape.q_dim)
-    if shape.gated:  # gate, up, silu(gate), and their product (the down-projection input)
-        split += sb * shape.ffn * (2 + 2 + 2 + 2)
+    if shape.gated:  # gate, up, silu(gate), and their product (the down-projection input);
+        # selective recomputation keeps only gate and up and recomputes the activation
+        split += sb * shape.ffn * (2 + 2 + (0 if recompute == "selective" else 2 + 2))
     else:  # fc1 output (GELU input) and GELU output
         split += sb * shape.ffn * (2 + 2)
     # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b;

@@ -40,8 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each dp rank (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: mixed precision, float32 master weights in the optimizer (default float32)")
-    p.add_argument("--recompute", default="none", choices=["none", "full"],
-                   help="full: each layer keeps only its inputs and runs its forward again in backward")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="selective: recompute the SwiGLU activation in backward (half the MLP's activations); "
+                        "full: each layer keeps only its inputs and runs its forward again in backward")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")

@@ -23,7 +23,7 @@ from shardlm.errors import UsageError
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.attention import causal_metadata
 from shardlm.models.loader import load_model, open_checkpoint
-from shardlm.models.transformer import RMSNorm
+from shardlm.models.transformer import MLP, RMSNorm
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
@@ -33,6 +33,8 @@ from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shardlm.train.schedule import StageIO, one_f_one_b
 from shardlm.train.zero import STAGES, Zero
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(kw_only=True)
@@ -68,8 +70,11 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     recompute: str = "none"
-    """Activation recomputation: "none", or "full": each decoder layer keeps only its inputs for
-    backward and runs its forward again there (activation checkpointing)."""
+    """Activation recomputation: "none"; "selective": the SwiGLU activation (silu(gate) * up) is
+    recomputed in backward, which halves the MLP's stored activations for a few elementwise ops
+    (with fused attention there is no softmax to recompute, Korthikanti et al.'s selective
+    target); "full": each decoder layer keeps only its inputs and runs its forward again there
+    (activation checkpointing)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     grad_accum: int = 1
@@ -92,8 +97,8 @@ class TrainConfig:
             raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32 or bfloat16")
         if self.cp_attention not in ALGORITHMS:
             raise UsageError(f"cp_attention={self.cp_attention!r} is not supported; use one of {ALGORITHMS}")
-        if self.recompute not in ("none", "full"):
-            raise UsageError(f"recompute={self.recompute!r} is not supported; use 'none' or 'full'")
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(f"recompute={self.recompute!r} is not supported; use one of {RECOMPUTE}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
         self.dims()
@@ -179,6 +184,10 @@ class Trainer:
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
         self.embedding_group = embedding_group(dims) if dims.pp > 1 and ckpt.config.tie_word_embeddings else None
         self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
+        if config.recompute == "selective":
+            for module in model.modules():
+                if isinstance(module, MLP):
+                    module.recompute_act = True
         if config.recompute == "full":  # around ZeRO-3's gathering wrapper: the recomputation gathers again
             for i, layer in enumerate(model.layers):
                 model.layers[i] = Recomputed(layer)
