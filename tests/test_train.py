@@ -136,22 +136,27 @@ def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
             assert sum(o for o, _ in held) == held[0][1]
 
 
-@pytest.mark.parametrize("dp,tp,zero", [(1, 1, 1), (2, 1, 2), (2, 1, 3), (1, 2, 0)])
-def test_bfloat16_with_float32_masters(hf_run, dp, tp, zero):
-    """bfloat16 weights, activations and gradients, float32 master weights in the optimizer: HF's
-    float32 steps within bfloat16's error. Losses rtol 2e-2. Weights, stored in bfloat16: within
-    1e-2, and on average within 0.5% of the tensor's mean |w| (bfloat16 keeps 8 bits: 0.4%;
-    measured up to 0.31%). Without float32 masters the three steps of lr 1e-3 (~3e-3 a weight,
-    ~1.5% of a mean |w| of 0.2) would mostly round away against a spacing of 1e-3-8e-3."""
+@pytest.mark.parametrize("dtype,dp,tp,zero", [("bfloat16", 1, 1, 1), ("bfloat16", 2, 1, 2), ("bfloat16", 2, 1, 3),
+                                              ("bfloat16", 1, 2, 0), ("float16", 1, 1, 1), ("float16", 2, 1, 3)])
+def test_16bit_with_float32_masters(hf_run, dtype, dp, tp, zero):
+    """bfloat16 (or float16, loss-scaled) weights, activations and gradients, float32 master
+    weights in the optimizer: HF's float32 steps within bfloat16's error. Losses rtol 2e-2.
+    Weights, stored in 16 bits: within 1e-2, and on average within 0.5% of the tensor's mean |w|
+    (bfloat16 keeps 8 bits: 0.4%; measured up to 0.31%). Without float32 masters the three steps
+    of lr 1e-3 (~3e-3 a weight, ~1.5% of a mean |w| of 0.2) would mostly round away against a
+    spacing of 1e-3-8e-3."""
     path, batches, hf_stats, _, after = hf_run
-    results = run_ranks(dp * tp, train_steps, path, batches, dp, tp, zero, dtype="bfloat16", **OPTIM)
+    results = run_ranks(dp * tp, train_steps, path, batches, dp, tp, zero, dtype=dtype, **OPTIM)
     for rank, (stats, pieces, held, (owned, numel)) in enumerate(results):
         torch.testing.assert_close([s["loss"] for s in stats], [loss for loss, _ in hf_stats], rtol=2e-2, atol=0)
+        # the gradient norm (float16: after unscaling) within 5%; Adam alone would not notice a scale
+        torch.testing.assert_close([s["grad_norm"] for s in stats], [n for _, n in hf_stats], rtol=5e-2, atol=0)
+        assert all(not s.get("skipped") for s in stats)  # float16: 2^16 overflows nothing here
         for p in pieces:
             want = after[p.name][p.rows or slice(None)]
             want = want if p.cols is None else want[:, p.cols]
             diff = (p.tensor.float() - want).abs()
-            assert p.tensor.dtype == torch.bfloat16, p.name
+            assert p.tensor.dtype == getattr(torch, dtype), p.name
             assert diff.max() < 1e-2 and diff.mean() < 5e-3 * want.abs().mean(), (rank, p.name)
         # ZeRO's table with 16-bit weights: 2 bytes of weights, 2 of gradients (owned ones summed in
         # float32: 4), 12 of optimizer state (float32 master, momentum, variance)
@@ -264,6 +269,26 @@ def test_resumed_training_takes_the_same_step(hf_run, tmp_path, dp, tp, zero, ex
         other.load_state(str(tmp_path))
     with pytest.raises(UsageError, match="holds no training state"):
         other.load_state(str(tmp_path / "nothing"))
+
+
+def test_float16_skips_an_overflowing_step_and_halves_the_scale(hf_run, tmp_path):
+    """A loss scale of 2^40 overflows float16 gradients: that step changes no weight and the scale
+    halves; at 2^8 the next step trains. The scaler's state comes back on resume."""
+    from shardlm.train.trainer import Trainer, TrainConfig
+
+    path, batches = hf_run[:2]
+    trainer = Trainer(TrainConfig(model=path, dtype="float16", loss_scale=2.0 ** 40, **OPTIM))
+    before = [u.master.detach().clone() for u in trainer.zero.units]
+    stats = trainer.step(batches[0])
+    assert stats["skipped"] and stats["loss_scale"] == 2.0 ** 40 and trainer.scaler.scale == 2.0 ** 39
+    assert all(torch.equal(a, u.master) for a, u in zip(before, trainer.zero.units))
+    trainer.scaler.scale = 2.0 ** 8
+    stats = trainer.step(batches[1])
+    assert not stats["skipped"] and trainer.scaler.good == 1
+    assert not all(torch.equal(a, u.master) for a, u in zip(before, trainer.zero.units))
+    trainer.save_state(str(tmp_path))
+    resumed = Trainer(TrainConfig(model=path, dtype="float16", **OPTIM))
+    assert resumed.load_state(str(tmp_path)) == 2 and (resumed.scaler.scale, resumed.scaler.good) == (2.0 ** 8, 1)
 
 
 def test_saved_model_is_hf_trained_model(hf_run, tmp_path):

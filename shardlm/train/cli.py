@@ -38,8 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all dp ranks (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each dp rank (default 1)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: mixed precision, float32 master weights in the optimizer (default float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="bfloat16 / float16: mixed precision, float32 master weights in the optimizer; float16 "
+                        "with dynamic loss scaling (default float32)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="selective: recompute the SwiGLU activation in backward (half the MLP's activations); "
                         "full: each layer keeps only its inputs and runs its forward again in backward")

@@ -62,8 +62,12 @@ class TrainConfig:
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
     dtype: str = "float32"
-    """Weights, activations and gradients: float32, or bfloat16 with float32 master weights in
-    the optimizer (mixed precision; gradients are summed over ranks in float32)."""
+    """Weights, activations and gradients: float32, or bfloat16 / float16 with float32 master
+    weights in the optimizer (mixed precision; gradients are summed over ranks in float32);
+    float16 with dynamic loss scaling."""
+    loss_scale: float = 2.0 ** 16
+    """float16: the initial loss scale; halved and the step skipped whenever a gradient overflows,
+    doubled after 2000 steps in a row without (PyTorch GradScaler's defaults)."""
     lr: float = 1e-4
     """AdamW learning rate (constant)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -93,8 +97,10 @@ class TrainConfig:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32 or bfloat16")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32, bfloat16 or float16")
+        if not self.loss_scale > 0:
+            raise UsageError(f"loss_scale={self.loss_scale!r} must be positive, e.g. 65536")
         if self.cp_attention not in ALGORITHMS:
             raise UsageError(f"cp_attention={self.cp_attention!r} is not supported; use one of {ALGORITHMS}")
         if self.recompute not in RECOMPUTE:
@@ -146,6 +152,24 @@ class Recomputed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
 
 
+class LossScaler:
+    """Dynamic loss scaling for float16 training (Micikevicius et al. 2018, "Mixed Precision
+    Training", https://arxiv.org/abs/1710.03740 §3.2): the loss is multiplied by ``scale`` so small
+    gradients stay above float16's smallest normal number; a step whose gradients overflow is
+    skipped and the scale halved; after ``interval`` good steps in a row it doubles."""
+
+    def __init__(self, scale: float, interval: int = 2000):
+        self.scale, self.good, self.interval = scale, 0, interval
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.good = self.scale / 2, 0
+            return
+        self.good += 1
+        if self.good == self.interval:
+            self.scale, self.good = self.scale * 2, 0
+
+
 def _all_ranks_here() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -193,7 +217,8 @@ class Trainer:
                 model.layers[i] = Recomputed(layer)
         self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
-        self.steps = 0  # optimizer steps taken (counting those of a loaded state)
+        self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
+        self.scaler = LossScaler(config.loss_scale) if config.dtype == "float16" else None
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:
@@ -228,6 +253,7 @@ class Trainer:
         meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
             ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention)
         io = StageIO(self.dims)
+        scale = self.scaler.scale if self.scaler else 1.0
         hidden = self.checkpoint.config.hidden_size
         total = torch.zeros((), dtype=torch.float64)  # the loss summed over this rank's tokens (last stage)
 
@@ -242,7 +268,7 @@ class Trainer:
             if io.last:
                 loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
                 total += loss.detach().sum().double()
-                out = loss.sum() / count
+                out = loss.sum() / count * scale
             io.produced(i, out)
 
         self.zero.start_backward()
@@ -252,16 +278,26 @@ class Trainer:
         self.zero.finish_backward()
         if self.zero.tied is not None:
             all_reduce(self.zero.tied.master.grad, self.embedding_group)
+        if self.scaler:
+            self.zero.scale_grads(1 / scale)
         norm = self.zero.grad_norm(self.dims.tp_group, self.dims.pp_group, count_tied=self.model.first)
-        if self.config.max_grad_norm:
-            self.zero.clip(self.config.max_grad_norm, norm)
-        self.optimizer.step()
-        self.zero.after_step()
+        # the global norm is the same number on every rank: all skip an overflowing step together
+        skipped = self.scaler is not None and not torch.isfinite(norm).item()
+        if self.scaler:
+            self.scaler.update(overflow=skipped)
+        if skipped:
+            self.zero.drop_grads()
+        else:
+            if self.config.max_grad_norm:
+                self.zero.clip(self.config.max_grad_norm, norm)
+            self.optimizer.step()
+            self.zero.after_step()
         self.steps += 1
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
             t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
-        return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count),
+        extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
+        return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count), **extra,
                 "seconds": time.perf_counter() - start, "state_bytes": held,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
@@ -275,8 +311,9 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         mine = folder / f"rank-{self.dims.global_rank}.pt"
         masters = [m.detach().clone() for m in self.zero.shards()]  # a view would save its whole buffer
-        torch.save({"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict()},
-                   mine.with_suffix(".tmp"))
+        scaler = None if self.scaler is None else vars(self.scaler)
+        torch.save({"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict(),
+                    "loss_scaler": scaler}, mine.with_suffix(".tmp"))
         mine.with_suffix(".tmp").replace(mine)
         _all_ranks_here()  # every rank's file is written before meta.json names the folder
         if self.dims.global_rank == 0:
@@ -312,6 +349,8 @@ class Trainer:
         c = self.config
         for group in self.optimizer.param_groups:  # this run's settings, not the saved ones
             group.update(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        if self.scaler is not None:
+            vars(self.scaler).update(saved["loss_scaler"])
         self.steps = saved["step"]
         return self.steps
 

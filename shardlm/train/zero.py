@@ -288,6 +288,17 @@ class Zero:
         for unit in self.units:
             unit.after_step()
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every owned gradient (float32) by ``factor`` (float16: undo the loss scale)."""
+        for unit in self.units:
+            if unit.master.grad is not None:
+                unit.master.grad.mul_(factor)
+
+    def drop_grads(self) -> None:
+        """Forget this step's gradients without stepping (a float16 step that overflowed)."""
+        for unit in self.units:
+            unit.master.grad = unit.shard.grad = None
+
     def load_masters(self, masters: list[Tensor]) -> None:
         """Set this rank's owned part of every unit (as ``shards()`` lists them, float32) and
         rebuild the weights from it, as after an optimizer step (stages 1-2 all-gather)."""
