@@ -355,8 +355,8 @@ def test_bad_input_is_refused_with_a_reason(tiny):
         TrainConfig(zero=4)
     with pytest.raises(UsageError, match="lr=0"):
         TrainConfig(lr=0)
-    with pytest.raises(UsageError, match="dtype='float16' is not supported for training"):
-        TrainConfig(dtype="float16")
+    with pytest.raises(UsageError, match="dtype='int8' is not supported for training"):
+        TrainConfig(dtype="int8")
     llama = open_checkpoint(tiny("llama").path).config  # 6 query heads, 2 KV heads
     with pytest.raises(LayoutError, match=r"tp=3 splits a KV head's query group .* use tp in \[1, 2\]"):
         check_trainable(llama, 3)
