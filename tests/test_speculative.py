@@ -76,8 +76,8 @@ def test_sampled_verify_keeps_the_target_distribution():
 
 
 def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
-    """One process, tp=2, pp=2 (the last stage sends each step's verified runs up the pipeline)
-    and pp=2 x tp=2: 200 tokens a prompt, so the random model falls into repeats that drafts
+    """One process, tp=2 and pp=2 x tp=2 (the last stage sends each step's verified runs up the
+    pipeline): 200 tokens a prompt, so the random model falls into repeats that drafts
     predict."""
     ref = tiny("llama")
     n = [200] * len(PROMPTS)
@@ -88,7 +88,7 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
     assert [o.token_ids[:32] for o in out] == ref.tokens  # and HF's own greedy tokens
     stats = spec.last_stats
     assert stats.draft_tokens > stats.accepted_tokens > 0, (stats.draft_tokens, stats.accepted_tokens)
-    for layout in (dict(tp=2), dict(pp=2), dict(pp=2, tp=2)):
+    for layout in (dict(tp=2), dict(pp=2, tp=2)):
         world = layout.get("tp", 1) * layout.get("pp", 1)
         for tokens, _ in run_ranks(world, llm_generate, str(ref.path), PROMPTS, n,
                                    speculative_config={"num_speculative_tokens": 3}, **layout):

@@ -94,6 +94,14 @@ def run(args) -> int:
                          f"evenly; choose --batch-size, --grad-accum and --seq-len so that tp divides them")
     ids = ckpt.tokenizer().encode(data.read_text(encoding="utf-8"))
     batches = Batches(ids, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, source=str(data))
+    order = {"data": str(data.resolve()), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+    state = Path(args.checkpoint or ".") / "state"
+    resume = args.checkpoint is not None and (state / "meta.json").is_file()
+    if resume:  # before any rank starts
+        saved = json.loads((state / "batches.json").read_text()) if (state / "batches.json").is_file() else order
+        if saved != order:  # the steps ahead would not be the batches the saved ones were followed by
+            raise UsageError(f"the training state in {args.checkpoint!r} was trained on {saved}, this run asks "
+                             f"for {order}; resume with the same --data, --seq-len, --batch-size and --seed")
     env = torchrun_env()
     speaker = env is None or env["rank"] == 0
     world = config.dims().world_size
@@ -126,13 +134,7 @@ def run(args) -> int:
     history = []
     try:
         first = 0
-        order = {"data": str(data.resolve()), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
-        state = Path(args.checkpoint or ".") / "state"
-        if args.checkpoint and (state / "meta.json").is_file():
-            saved = json.loads((state / "batches.json").read_text()) if (state / "batches.json").is_file() else order
-            if saved != order:  # the steps ahead would not be the batches the saved ones were followed by
-                raise UsageError(f"the training state in {args.checkpoint!r} was trained on {saved}, this run asks "
-                                 f"for {order}; resume with the same --data, --seq-len, --batch-size and --seed")
+        if resume:
             first = load_state(args.checkpoint)
             if speaker:
                 log(f"resumed from {args.checkpoint} after step {first}")
