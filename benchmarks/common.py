@@ -6,6 +6,7 @@ import contextlib
 import os
 import statistics
 import time
+from typing import Callable
 
 from shardlm import LLM, SamplingParams
 
@@ -52,4 +53,27 @@ def in_turns(layouts: dict[str, dict], prompts: int, tokens: int, repeats: int) 
     for name, results in runs.items():
         median = statistics.median_low([rate for rate, _ in results])
         out[name] = next((rate, stats) for rate, stats in results if rate == median)
+    return out
+
+
+def spawn_ranks(world: int, target: Callable, *args) -> list:
+    """Start ``world`` processes running ``target(rank, world, port, *args, results)``, each of which
+    puts ``(rank, result)`` on ``results`` (and sets up its own gloo group on 127.0.0.1:port);
+    returns the results in rank order."""
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harness's free_port
+    from multirank import free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = [o for _, o in sorted(results.get(timeout=3600) for _ in procs)]
+    for p in procs:
+        p.join()
     return out

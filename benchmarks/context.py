@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import load_note
+from common import load_note, spawn_ranks
 
 Q_HEADS, KV_HEADS, D = 9, 3, 64
 
@@ -79,8 +79,6 @@ def one_process(seq: int, repeats: int) -> float:
 
 
 def main() -> None:
-    from multirank import free_port
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--cp", type=int, default=2)
@@ -89,14 +87,7 @@ def main() -> None:
     seq, cp = args.seq_len, args.cp
     print(f"context-parallel attention, SmolLM2 shape ({Q_HEADS} q / {KV_HEADS} kv heads, d {D}), float32, "
           f"1 x {seq} tokens over cp={cp} ranks x 1 thread; {load_note()}", flush=True)
-    ctx = torch.multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, cp, port, seq, args.repeats, results)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    ranks = [o for _, o in sorted(results.get(timeout=3600) for _ in procs)]
-    for p in procs:
-        p.join()
+    ranks = spawn_ranks(cp, rank_main, seq, args.repeats)
     alone = one_process(seq, args.repeats)
     n, kv_bytes = seq // cp, 2 * KV_HEADS * D * 4
     local = n * (2 * Q_HEADS * D * 4 + kv_bytes)  # this rank's queries, output, keys and values

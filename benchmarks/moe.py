@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from common import spawn_ranks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 LAYOUTS = [("dp2 ep1", dict(dp=2, ep=1)), ("dp2 ep2", dict(dp=2, ep=2)),
@@ -111,18 +113,7 @@ def run_ranks(rank: int, world: int, port: int, path: str, prompts, new_tokens: 
 
 
 def measure(path: str, prompts, new_tokens: int, repeats: int) -> list[dict]:
-    from multirank import free_port
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=run_ranks, args=(r, 2, port, path, prompts, new_tokens, repeats, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    out = [o for _, o in sorted(results.get(timeout=3600) for _ in procs)]
-    for p in procs:
-        p.join()
-    return out
+    return spawn_ranks(2, run_ranks, path, prompts, new_tokens, repeats)
 
 
 def main() -> None:

@@ -113,11 +113,14 @@ class Scheduler:
             if self._make_room(seq, seq.num_tokens):
                 decodes.append(seq)
                 budget -= 1
-        for seq in list(decodes):  # drafts take only what every decode's next token left over
+        plain = []
+        for seq in decodes:  # drafts take only what every decode's next token left over
             if drafts := self._drafts(seq, budget):
-                decodes.remove(seq)
                 drafted[seq] = drafts
                 budget -= len(drafts)
+            else:
+                plain.append(seq)
+        decodes = plain
         for seq in self.running:  # prompts already started, in admission order
             if seq.status is Status.RUNNING and not seq.is_decoding and budget > 0:
                 n = min(seq.num_tokens - seq.num_computed, budget)
