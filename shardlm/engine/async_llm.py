@@ -2,7 +2,8 @@
 
 ``AsyncLLM`` starts the ranks (always as child processes, so the event loop never
 computes), puts them in their serving loop (``serve_loop``), and routes each request
-to the replica with the least outstanding work. A reader thread turns the leaders'
+to the replica with the least outstanding work (disaggregated: to a prefill replica,
+which hands it on to a decode replica once its first token is out). A reader thread turns the leaders'
 events into per-request asyncio queues. A rank that fails or dies fails every
 request in flight with ``EngineDead`` and marks the engine unhealthy; it never hangs.
 """
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
 from shardlm.engine.llm import EngineFront
 from shardlm.engine.sampling import SamplingParams
@@ -44,8 +46,8 @@ class StreamOutput:
 class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    replica: int
-    work: int  # tokens counted against the replica until the request finishes
+    replica: int  # where the request is now (a decode replica once handed off)
+    work: dict[int, int]  # tokens counted against each replica it occupies, until it leaves
 
 
 class AsyncLLM(EngineFront):
@@ -58,13 +60,23 @@ class AsyncLLM(EngineFront):
         self._took_ready(infos)
         self._ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
-        self._load = [0] * len(self._replica_leaders)  # outstanding tokens per replica
+        replicas = len(self._replica_leaders)
+        self._load = [0] * replicas  # outstanding tokens per replica
+        # disaggregated: prompts go to the first prefill_replicas, then on to one of the others
+        split = self.config.prefill_replicas
+        self._prefill = list(range(split or replicas))
+        self._decode = list(range(split, replicas)) if split else None
+        per_replica = len(infos) // replicas  # ranks, consecutive per replica
+        self._block_bytes = [sum(i["kv_block_bytes"] for i in infos[r * per_replica:(r + 1) * per_replica])
+                             for r in range(replicas)]
         self._lock = threading.Lock()
         self.error: str | None = None
         self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
                       "prefix_cache_hits": 0, "prefix_cache_queries": 0, "spec_draft_tokens": 0,
-                      "spec_accepted_tokens": 0, "expert_load": None}
+                      "spec_accepted_tokens": 0, "handoffs_recomputed": 0, "expert_load": None}
         self._replica_stats = [dict(self.stats) for _ in self._replica_leaders]
+        self._handoffs = {"kv_handoffs": 0, "kv_transfer_bytes": 0}  # counted here, from the handoff events
+        self.stats.update(self._handoffs)
         for conn in self._ranks.conns:
             conn.send(("serve", None))
         self._reader = threading.Thread(target=self._read, name="shardlm-events", daemon=True)
@@ -105,14 +117,19 @@ class AsyncLLM(EngineFront):
             if len(self._streams) >= self.max_queue:
                 raise QueueFull(f"{len(self._streams)} requests are in flight (max_queue={self.max_queue})")
             rid = next(self._ids)
-            replica = self._load.index(min(self._load))
-            work = len(prompt_ids) + params.max_tokens
-            self._load[replica] += work
+            replica = min(self._prefill, key=self._load.__getitem__)
+            work = {replica: len(prompt_ids) + params.max_tokens}
+            handoff = None
+            if self._decode is not None:  # the prefill replica computes the prompt only
+                handoff = min(self._decode, key=self._load.__getitem__)
+                work = {replica: len(prompt_ids), handoff: len(prompt_ids) + params.max_tokens}
+            for r, w in work.items():
+                self._load[r] += w
             stream = self._streams[rid] = _Stream(asyncio.Queue(), loop, replica, work)
         seed = params.seed if params.seed is not None else self.config.seed + rid
         finished = False
         try:
-            self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed))))
+            self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed, handoff))))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
@@ -122,25 +139,23 @@ class AsyncLLM(EngineFront):
                     finished = True
                     return
         finally:
-            try:
+            with self._lock:  # with the reader's handoffs: the abort goes where the request is now
+                self._streams.pop(rid)
+                for r, w in stream.work.items():
+                    self._load[r] -= w
                 if not finished and self.error is None:
-                    self._send(replica, ("abort", rid))  # client went away: free its blocks
-            finally:
-                self._drop(rid)
+                    self._send_locked(stream.replica, ("abort", rid))  # client went away: free its blocks
 
     def _send(self, replica: int, message) -> None:
+        with self._lock:
+            self._send_locked(replica, message)
+
+    def _send_locked(self, replica: int, message) -> None:
         """To a replica's leader; a closed pipe means the rank is gone (the reader reports which)."""
         try:
-            with self._lock:
-                self._ranks.conns[self._replica_leaders[replica]].send(message)
+            self._ranks.conns[self._replica_leaders[replica]].send(message)
         except OSError as e:
             raise EngineDead(self.error or f"replica {replica}'s leader rank cannot be reached ({e})") from None
-
-    def _drop(self, rid: int) -> None:
-        with self._lock:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                self._load[stream.replica] -= stream.work
 
     # ---- events from the ranks -------------------------------------------------------------
     def _read(self) -> None:
@@ -159,13 +174,17 @@ class AsyncLLM(EngineFront):
                         return
                     if kind == "events":
                         self._dispatch(self._replica_leaders.index(rank), *value)
-        except RankFailure as e:
+        except (RankFailure, EngineDead) as e:
             self._fail(str(e))
+        except Exception as e:  # noqa: BLE001 - a dead reader would leave every request waiting
+            self._fail(f"the driver's event reader failed: {e!r}")
+            raise
 
-    def _dispatch(self, replica: int, tokens, finished, stats) -> None:
+    def _dispatch(self, replica: int, tokens, finished, stats, handoffs) -> None:
         self._replica_stats[replica] = stats
         numbers = {k: sum(s[k] for s in self._replica_stats) for k, v in stats.items() if k != "expert_load"}
-        self.stats = {**numbers, "expert_load": merge_expert_loads([s.get("expert_load") for s in self._replica_stats])}
+        self.stats = {**numbers, "expert_load": merge_expert_loads([s.get("expert_load") for s in self._replica_stats]),
+                      **self._handoffs}
         outs: dict[int, StreamOutput] = {}
         for rid, tok in tokens:
             outs.setdefault(rid, StreamOutput([])).token_ids.append(tok)
@@ -177,6 +196,22 @@ class AsyncLLM(EngineFront):
         for stream, out in targets:
             if stream is not None:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        for h in handoffs:  # after the first token above
+            self._forward(h)
+
+    def _forward(self, h: Handoff) -> None:
+        """Send a prefilled request on to its decode replica, which must receive its KV even when
+        the client has gone (its ranks' sends are under way): then it is aborted there at once."""
+        self._handoffs["kv_handoffs"] += 1
+        self._handoffs["kv_transfer_bytes"] += h.num_blocks * self._block_bytes[h.src]
+        with self._lock:
+            stream = self._streams.get(h.rid)
+            self._send_locked(h.dst, ("adopt", h))
+            if stream is None:
+                self._send_locked(h.dst, ("abort", h.rid))
+            else:
+                stream.replica = h.dst
+                self._load[h.src] -= stream.work.pop(h.src)
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -76,6 +76,10 @@ class EngineConfig:
     """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own
     history, verified in the step that feeds them (greedy output unchanged)."""
+    prefill_replicas: int = 0
+    """Serving: prefill/decode disaggregation. The first this many of the dp replicas only compute
+    prompts (and each first token); the rest only decode, receiving each prompt's KV cache from
+    the replica that computed it. 0: every replica does both."""
     threads: int | None = None
     """CPU threads per rank; default: the cores shared evenly among the local ranks."""
     timeout_s: float = 300.0
@@ -102,6 +106,9 @@ class EngineConfig:
                 raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
+        if not isinstance(self.prefill_replicas, int) or not 0 <= self.prefill_replicas < max(self.dp, 1):
+            raise UsageError(f"prefill_replicas={self.prefill_replicas!r} must leave at least one of the dp={self.dp} "
+                             f"replicas to decode; use 0 (no split) to {max(self.dp - 1, 0)}, or raise dp")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")

@@ -17,6 +17,10 @@ ranks of several replicas), the replicas step in lockstep: before each micro-bat
 the ranks agree over their dp group whether any replica runs it, and a replica with
 nothing to run joins the expert collectives with an empty batch (``idle_forward``), so
 collectives never mismatch. Otherwise replicas never wait for each other.
+
+Disaggregated serving (disagg.py): a request added with a ``handoff`` replica leaves this
+engine once its prompt is computed and its first token sampled; its KV cache goes to that
+replica's engine, which ``adopt``s it and decodes the rest.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from typing import Callable
 import torch
 
 from shardlm.engine.block_manager import BlockManager
+from shardlm.engine.disagg import Handoff, adopt, hand_off
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from shardlm.engine.sequence import Sequence
+from shardlm.engine.sequence import Sequence, Status
 from shardlm.engine.speculative import verify
 from shardlm.models.moe import idle_forward
 from shardlm.parallel import comm
+from shardlm.parallel.data import ReplicaLink
 from shardlm.parallel.pipeline import StageLinks
 
 
@@ -45,6 +51,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    handoff: int | None = None  # disaggregated serving: prefill here, then decode on this dp rank
 
 
 @dataclass
@@ -72,7 +79,8 @@ TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
 class Engine:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, *, eos_ids: tuple[int, ...],
-                 config: SchedulerConfig, links: StageLinks, micro_batches: int = 1, lockstep=None):
+                 config: SchedulerConfig, links: StageLinks, micro_batches: int = 1, lockstep=None,
+                 replica_link: ReplicaLink | None = None):
         self.runner = runner
         self.lockstep = lockstep  # the dp group when replicas share expert collectives
         self.blocks = blocks
@@ -83,18 +91,29 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}  # unfinished, by request id
         self.aborted: set[int] = set()
         self.busy_s = 0.0
+        self.replica_link = replica_link  # disaggregated serving: KV to or from other replicas
+        self.handoffs: list[Handoff] = []  # sent since the serving loop last took them
+        self.recomputed_handoffs = 0  # adopted without a free block: queued to be recomputed
 
     # ---- requests in, between rounds ---------------------------------------------------
     def add(self, rid: int, request: Request) -> Sequence:
         """Queue a request on the micro-batch with the least outstanding work (the same on every rank)."""
         p = request.params
         gen = None if p.greedy else torch.Generator(device="cpu").manual_seed(request.seed)
-        seq = Sequence(rid, request.prompt_ids, p, eos_ids=self.eos_ids, generator=gen)
-        work = [sum(s.num_tokens + s.params.max_tokens - len(s.output_ids) for s in (*sc.waiting, *sc.running))
-                for sc in self.scheds]
-        self.scheds[work.index(min(work))].add(seq)
+        seq = Sequence(rid, request.prompt_ids, p, eos_ids=self.eos_ids, generator=gen, handoff=request.handoff)
+        self.least_loaded().add(seq)
         self.seqs[rid] = seq
         return seq
+
+    def least_loaded(self) -> Scheduler:
+        """The micro-batch with the fewest tokens still to process."""
+        work = [sum(s.num_tokens + s.params.max_tokens - len(s.output_ids) for s in (*sc.waiting, *sc.running))
+                for sc in self.scheds]
+        return self.scheds[work.index(min(work))]
+
+    def adopt(self, handoff: Handoff) -> None:
+        """Continue a sequence another replica prefilled (disaggregated serving)."""
+        adopt(self, handoff)
 
     def abort(self, rid: int) -> None:
         """Drop a request; applied when its micro-batch has no step in flight."""
@@ -148,6 +167,11 @@ class Engine:
             for seq, n in zip(batch.seqs, before):
                 for tok in seq.output_ids[n:]:
                     on_token(seq.id, tok)
+        for seq in batch.seqs:  # prefilled for a decode replica: its KV goes there, it leaves here
+            prefilled = seq.status is Status.RUNNING and seq.output_ids and seq.id not in self.aborted
+            if seq.handoff is not None and prefilled:
+                self.handoffs.append(hand_off(self, sched, seq))
+                del self.seqs[seq.id]
         return done
 
     def _step(self, batch: Batch) -> list[int | None] | None:

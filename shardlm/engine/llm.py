@@ -45,6 +45,10 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
     check_expert_layout(ckpt.config, config.ep, config.etp)
     stage_layers(ckpt.config, config.pp, config.pp_layers)
+    if config.prefill_replicas and ckpt.config.is_moe and config.tp % (config.ep * config.etp):
+        raise UsageError(f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "
+                         f"experts over ep*etp={config.ep * config.etp} ranks (not dividing tp={config.tp}) keep "
+                         f"the replicas in lockstep; use ep*etp dividing tp, or no prefill replicas")
     if config.compile and ckpt.config.is_moe:
         raise UsageError(f"compile=True supports dense models; {ckpt.path.name} is a mixture of experts, whose "
                          "routing torch.compile cannot trace: drop --compile")
@@ -89,6 +93,9 @@ class EngineFront:
 class LLM(EngineFront):
     def __init__(self, model: str | Checkpoint = "smollm2", *, tokenizer=None, **options):
         super().__init__(model, options, tokenizer)
+        if self.config.prefill_replicas:
+            raise UsageError(f"prefill_replicas={self.config.prefill_replicas} is a serving layout (requests that "
+                             "arrive over time); use AsyncLLM or `shardlm serve --prefill-replicas`, or 0 here")
         self._ranks: LocalRanks | None = None
         self.last_stats: RunStats | None = None
         self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives

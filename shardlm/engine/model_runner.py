@@ -69,6 +69,24 @@ class ModelRunner:
                 cache[:, self.zeroed_blocks:highest + 1].view(torch.uint8).zero_()  # bytes: fp8 has no fill on CPU
             self.zeroed_blocks = highest + 1
 
+    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of ``read_blocks``' output for ``num_blocks`` blocks."""
+        layer = self.caches[0].view(torch.uint8).shape
+        return (len(self.caches), layer[0], num_blocks, *layer[2:])
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A copy of these blocks of every local layer, as bytes (any cache element type):
+        [layers, 2, len(blocks), block_size, kv_heads, row bytes]."""
+        idx = torch.tensor(blocks, device=self.device)
+        return torch.stack([cache.view(torch.uint8).index_select(1, idx) for cache in self.caches])
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Fill these blocks from ``read_blocks``' output (another replica's, for the same layers)."""
+        self._zero_new_blocks(max(blocks))  # first, or a later step would zero what lands here
+        idx = torch.tensor(blocks, device=self.device)
+        for cache, layer in zip(self.caches, kv):
+            cache.view(torch.uint8).index_copy_(1, idx, layer)
+
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
         last token of each sequence that reaches its end this step (a prompt chunk that

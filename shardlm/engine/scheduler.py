@@ -183,14 +183,15 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is (client gone); its blocks are freed."""
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Drop a sequence wherever it is (client gone, or handed to a decode replica); its
+        blocks are freed."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        seq.finish("abort")
+        seq.finish(reason)
 
     def update(self, batch: Batch, tokens: list[int | list[int] | None]) -> list[Sequence]:
         """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a

@@ -20,13 +20,15 @@ class Sequence:
     """Prompt and generated tokens, the KV blocks that hold them, and timing."""
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, *,
-                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None):
+                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
+                 handoff: int | None = None):
         self.id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         self.generator = generator
+        self.handoff = handoff  # disaggregated serving: the decode replica it goes to once prefilled
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache names of its full blocks, in order

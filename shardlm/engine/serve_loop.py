@@ -7,8 +7,11 @@ collective over the replica's group), so every rank adds and aborts the same
 requests at the same point and the schedulers stay identical. No collective spans
 replicas, unless their MoE layers exchange tokens across replicas: then the replicas
 also agree each round whether any has work (and step together, see Engine) and when to
-stop. An idle leader still broadcasts at least every ``IDLE_S`` seconds, so the other
-ranks never wait long enough in the broadcast to time out.
+stop. Disaggregated serving adds one kind of news, a request another replica prefilled
+(``adopt``: every rank receives its KV shard from its counterpart there), and one kind
+of event, the requests this replica prefilled and handed on. An idle leader still
+broadcasts at least every ``IDLE_S`` seconds, so the other ranks never wait long enough
+in the broadcast to time out.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
 from shardlm.parallel import comm
 from shardlm.parallel.data import replica_group
@@ -32,6 +36,7 @@ class News:
     """What the leader tells its replica at the start of a round."""
 
     adds: list[tuple[int, Request]] = field(default_factory=list)
+    adopts: list[Handoff] = field(default_factory=list)  # prefilled by another replica (disaggregation)
     aborts: list[int] = field(default_factory=list)
     stop: bool = False
 
@@ -49,6 +54,8 @@ def serve(worker, link) -> None:
             for kind, value in link.poll(0.0 if engine.has_work() else IDLE_S):
                 if kind == "add":
                     news.adds.append(value)
+                elif kind == "adopt":
+                    news.adopts.append(value)
                 elif kind == "abort":
                     news.aborts.append(value)
                 elif kind == "stop":
@@ -59,6 +66,8 @@ def serve(worker, link) -> None:
             news = box[0]
         for rid, request in news.adds:
             engine.add(rid, request)
+        for handoff in news.adopts:  # before aborts: a client may have left while its KV travelled
+            engine.adopt(handoff)
         for rid in news.aborts:
             engine.abort(rid)
         work, stop = engine.has_work(), news.stop
@@ -80,9 +89,10 @@ def serve(worker, link) -> None:
                 rebalance_experts(worker.model, observed, worker.checkpoint.source(), worker.config.eplb_redundant)
             load = observed.to_dict()
             load["all_replicas"] = engine.lockstep is not None
+        handoffs, engine.handoffs = engine.handoffs, []
         if leader:
             finished = [(s.id, s.finish_reason, s.num_cached) for s in done]
-            link.send("events", (tokens, finished, engine_stats(engine, load)))
+            link.send("events", (tokens, finished, engine_stats(engine, load), handoffs))
     engine.links.flush()
 
 
@@ -97,5 +107,6 @@ def engine_stats(engine, expert_load: dict | None) -> dict:
         "kv_blocks_total": blocks.num_blocks,
         "prefix_cache_hits": blocks.hits,
         "prefix_cache_queries": blocks.queries,
+        "handoffs_recomputed": engine.recomputed_handoffs,
         **dict(zip(("spec_draft_tokens", "spec_accepted_tokens"), engine.speculation())),
     }

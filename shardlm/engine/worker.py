@@ -17,7 +17,7 @@ from shardlm.engine.sequence import Sequence
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import moe_blocks, needs_lockstep
-from shardlm.parallel.data import assign
+from shardlm.parallel.data import ReplicaLink, assign
 from shardlm.parallel.expert_stats import collect_load
 from shardlm.parallel.pipeline import StageLinks, stage_layers
 from shardlm.parallel.tensor import quantize_int8
@@ -63,7 +63,7 @@ class Worker:
             quantize_int8(self.model)
         self.load_s = time.perf_counter() - start
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
+        self.kv_block_bytes = per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
         needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
         self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs, device=self.device,
@@ -74,7 +74,9 @@ class Worker:
                                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                                     speculative=config.speculative_config),
                              links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp,
-                             lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None)
+                             lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
+                             replica_link=ReplicaLink(self.dims, config.prefill_replicas)
+                             if config.prefill_replicas else None)
         self.moe = bool(moe_blocks(self.model))
 
     @classmethod
@@ -84,6 +86,7 @@ class Worker:
 
     def ready_info(self) -> dict:
         return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks,
+                "kv_block_bytes": self.kv_block_bytes,
                 "layers": (self.layers.start, self.layers.stop), "coords": self.dims.coords(self.dims.global_rank)}
 
     def prompt_logits(self, prompt_ids: list[int], chunk: int | None = None) -> torch.Tensor:

@@ -31,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="MoE: re-place experts from the observed load every R rounds (default 0: never)")
     p.add_argument("--eplb-redundant", type=int, default=0, metavar="K",
                    help="MoE: spare expert slots per layer for replicas of the hottest experts (default 0)")
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                   help="prefill/decode disaggregation: the first P of the --dp replicas compute prompts, the "
+                        "others decode, receiving each prompt's KV cache (default 0: every replica does both)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30, help="KV cache per rank (default 2GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together per replica")
@@ -108,12 +111,15 @@ def _start_engine(args):
     options = dict(layout_options(args), eplb_interval=args.eplb_interval, eplb_redundant=args.eplb_redundant,
                    seed=args.seed, timeout_s=args.timeout, threads=args.threads, max_model_len=args.max_model_len,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_batched_tokens=args.max_num_batched_tokens, prefill_replicas=args.prefill_replicas)
     world = args.tp * args.pp * args.dp
     axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
     log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
         f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})")
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
+    if args.prefill_replicas:
+        log(f"disaggregated: replicas 0-{args.prefill_replicas - 1} prefill, {args.prefill_replicas}-{args.dp - 1} "
+            f"decode (KV cache handed over after each prompt's first token)")
     bs = engine.config.block_size
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")

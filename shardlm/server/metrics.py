@@ -86,7 +86,11 @@ class _EngineCollector:
         yield _gauge("shardlm_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start",
                      s["prefix_cache_hits"] / q if q else 0.0)
         for key, doc in (("spec_draft_tokens", "Speculative decoding: draft tokens verified"),
-                         ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted")):
+                         ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted"),
+                         ("kv_handoffs", "Disaggregated serving: prompts handed from a prefill to a decode replica"),
+                         ("kv_transfer_bytes", "Disaggregated serving: KV-cache bytes sent to decode replicas"),
+                         ("handoffs_recomputed", "Disaggregated serving: handoffs a decode replica had no free "
+                                                 "blocks for, recomputed there instead")):
             family = CounterMetricFamily(f"shardlm_{key}", doc)
             family.add_metric([], s[key])
             yield family
