@@ -45,7 +45,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "shardlm.cli", "serve", "--port", "0", "--threads", str(args.threads),
            "--tp", str(args.tp), "--dp", str(args.dp), "--dtype", args.dtype, "--device", args.device,
            "--kv-cache-memory", "512MiB",
-           "--max-model-len", "2048"] + (["--compile"] if args.compile else [])
+           "--max-model-len", "2048", "--prefill-replicas", str(getattr(args, "prefill_replicas", 0))]
+    cmd += ["--compile"] if args.compile else []
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     found: list[str] = []
     ready = threading.Event()
@@ -68,12 +69,13 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 async def shardlm_level(url: str, prompts: list[list[int]], clients: int, requests: int, tokens: int,
                         until_eos: bool):
-    """(wall seconds, generated tokens, [ttft], [tpot]) of `requests` streamed requests, `clients` at a time."""
+    """(wall seconds, generated tokens, [ttft], [tpot], [itl]) of `requests` streamed requests, `clients` at
+    a time; itl: every gap between two chunks of tokens of one answer (inter-token latency)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     todo = iter(range(requests))
-    ttft, tpot, counts = [], [], []
+    ttft, tpot, itl, counts = [], [], [], []
 
     async def one_client() -> None:
         for i in todo:
@@ -86,7 +88,10 @@ async def shardlm_level(url: str, prompts: list[list[int]], clients: int, reques
             async for chunk in stream:
                 got = len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
                 if got:
-                    last = time.perf_counter()
+                    now = time.perf_counter()
+                    if last is not None:
+                        itl.append(now - last)
+                    last = now
                     first = first or last
                     n += got
             counts.append(n)
@@ -98,7 +103,7 @@ async def shardlm_level(url: str, prompts: list[list[int]], clients: int, reques
     await asyncio.wait_for(asyncio.gather(*[one_client() for _ in range(clients)]), REQUEST_TIMEOUT_S)
     wall = time.perf_counter() - start
     await client.close()
-    return wall, sum(counts), ttft, tpot
+    return wall, sum(counts), ttft, tpot, itl
 
 
 def hf_level(model, prompts: list[list[int]], clients: int, requests: int, tokens: int, pad: int,
@@ -138,12 +143,15 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
-def row(name: str, clients: int, wall: float, tokens: int, ttft: list[float], tpot: list[float]) -> dict:
+def row(name: str, clients: int, wall: float, tokens: int, ttft: list[float], tpot: list[float],
+        itl: list[float] | None = None) -> dict:
     r = {"engine": name, "clients": clients, "tok_s": tokens / wall, "tokens": tokens, "wall": wall,
-         "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "tpot50": pct(tpot, 50), "tpot99": pct(tpot, 99)}
+         "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "tpot50": pct(tpot, 50), "tpot99": pct(tpot, 99),
+         "itl99": pct(itl or [], 99)}
     print(f"  {name:<8} C={clients:<3} {r['tok_s']:7.1f} tok/s  ({tokens} tokens in {wall:5.1f} s)  "
           f"TTFT p50 {r['ttft50']:.2f} s p99 {r['ttft99']:.2f} s  TPOT p50 {r['tpot50'] * 1e3:.0f} ms "
-          f"p99 {r['tpot99'] * 1e3:.0f} ms   load {os.getloadavg()[0]:.1f}", flush=True)
+          f"p99 {r['tpot99'] * 1e3:.0f} ms" + (f"  ITL p99 {r['itl99'] * 1e3:.0f} ms" if itl else "")
+          + f"   load {os.getloadavg()[0]:.1f}", flush=True)
     return r
 
 

@@ -148,6 +148,9 @@ class Engine:
                 if runs:
                     self.pending[j] = (batch, self._step(batch))
                     stepped = True
+                    if self.links.first and self.links.last:  # one stage: the tokens are here, out with them now
+                        done += self._finish_step(sched, *self.pending[j], on_token)
+                        self.pending[j] = None
                 else:
                     idle_forward(self.runner.model)  # join the other replicas' expert collectives
         for seq in done:
