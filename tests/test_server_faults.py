@@ -37,6 +37,7 @@ def test_a_busy_port_fails_at_once_with_exit_2():
     (["--tp", "10"], "tp=10 is larger than the model's 9 attention heads"),
     (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
     (["--kv-cache-memory", "lots"], "is not a size"),
+    (["--prefill-replicas", "1"], "prefill_replicas=1 must leave at least one of the dp=1 replicas to decode"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args, message):
     r = serve("--port", "0", *args)

@@ -107,8 +107,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
         if not isinstance(self.prefill_replicas, int) or not 0 <= self.prefill_replicas < max(self.dp, 1):
+            fits = f"0 to {self.dp - 1}" if self.dp > 1 else "0 (no split)"
+            more = f", or raise dp to {self.prefill_replicas + 1}" if isinstance(self.prefill_replicas, int) else ""
             raise UsageError(f"prefill_replicas={self.prefill_replicas!r} must leave at least one of the dp={self.dp} "
-                             f"replicas to decode; use 0 (no split) to {max(self.dp - 1, 0)}, or raise dp")
+                             f"replicas to decode; use {fits}{more}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
