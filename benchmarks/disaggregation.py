@@ -2,13 +2,14 @@
 `--prefill-replicas 1`, under the same load in the same run.
 
 Closed-loop load from the official `openai` client (serving.py's load generator): C clients,
-each sending its next streamed request when the previous one ends. Every --long-every-th
-request carries a long prompt (a --long-tokens document, unique from its first token so the
-prefix cache cannot skip it), the others short chat questions; every answer is --tokens
-tokens. Colocated, a long prompt's prefill runs in the same steps as the other requests'
-decodes on its replica and stalls them; disaggregated, the decode replica never prefills,
-so the gaps between an answer's tokens (ITL) should not see the long prompts, at the cost
-of half the decode capacity (TPOT) and every prefill on one replica (TTFT). The two servers are loaded at
+each sending its next streamed request when the previous one ends. One long prompt (a
+--long-tokens document, unique from its first token so the prefix cache cannot skip it)
+comes before every --long-every - 1 short chat questions (6 of 22 prompts at the default
+4); every answer is --tokens tokens. Colocated, a long prompt's prefill runs in the same
+steps as the other requests' decodes on its replica and stalls them; disaggregated, the
+decode replica never prefills, so the gaps between an answer's tokens (ITL) should not see
+the long prompts, at the cost of half the decode capacity (TPOT) and every prefill on one
+replica (TTFT). The two servers are loaded at
 once and measured in turns, level by level; the idle one uses no CPU.
 
     python benchmarks/disaggregation.py [--levels 4,8] [--tokens 48] [--long-tokens 1024]
@@ -27,7 +28,7 @@ from serving import row, shardlm_level, start_server
 
 
 def prompts(tok, long_tokens: int, long_every: int) -> list[list[int]]:
-    """Short chat prompts with a long one every ``long_every`` requests (16 short ones in all)."""
+    """The 16 short chat prompts, a long one before each run of ``long_every - 1`` of them."""
     chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))  # noqa: E731
     body = " ".join(QUESTIONS * 40)
     out = []
@@ -44,11 +45,13 @@ def main() -> None:
     ap.add_argument("--levels", default="4,8", help="concurrent clients, comma-separated")
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--long-tokens", type=int, default=1024, help="tokens of a long prompt's document")
-    ap.add_argument("--long-every", type=int, default=4, help="every n-th request has a long prompt")
+    ap.add_argument("--long-every", type=int, default=4, help="one long prompt per n - 1 short ones (n >= 2)")
     ap.add_argument("--requests-per-client", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each rank (2 ranks per server)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    if args.long_every < 2:
+        ap.error(f"--long-every {args.long_every} leaves no short prompt; use 2 or more")
 
     from shardlm.models.loader import open_checkpoint
 

@@ -223,10 +223,10 @@ class AsyncLLM(EngineFront):
     def shutdown(self) -> None:
         """Stop serving and every rank (in-flight requests end with EngineDead)."""
         if self.error is None:
-            for leader in self._replica_leaders:
+            for replica in range(len(self._replica_leaders)):
                 try:
-                    self._ranks.conns[leader].send(("stop", None))
-                except OSError:
+                    self._send(replica, ("stop", None))  # under the lock: the reader forwards handoffs
+                except EngineDead:
                     pass
             self._reader.join(timeout=10)
             self._fail("the server is shutting down")

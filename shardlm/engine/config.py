@@ -106,11 +106,11 @@ class EngineConfig:
                 raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
-        if not isinstance(self.prefill_replicas, int) or not 0 <= self.prefill_replicas < max(self.dp, 1):
+        split = self.prefill_replicas
+        if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split < max(self.dp, 1):
             fits = f"0 to {self.dp - 1}" if self.dp > 1 else "0 (no split)"
-            more = f", or raise dp to {self.prefill_replicas + 1}" if isinstance(self.prefill_replicas, int) and \
-                self.prefill_replicas > 0 else ""
-            raise UsageError(f"prefill_replicas={self.prefill_replicas!r} must leave at least one of the dp={self.dp} "
+            more = f", or raise dp to {split + 1}" if isinstance(split, int) and split > 0 else ""
+            raise UsageError(f"prefill_replicas={split!r} must leave at least one of the dp={self.dp} "
                              f"replicas to decode; use {fits}{more}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
         if not self.timeout_s > 0:

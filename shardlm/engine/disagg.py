@@ -13,7 +13,7 @@ the driver sends it to the least-loaded prefill replica, naming the decode repli
 will go to. The prefill replica computes the prompt and samples the first token (so
 the first token streams as soon as the prompt is done), then every one of its ranks
 starts sending its shard of the prompt's KV blocks to its counterpart on the decode
-replica (``ReplicaLink``), frees the blocks (they stay in its prefix cache) and reports
+replica (``ReplicaLink``; the ranks that sample also send the sampler's state), frees the blocks (they stay in its prefix cache) and reports
 a ``Handoff``. The driver forwards the handoff; every rank of the decode replica
 receives its shard in the same round, writes it into blocks of its own, and the
 sequence goes on decoding as if it had been prefilled there. A decode replica without
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.engine.sampling import SamplingParams
-from shardlm.engine.sequence import Sequence, Status
+from shardlm.engine.scheduler import Scheduler
+from shardlm.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -39,23 +40,24 @@ class Handoff:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int]  # the first token (sampled by the prefill replica)
-    num_computed: int  # tokens whose K/V travel: the prompt
+    num_computed: int  # tokens whose K/V travel (the prompt)
     num_cached: int  # of those, found in the prefill replica's prefix cache
-    generator_state: bytes | None  # the sampler's state after the first token (seeded sampling)
     src: int  # dp rank of the prefill replica
     dst: int  # dp rank of the decode replica
     num_blocks: int  # KV blocks sent (each rank its shard of them)
 
 
-def hand_off(engine, sched, seq: Sequence) -> Handoff:
-    """Send a just-prefilled sequence's KV shard to its decode replica and drop it here."""
+def hand_off(engine, sched: Scheduler, seq: Sequence) -> Handoff:
+    """Send a just-prefilled sequence's KV shard to its decode replica and drop it here. The
+    ranks that sample (the last stage's) also send the sampler's state after the first token,
+    so seeded sampling goes on where it left off."""
+    link = engine.replica_link
     blocks = seq.block_table[:-(-seq.num_computed // engine.blocks.block_size)]
-    payload = engine.runner.read_blocks(blocks)  # a copy: the blocks may be reused at once
-    engine.replica_link.send(payload, seq.handoff, tag=seq.id)
-    # bytes, not a tensor: pickling a tensor between processes would share its memory
-    state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
+    link.send(engine.runner.read_blocks(blocks), seq.handoff, tag=seq.id)  # a copy: the blocks are freed below
+    if seq.generator is not None and engine.links.last:
+        link.send(seq.generator.get_state().to(engine.runner.device), seq.handoff, tag=seq.id)
     handoff = Handoff(seq.id, seq.prompt_ids, seq.params, list(seq.output_ids), seq.num_computed, seq.num_cached,
-                      state, engine.replica_link.dp_rank, seq.handoff, len(blocks))
+                      link.dp_rank, seq.handoff, len(blocks))
     sched.abort(seq, reason="handoff")  # frees its blocks; their hashes keep them in the prefix cache
     return handoff
 
@@ -63,27 +65,20 @@ def hand_off(engine, sched, seq: Sequence) -> Handoff:
 def adopt(engine, h: Handoff) -> Sequence:
     """Receive a handed-off sequence's KV shard (every rank of the decode replica, in the order
     the handoffs were sent) and queue it to decode; without room, to be recomputed."""
-    runner, blocks = engine.runner, engine.blocks
-    n = h.num_blocks
-    kv = engine.replica_link.recv(runner.block_shape(n), runner.device, src=h.src, tag=h.rid)
+    runner, link = engine.runner, engine.replica_link
+    kv = link.recv(runner.block_shape(h.num_blocks), src=h.src, tag=h.rid)
     gen = None
-    if h.generator_state is not None:
+    if not h.params.greedy and engine.links.last:  # the ranks that sample
         gen = torch.Generator(device="cpu")
-        gen.set_state(torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8))
+        gen.set_state(link.recv(gen.get_state().shape, src=h.src, tag=h.rid).cpu())
     seq = Sequence(h.rid, h.prompt_ids, h.params, eos_ids=engine.eos_ids, generator=gen)
     seq.output_ids = list(h.output_ids)
     seq.first_token_time = time.perf_counter()
+    seq.num_cached = h.num_cached
     sched = engine.least_loaded()
-    if len(sched.running) < sched.config.max_num_seqs and blocks.can_grow(seq, seq.num_tokens):
-        blocks.grow(seq, seq.num_tokens)  # the prompt's blocks and a slot for the first token
-        runner.write_blocks(seq.block_table[:n], kv)
-        seq.num_computed = h.num_computed
-        blocks.commit(seq)
-        seq.status = Status.RUNNING
-        sched.running.append(seq)
+    if sched.adopt(seq, h.num_computed):
+        runner.write_blocks(seq.block_table[:h.num_blocks], kv)
     else:
         engine.recomputed_handoffs += 1
-        sched.add(seq)
-    seq.num_cached = h.num_cached
     engine.seqs[h.rid] = seq
     return seq

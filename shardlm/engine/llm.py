@@ -23,6 +23,7 @@ from shardlm.models.loader import Checkpoint, open_checkpoint
 from shardlm.models.moe import check_expert_layout
 from shardlm.parallel.data import gather_replicas
 from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import partition_heads
 
@@ -45,7 +46,7 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
     check_expert_layout(ckpt.config, config.ep, config.etp)
     stage_layers(ckpt.config, config.pp, config.pp_layers)
-    if config.prefill_replicas and ckpt.config.is_moe and config.tp % (config.ep * config.etp):
+    if config.prefill_replicas and ckpt.config.is_moe and experts_span_replicas(config.tp, config.ep, config.etp):
         raise UsageError(f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "
                          f"experts over ep*etp={config.ep * config.etp} ranks (not dividing tp={config.tp}) keep "
                          f"the replicas in lockstep; use ep*etp dividing tp, or no prefill replicas")

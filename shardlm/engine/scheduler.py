@@ -82,6 +82,21 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence, num_computed: int) -> bool:
+        """Take a sequence whose first ``num_computed`` tokens' K/V another replica computed
+        (disaggregated serving): running, with blocks for them and its next token, whose first
+        ones the caller fills, when a place and the blocks are free (True); else queued to be
+        recomputed from its tokens (False)."""
+        if len(self.running) >= self.config.max_num_seqs or not self.blocks.can_grow(seq, seq.num_tokens):
+            self.add(seq)
+            return False
+        self.blocks.grow(seq, seq.num_tokens)
+        seq.num_computed = num_computed
+        self.blocks.commit(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -75,7 +75,7 @@ class Worker:
                                                     speculative=config.speculative_config),
                              links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp,
                              lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
-                             replica_link=ReplicaLink(self.dims, config.prefill_replicas)
+                             replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
                              if config.prefill_replicas else None)
         self.moe = bool(moe_blocks(self.model))
 

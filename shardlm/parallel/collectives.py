@@ -310,24 +310,24 @@ def _a2a_sizes(x: Tensor, group, send_sizes, recv_sizes, d: int) -> tuple[list[i
     return send, recv
 
 
-def send(x: Tensor, dst: int, group: ProcessGroup | None) -> None:
-    """Send x to group rank dst (blocking); pairs with recv on dst."""
-    dist.send(x.contiguous(), group_dst=_peer(dst, group, "dst"), group=group)
+def send(x: Tensor, dst: int, group: ProcessGroup | None, tag: int = 0) -> None:
+    """Send x to group rank dst (blocking); pairs with recv on dst (gloo also matches the tag)."""
+    dist.send(x.contiguous(), group_dst=_peer(dst, group, "dst"), group=group, tag=tag)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, src: int, group: ProcessGroup | None,
-         device: torch.device | str = "cpu") -> Tensor:
+         device: torch.device | str = "cpu", tag: int = 0) -> Tensor:
     """A new tensor of shape/dtype/device holding what group rank src sent (blocking)."""
     buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-    dist.recv(buf, group_src=_peer(src, group, "src"), group=group)
+    dist.recv(buf, group_src=_peer(src, group, "src"), group=group, tag=tag)
     return buf
 
 
-def isend(x: Tensor, dst: int, group: ProcessGroup | None) -> dist.Work:
+def isend(x: Tensor, dst: int, group: ProcessGroup | None, tag: int = 0) -> dist.Work:
     """Start sending x (contiguous, unchanged until wait()) to group rank dst; returns the work handle."""
     if not x.is_contiguous():
         raise ValueError("isend needs a contiguous tensor: a temporary copy could be freed before the send ends")
-    return dist.isend(x, group_dst=_peer(dst, group, "dst"), group=group)
+    return dist.isend(x, group_dst=_peer(dst, group, "dst"), group=group, tag=tag)
 
 
 def irecv(buf: Tensor, src: int, group: ProcessGroup | None) -> dist.Work:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardlm.parallel import comm
 from shardlm.parallel.dims import ParallelDims
 
 
@@ -60,34 +61,32 @@ class ReplicaLink:
     arrived. Payloads are bytes (uint8), so any cache element type (fp8 too) crosses gloo.
     NCCL pairs messages between two ranks in the order they are posted, which both sides
     keep (handoffs from one replica are adopted in the order they were sent); gloo also
-    matches the tag (the request id), so a mismatch fails rather than mixes caches.
+    matches the tag (the request id), so a mismatch times out rather than mixes caches.
     """
 
-    def __init__(self, dims: ParallelDims, prefill_replicas: int):
+    def __init__(self, dims: ParallelDims, prefill_replicas: int, device: torch.device):
         self.group = dims.dp_group
         self.dp_rank = dims.dp_rank
+        self.device = device
         self.in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # sends and the buffers they read
-        # NCCL creates a pair's communicator on its first message, blocking both ranks; a first
+        # NCCL may create a pair's communicator on its first message, blocking both ranks; a first
         # one-sided send would wait for a receiver that is not listening yet. Every pair
-        # exchanges one element at start-up, in one order on every rank.
-        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        # exchanges one element at start-up on the cache's device, in one order on every rank.
         for src in range(prefill_replicas):
             for dst in range(prefill_replicas, dims.dp):
                 if self.dp_rank == src:
-                    dist.send(torch.zeros(1, device=device), group=self.group, group_dst=dst)
+                    comm.send(torch.zeros(1, device=device), dst, self.group)
                 elif self.dp_rank == dst:
-                    dist.recv(torch.zeros(1, device=device), group=self.group, group_src=src)
+                    comm.recv((1,), torch.float32, src, self.group, device)
 
     def send(self, payload: torch.Tensor, dst: int, tag: int) -> None:
         """Start sending ``payload`` (uint8, contiguous; kept alive until sent) to replica ``dst``."""
         self.in_flight = [(w, d) for w, d in self.in_flight if not w.is_completed()]
-        self.in_flight.append((dist.isend(payload, group=self.group, group_dst=dst, tag=_tag(tag)), payload))
+        self.in_flight.append((comm.isend(payload, dst, self.group, _tag(tag)), payload))
 
-    def recv(self, shape: tuple[int, ...], device: torch.device, src: int, tag: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
         """Bytes of this shape from replica ``src`` (blocks until they are here)."""
-        out = torch.empty(shape, dtype=torch.uint8, device=device)
-        dist.recv(out, group=self.group, group_src=src, tag=_tag(tag))
-        return out
+        return comm.recv(shape, torch.uint8, src, self.group, self.device, _tag(tag))
 
 
 def _tag(rid: int) -> int:

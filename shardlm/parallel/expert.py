@@ -47,6 +47,12 @@ ExpertReader = Callable[[TensorSource, int, slice], tuple[torch.Tensor, torch.Te
 DISPATCH = ("auto", "replicated", "all_to_all")
 
 
+def experts_span_replicas(tp: int, ep: int, etp: int) -> bool:
+    """Whether the ep x etp ranks holding one copy of every expert reach beyond one tp group
+    (ep * etp does not divide tp), so tokens go to them by all-to-all across dp replicas."""
+    return tp % (ep * etp) != 0
+
+
 class ExpertParallelSwiGLU(nn.Module):
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e."""
 
@@ -68,7 +74,7 @@ class ExpertParallelSwiGLU(nn.Module):
         # when ep * etp divides tp (etp innermost, then ep; see dims.py). Then they already hold
         # the same tokens, and summing their shares (one all-reduce) is cheaper than sending
         # tokens to ranks that have them. Otherwise they span dp replicas: all-to-all.
-        inside_tp = dims.tp % (dims.ep * dims.etp) == 0
+        inside_tp = not experts_span_replicas(dims.tp, dims.ep, dims.etp)
         if dispatch not in DISPATCH or (dispatch == "replicated" and not inside_tp):
             raise LayoutError(f"dispatch={dispatch!r} cannot work here: 'replicated' needs ep*etp="
                               f"{dims.ep * dims.etp} to divide tp={dims.tp}; use 'auto' or 'all_to_all'")

@@ -118,8 +118,9 @@ def _start_engine(args):
         f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})")
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
     if args.prefill_replicas:
-        log(f"disaggregated: replicas 0-{args.prefill_replicas - 1} prefill, {args.prefill_replicas}-{args.dp - 1} "
-            f"decode (KV cache handed over after each prompt's first token)")
+        span = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
+        log(f"disaggregated: replica {span(0, args.prefill_replicas - 1)} prefill, "
+            f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)")
     bs = engine.config.block_size
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
