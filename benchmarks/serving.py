@@ -17,8 +17,8 @@ shardlm's ranks use --threads threads each; HF as many threads in all (or each c
 see the same machine load, which is printed.
 
     python benchmarks/serving.py [--tokens 64] [--levels 1,8,32] [--threads 1] [--tp 1] [--dp 1]
-                                 [--dtype bfloat16] [--compile] [--hf-threads 1,2] [--until-eos]
-                                 [--no-hf] [--plot serving.png]
+                                 [--dtype bfloat16] [--compile] [--enforce-eager] [--hf-threads 1,2]
+                                 [--until-eos] [--no-hf] [--plot serving.png]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--kv-cache-memory", "512MiB",
            "--max-model-len", "2048", "--prefill-replicas", str(getattr(args, "prefill_replicas", 0))]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--enforce-eager"] if args.enforce_eager else []
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     found: list[str] = []
     ready = threading.Event()
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and HF run")
     ap.add_argument("--compile", action="store_true",
                     help="shardlm serve --compile (its two decode graphs compile during the warm-up)")
+    ap.add_argument("--enforce-eager", action="store_true", help="shardlm serve --enforce-eager (no CUDA graphs)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw tok/s, TTFT and TPOT per level")
     ap.add_argument("--until-eos", action="store_true",
@@ -230,8 +232,11 @@ def main() -> None:
     proc, url = start_server(args)
     rows = []
     try:
-        for clients in (1, 2):  # warm-up: one sequence, then several (the two compiled shape classes)
-            asyncio.run(shardlm_level(url, prompts, clients, clients, 4, False))
+        # warm-up: one sequence, then several (the two compiled shape classes); on a GPU every level
+        # once, so that its batch sizes' CUDA graphs are captured before it is measured
+        cpu = args.device == "cpu"
+        for clients in (1, 2) if cpu else levels:
+            asyncio.run(shardlm_level(url, prompts, clients, clients, 4 if cpu else args.tokens, False))
         for c in levels:
             n = c * args.requests_per_client
             rows.append(row("shardlm", c, *asyncio.run(shardlm_level(url, prompts, c, n, args.tokens, args.until_eos))))

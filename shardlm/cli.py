@@ -72,6 +72,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run decode steps through torch.compile: faster decoding after a one-time compile "
                         "(tens of seconds, cached on disk); dense models")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)")
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(drafts looked up in each sequence's history; greedy output unchanged)")
@@ -82,7 +84,7 @@ def layout_options(args) -> dict:
     return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
                 micro_batches=args.micro_batches, dtype=args.dtype, quantization=args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype, device=args.device, compile=args.compile,
-                speculative_config=args.speculative_config)
+                enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
 
 
 def add_generate(sub) -> None:

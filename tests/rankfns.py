@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 
 
@@ -79,19 +81,13 @@ def llm_generate(model: str, prompts: list[list[int]], max_tokens: list[int], **
     return [o.token_ids for o in outputs], llm.last_stats.expert_load
 
 
-def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
-    """Greedy runs through the LLM API with compile=True on this rank: the first two compile the
-    two shape classes (several sequences, then one); the rest run under ``fail_on_recompile``
-    with other batch sizes, contexts and per-request lengths. [(prompts' indices, max_tokens,
-    tokens per prompt)], the classes compiled, and how many graphs dynamo made (one per class
-    unless something breaks the graph)."""
-    import torch
-    from torch._dynamo.utils import counters
+def varied_runs(llm, prompts: list[list[int]], new_tokens: int, steady=contextlib.nullcontext):
+    """Greedy runs of ``llm`` over batches of several sizes, contexts and per-request lengths:
+    all prompts together, the last alone, then (under ``steady()``) three reordered, one, and
+    three that finish early (the batch shrinks as it goes). [(prompts' indices, max_tokens,
+    tokens per prompt)]."""
+    from shardlm import SamplingParams
 
-    from shardlm import LLM, SamplingParams
-
-    llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
-    graphs_before = counters["stats"]["unique_graphs"]
     runs = []
 
     def run(indices, max_tokens):
@@ -99,13 +95,44 @@ def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layou
         runs.append((indices, max_tokens, [o.token_ids for o in out]))
 
     n = len(prompts)
-    run(list(range(n)), [new_tokens] * n)  # all decode together
-    run([n - 1], [new_tokens])  # one alone
-    with torch.compiler.set_stance("fail_on_recompile"):
+    run(list(range(n)), [new_tokens] * n)
+    run([n - 1], [new_tokens])
+    with steady():
         run([1, 2, 0], [new_tokens] * 3)
         run([0], [new_tokens])
-        run([0, 1, 2], [5, 20, new_tokens])  # sequences finish early: the batch shrinks as it goes
+        run([0, 1, 2], [5, 20, new_tokens])
+    return runs
+
+
+def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
+    """``varied_runs`` with compile=True on this rank: the first two compile the two shape classes
+    (several sequences, then one); the rest run under ``fail_on_recompile``. (runs, the classes
+    compiled, how many graphs dynamo made: one per class unless something breaks the graph)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from shardlm import LLM
+
+    llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
+    graphs_before = counters["stats"]["unique_graphs"]
+    runs = varied_runs(llm, prompts, new_tokens, lambda: torch.compiler.set_stance("fail_on_recompile"))
     return runs, llm.worker.runner.compiled_classes, counters["stats"]["unique_graphs"] - graphs_before
+
+
+def graph_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
+    """``varied_runs`` with every decode step padded to its CUDA-graph shape class: captured and
+    replayed on a GPU (the default there), run eagerly from the same padded inputs on a CPU.
+    (runs, the (batch, blocks) classes used, how many of them were captured as graphs)."""
+    from shardlm import LLM
+    from shardlm.engine.cuda_graphs import DecodeGraphs
+
+    llm = LLM(model, threads=1, block_size=4, **layout)
+    r = llm.worker.runner
+    if r.device.type == "cpu":
+        r.graphs = DecodeGraphs(r.decode_forward, device=r.device, block_size=r.block_size,
+                                scratch_block=r.scratch_block, max_batch=256)
+    runs = varied_runs(llm, prompts, new_tokens)
+    return runs, sorted(r.graphs.classes), sum(c.graph is not None for c in r.graphs.classes.values())
 
 
 def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):

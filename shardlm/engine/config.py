@@ -72,6 +72,10 @@ class EngineConfig:
     """Run decode-only steps through torch.compile (inductor), which fuses the small ops between
     the matrix products. Each shape class (one sequence, several) compiles on its first step:
     tens of seconds on a small CPU, then cached on disk. Dense models only."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU, decode-only steps of dense models
+    at tp=1 replay a CUDA graph per shape class (batch and table width padded: 1, 2, 4, 8, 16, 24,
+    ... sequences, power-of-two blocks), captured on the class's first step. CPU runs are eager."""
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own

@@ -10,6 +10,12 @@ With ``compile``, decode-only steps run the model through ``torch.compile`` (dyn
 shapes: context length and batch size never force a recompile, except that one
 sequence and several are two graphs), the way vLLM compiles its decode step; prefill
 steps stay eager, being few and bound by their matrix products.
+
+With ``cuda_graphs`` (on a GPU), every step of up to the largest graph's batch of tokens
+replays a CUDA graph (``cuda_graphs.py``; of the compiled forward when both are on): decodes,
+and prompt tokens computed as decode rows (``prepare``'s ``rows_only``), so that a request
+joining the batch does not turn the step eager. The cache holds one block more than the block
+manager hands out: the scratch block a graph's padding rows write to.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import time
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from shardlm.engine.cuda_graphs import DecodeGraphs
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
@@ -31,7 +38,8 @@ PROGRESS_EVERY_S = 30.0
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 kv_dtype: torch.dtype | None = None, compile: bool = False, announce: bool = False):
+                 kv_dtype: torch.dtype | None = None, compile: bool = False, cuda_graphs: bool = False,
+                 max_num_seqs: int = 256, announce: bool = False):
         self.model = model
         self.compiled = None
         if compile:
@@ -44,10 +52,15 @@ class ModelRunner:
         self.dtype = dtype
         attn = model.layers[0].attn if len(model.layers) else None
         kv_dtype = kv_dtype or dtype
-        shape = (2, num_blocks, block_size, attn.num_kv, kv_row(attn.head_dim, kv_dtype)) if attn else (0,)
+        self.scratch_block = num_blocks
+        shape = (2, num_blocks + 1, block_size, attn.num_kv, kv_row(attn.head_dim, kv_dtype)) if attn else (0,)
         # torch.empty only reserves address space: pages are touched as tokens arrive
         self.caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in model.layers]
+        for cache in self.caches:
+            cache[:, num_blocks].view(torch.uint8).zero_()
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
+        self.graphs = DecodeGraphs(self.decode_forward, device=device, block_size=block_size,
+                                   scratch_block=num_blocks, max_batch=max_num_seqs) if cuda_graphs else None
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
                 torch._dynamo.mark_static(cache)
@@ -87,10 +100,16 @@ class ModelRunner:
         for cache, layer in zip(self.caches, kv):
             cache.view(torch.uint8).index_copy_(1, idx, layer)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: Batch, rows_only: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        AttentionMetadata, torch.Tensor]:
         """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
         last token of each sequence that reaches its end this step (a prompt chunk that
-        does not is computed for its K/V only), and each of its draft tokens."""
+        does not is computed for its K/V only), and each of its draft tokens.
+
+        ``rows_only``: every token, prompt tokens included, attends as a decode row does: a query
+        over its sequence's blocks up to its own position (every key of the step is written
+        before any is read, so this is causal attention), which lets a step with prompts replay a
+        decode graph."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -98,11 +117,11 @@ class ModelRunner:
         bs = self.block_size
         meta = AttentionMetadata(slot_mapping=None, block_size=bs)
         dev = self.device
-        decodes = []
+        decodes: list[tuple[list[int], int]] = []  # (block table, context length) of each decode row
         for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.counts, batch.samples())):
             start, end, table, drafts = seq.num_computed, seq.num_computed + n, seq.block_table, batch.draft(i)
-            if n == 1 and seq.is_decoding:  # the batch lists these last
-                decodes.append(seq)
+            if rows_only or (n == 1 and seq.is_decoding):  # the batch lists decodes last
+                decodes.extend((table, p + 1) for p in range(start, end))
             else:
                 meta.prefills.append(PrefillSeq(start=len(ids), length=n, context_len=end,
                                                 block_table=torch.tensor(table, device=dev)))
@@ -115,11 +134,10 @@ class ModelRunner:
         if decodes:
             # compiled: at least two columns (a padding block is masked), or dynamo would specialise
             # on a one-block table and recompile when the context outgrows its first block
-            max_blocks = max([len(s.block_table) for s in decodes] + [2 if self.compiled is not None else 1])
-            meta.decode_block_tables = torch.tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], device=dev)
-            meta.decode_context_lens = torch.tensor([s.num_computed + 1 for s in decodes], device=dev)
-            meta.decode_max_context = max(s.num_computed + 1 for s in decodes)
+            max_blocks = max([len(t) for t, _ in decodes] + [2 if self.compiled is not None else 1])
+            meta.decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t, _ in decodes], device=dev)
+            meta.decode_context_lens = torch.tensor([n for _, n in decodes], device=dev)
+            meta.decode_max_context = max(n for _, n in decodes)
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         meta.slot_mapping = torch.tensor(slots, device=dev)
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
@@ -133,14 +151,25 @@ class ModelRunner:
         Returns float32 logits [rows, vocab] on the last stage: one row per sequence that
         samples, 1 + its drafts with speculative decoding (with ``all_positions``: [tokens,
         vocab]), else (hidden, residual).
+
+        With graphs, a step of at most their largest batch of tokens replays one, prompts
+        and all (``prepare``'s ``rows_only``); longer ones, chunks of long prompts, run eagerly.
         """
-        ids, positions, meta, last_rows = self.prepare(batch)
+        graph = self.graphs is not None and not all_positions and self.graphs.fits(sum(batch.counts))
+        ids, positions, meta, last_rows = self.prepare(batch, rows_only=graph)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
-        if self.compiled is not None and not meta.prefills and not all_positions:
-            out = self._run_compiled(args, several=len(positions) > 1)
+        if graph:
+            out = self.graphs.run(*args)
+        elif not meta.prefills and not all_positions:
+            out = self.decode_forward(*args)
         else:
             out = self.model(*args)
         return out.float() if self.model.last else out
+
+    def decode_forward(self, *args):
+        if self.compiled is None:
+            return self.model(*args)
+        return self._run_compiled(args, several=len(args[1]) > 1)
 
     def _run_compiled(self, args, several: bool):
         # Without duck sizing: by default dynamo assumes two sizes that happen to be equal when it

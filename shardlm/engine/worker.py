@@ -66,9 +66,12 @@ class Worker:
         self.kv_block_bytes = per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
         needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
         self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
+        self.moe = bool(moe_blocks(self.model))
+        # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)
+        graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == 1 and not self.moe
         self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs, device=self.device,
                                   dtype=config.torch_dtype, kv_dtype=config.kv_torch_dtype, compile=config.compile,
-                                  announce=rank == 0)
+                                  cuda_graphs=graphs, max_num_seqs=config.max_num_seqs, announce=rank == 0)
         self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
                              config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                     max_num_batched_tokens=config.max_num_batched_tokens,
@@ -77,7 +80,6 @@ class Worker:
                              lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
                              replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
                              if config.prefill_replicas else None)
-        self.moe = bool(moe_blocks(self.model))
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: EngineConfig) -> Worker:

@@ -44,6 +44,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [decodes, max_blocks] long
     decode_context_lens: torch.Tensor | None = None  # [decodes] long
     decode_max_context: int = 0
+    decode_padded: bool = False
+    """Decode tables, ``decode_max_context`` and the batch are padded past what the sequences use
+    (a CUDA graph's fixed shapes, ``engine/cuda_graphs.py``): every key slot beyond a context is masked."""
 
 
 def causal_metadata(lengths: list[int]) -> AttentionMetadata:
@@ -196,7 +199,7 @@ def _same_length(prefills: list[PrefillSeq]) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     max_context: int, scale: float, window: int | None) -> torch.Tensor:
+                     max_context: int, scale: float, window: int | None, padded: bool = False) -> torch.Tensor:
     """One new token per sequence: q [B, kv, group, d] (a KV head's query group folded into the
     query axis, so its keys are read once, never repeated) against the sequences' cached keys.
     Returns [B, kv, group, d].
@@ -204,9 +207,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
     Called as ``torch.ops.shardlm.decode_attention``, opaque to torch.compile as vLLM's attention
     op is: traced, the gather and the masked softmax became a generated loop several times slower
     than these kernels (5 ms a layer at 32 sequences), and slicing at the context length would
-    specialise the graph on it."""
+    specialise the graph on it. ``padded``: ``max_context`` only bounds ``lens`` (see
+    ``AttentionMetadata.decode_padded``), so one sequence is masked as several are."""
     n, d = q.shape[0], q.shape[-1]
-    if n == 1:
+    if n == 1 and not padded:  # its context is max_context: no mask
         ks, vs = _read_kv(cache, tables[0], max_context, q.dtype, d)  # [kv, S, d]
         if window is not None and max_context > window:
             ks, vs = ks[:, -window:], vs[:, -window:]
@@ -223,7 +227,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
 
 
 _LIB.define("decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, SymInt max_context, float scale, "
-            "int? window) -> Tensor")
+            "int? window, bool padded=False) -> Tensor")
 _LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 # contiguous, as the op returns it: CUDA's SDPA kernels hand back a transposed layout, which the
 # compiled graph, planned from this fake, would misread
@@ -235,5 +239,5 @@ def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads
     n, d = q.shape[0], q.shape[-1]
     qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
     o = torch.ops.shardlm.decode_attention(qg, cache, meta.decode_block_tables, meta.decode_context_lens,
-                                           meta.decode_max_context, scale, window)
+                                           meta.decode_max_context, scale, window, meta.decode_padded)
     return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))  # [B, q_heads, d]
