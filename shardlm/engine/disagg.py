@@ -14,10 +14,11 @@ will go to. The prefill replica computes the prompt and samples the first token 
 the first token streams as soon as the prompt is done), then every one of its ranks
 starts sending its shard of the prompt's KV blocks to its counterpart on the decode
 replica (``ReplicaLink``; the ranks that sample also send the sampler's state), frees the
-blocks (they stay in its prefix cache) and reports a ``Handoff``. The driver forwards the handoff; every rank of the decode replica
-receives its shard in the same round, writes it into blocks of its own, and the
-sequence goes on decoding as if it had been prefilled there. A decode replica without
-free blocks for it queues it instead, to be recomputed from its tokens (nothing lost).
+blocks (they stay in its prefix cache) and reports a ``Handoff``. The driver forwards the
+handoff; every rank of the decode replica receives its shard in the same round, writes it
+into blocks of its own, and the sequence goes on decoding as if it had been prefilled
+there. A decode replica without free blocks for it queues it instead, to be recomputed from
+its tokens (nothing lost).
 """
 
 from __future__ import annotations
