@@ -16,7 +16,7 @@ from multirank import run_ranks, run_ranks_on
 from rankfns import graph_runs
 from reference import NEW_TOKENS, PROMPTS
 from shardlm import LLM, SamplingParams
-from shardlm.engine.cuda_graphs import batch_class, blocks_class
+from shardlm.engine.cuda_graphs import DecodeGraphs, batch_class, blocks_class
 
 THREE = PROMPTS[:3]
 """Decoded as a batch of 4 from the start, so the padding row runs while every block is in use."""
@@ -26,6 +26,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_shape_classes():
     assert [batch_class(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 24, 40]
     assert [blocks_class(n) for n in (1, 2, 3, 4, 5, 9)] == [2, 2, 4, 4, 8, 16]
+    graphs = DecodeGraphs(None, device=torch.device("cpu"), block_size=16, scratch_block=0, max_batch=250)
+    assert graphs.max_batch == 256 and not graphs.fits(257, 2, decodes_only=True)
+    assert graphs.fits(256, 512, decodes_only=True)  # 256 contexts of 8192 tokens: each read once anyway
+    assert graphs.fits(72, 8, decodes_only=False)  # a prompt joining 32 decodes
+    assert not graphs.fits(256, 512, decodes_only=False)  # a prompt chunk deep into a long context
 
 
 def _check(ref, runs, classes):
@@ -35,8 +40,8 @@ def _check(ref, runs, classes):
     assert {1, 2, 4} <= {b for b, _ in classes} and len({w for _, w in classes}) >= 3, classes
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(max_num_batched_tokens=8), dict(pp=2, micro_batches=1)],
-                         ids=["tp1", "chunked", "pp2"])
+@pytest.mark.parametrize("layout", [dict(max_num_batched_tokens=8), dict(pp=2, micro_batches=1)],
+                         ids=["tp1-chunked", "pp2"])
 def test_padded_steps_match_hf(tiny, layout):
     """Llama: grouped KV heads. Prompts are computed as rows of the same graphs; chunked (8 prompt
     tokens a step): steps that mix prompt chunks and decodes. pp=2: the second stage's input is

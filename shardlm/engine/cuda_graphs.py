@@ -16,7 +16,8 @@ scratch block, which no sequence owns: its key and value land there, never in a 
 A step's rows are its tokens: decodes, and the tokens of short prompts (or prompt chunks)
 computed as decode rows of their own (``ModelRunner.prepare``): in serving, a request joins the
 batch every few steps, and each such step would otherwise run eagerly, several times slower.
-Steps of more tokens than the largest class (``max_batch``) run eagerly.
+Steps of more tokens than the largest class (``max_batch``), or whose prompt rows would read
+too much (``PROMPT_ROW_KEYS``), run eagerly.
 
 On a CPU (no graphs) the same padded inputs run eagerly: how the test suite checks the padding
 on hosts without a GPU.
@@ -29,6 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.models.attention import AttentionMetadata
+
+
+PROMPT_ROW_KEYS = 1 << 18
+"""Most key slots (rows x padded context) a step with prompt tokens may read as decode rows: each
+row reads its sequence's whole table, so a prompt chunk late in a long context would read it
+once per token (256 tokens at 8192 of context: 2M slots, 1.5 GiB in bfloat16 for SmolLM2, per
+layer). Beyond this the step runs eagerly; decode-only steps read each context once anyway."""
 
 
 def batch_class(n: int) -> int:
@@ -67,9 +75,11 @@ class DecodeGraphs:
         self.max_batch = batch_class(max_batch)
         self.classes: dict[tuple[int, int], _Class] = {}  # (batch, blocks) -> its inputs and graph
 
-    def fits(self, tokens: int) -> bool:
-        """Whether a step of this many tokens has a shape class."""
-        return batch_class(tokens) <= self.max_batch
+    def fits(self, tokens: int, blocks: int, decodes_only: bool) -> bool:
+        """Whether a step of ``tokens`` whose widest block table has ``blocks`` blocks runs here."""
+        if batch_class(tokens) > self.max_batch:
+            return False
+        return decodes_only or batch_class(tokens) * blocks_class(blocks) * self.block_size <= PROMPT_ROW_KEYS
 
     def run(self, first: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], rows: torch.Tensor):

@@ -153,9 +153,12 @@ class ModelRunner:
         vocab]), else (hidden, residual).
 
         With graphs, a step of at most their largest batch of tokens replays one, prompts
-        and all (``prepare``'s ``rows_only``); longer ones, chunks of long prompts, run eagerly.
+        and all (``prepare``'s ``rows_only``); longer ones, and prompt chunks deep into long
+        contexts (``cuda_graphs.PROMPT_ROW_KEYS``), run eagerly.
         """
-        graph = self.graphs is not None and not all_positions and self.graphs.fits(sum(batch.counts))
+        graph = self.graphs is not None and not all_positions and self.graphs.fits(
+            sum(batch.counts), max(len(s.block_table) for s in batch.seqs),
+            decodes_only=all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts)))
         ids, positions, meta, last_rows = self.prepare(batch, rows_only=graph)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
         if graph:
