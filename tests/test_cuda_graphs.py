@@ -31,6 +31,9 @@ def test_shape_classes():
     assert graphs.fits(256, 512, decodes_only=True)  # 256 contexts of 8192 tokens: each read once anyway
     assert graphs.fits(72, 8, decodes_only=False)  # a prompt joining 32 decodes
     assert not graphs.fits(256, 512, decodes_only=False)  # a prompt chunk deep into a long context
+    quantized = DecodeGraphs(None, device=torch.device("cpu"), block_size=16, scratch_block=0, max_batch=256,
+                             prompt_rows=False)  # what a runner with an int8 / fp8 KV cache makes
+    assert quantized.fits(32, 8, decodes_only=True) and not quantized.fits(2, 2, decodes_only=False)
 
 
 def _check(ref, runs, classes):

@@ -73,9 +73,10 @@ class EngineConfig:
     the matrix products. Each shape class (one sequence, several) compiles on its first step:
     tens of seconds on a small CPU, then cached on disk. Dense models only."""
     enforce_eager: bool = False
-    """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU, decode-only steps of dense models
-    at tp=1 replay a CUDA graph per shape class (batch and table width padded: 1, 2, 4, 8, 16, 24,
-    ... sequences, power-of-two blocks), captured on the class's first step. CPU runs are eager."""
+    """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU, steps of dense models at tp=1 of up
+    to max_num_seqs tokens (decodes, and prompt tokens as decode rows) replay a CUDA graph per shape
+    class (tokens padded to 1, 2, 4, 8, 16, 24, ...; tables to a power of two of blocks), captured
+    on the class's first step. CPU runs are eager."""
     speculative_config: SpeculativeConfig | dict | None = None
     """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own

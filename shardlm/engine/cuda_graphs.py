@@ -51,21 +51,25 @@ def blocks_class(n: int) -> int:
 
 @dataclass
 class _Class:
-    """One shape class: its static inputs, the metadata pointing at them, its graph and output."""
+    """One shape class: its static inputs, the metadata pointing at them, and its graph."""
 
     first: torch.Tensor  # [batch] token ids, or [2, batch, hidden] on a later pipeline stage
     positions: torch.Tensor  # [batch]
     rows: torch.Tensor  # [batch] rows whose logits are wanted
     meta: AttentionMetadata
     graph: torch.cuda.CUDAGraph | None = None
-    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecodeGraphs:
     """Runs steps whose every token is a decode row through ``forward(first, positions, meta,
-    caches, rows)``, padded to their shape class, from a CUDA graph on a GPU."""
+    caches, rows)``, padded to their shape class, from a CUDA graph on a GPU.
 
-    def __init__(self, forward, *, device: torch.device, block_size: int, scratch_block: int, max_batch: int):
+    ``prompt_rows``: whether steps with prompt tokens may run here. Off with a quantized KV cache:
+    an eager prompt attends to its own keys at full precision, a decode row reads them back from
+    the cache, and a step's result should not depend on whether it fitted a graph."""
+
+    def __init__(self, forward, *, device: torch.device, block_size: int, scratch_block: int, max_batch: int,
+                 prompt_rows: bool = True):
         self.forward = forward
         self.device = device
         self.capture = device.type == "cuda"
@@ -73,13 +77,19 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_batch = batch_class(max_batch)
+        self.prompt_rows = prompt_rows
         self.classes: dict[tuple[int, int], _Class] = {}  # (batch, blocks) -> its inputs and graph
+        # every graph copies its output here: [max_batch, vocab] logits, or [2, max_batch, hidden]
+        # (one buffer for all classes, where outputs of their own would add up over a server's life)
+        self.out: torch.Tensor | None = None
 
     def fits(self, tokens: int, blocks: int, decodes_only: bool) -> bool:
         """Whether a step of ``tokens`` whose widest block table has ``blocks`` blocks runs here."""
         if batch_class(tokens) > self.max_batch:
             return False
-        return decodes_only or batch_class(tokens) * blocks_class(blocks) * self.block_size <= PROMPT_ROW_KEYS
+        if decodes_only:
+            return True
+        return self.prompt_rows and batch_class(tokens) * blocks_class(blocks) * self.block_size <= PROMPT_ROW_KEYS
 
     def run(self, first: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], rows: torch.Tensor):
@@ -92,16 +102,12 @@ class DecodeGraphs:
         self._fill(c, n, first, positions, meta, rows)
         args = (c.first, c.positions, c.meta, caches, c.rows)
         if not self.capture:
-            c.out = self.forward(*args)
-        elif c.graph is None:
+            return _real(self.forward(*args), n, len(rows))
+        if c.graph is None:
             self._capture(c, args)
-        if c.graph is not None:
-            c.graph.replay()
-        # a replay overwrites the last one's output (and the pool's other graphs may reuse its memory)
-        keep = (lambda t: t.clone()) if self.capture else (lambda t: t)
-        if isinstance(c.out, tuple):  # (hidden, residual) for the next pipeline stage
-            return tuple(keep(t[:n]) for t in c.out)
-        return keep(c.out[:len(rows)])
+        c.graph.replay()
+        out = _real(self.out, n, len(rows))  # copied: the next replay overwrites the buffer
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
     def _new_class(self, batch: int, blocks: int, first: torch.Tensor) -> _Class:
         dev = self.device
@@ -122,7 +128,7 @@ class DecodeGraphs:
         c.rows[:len(rows)].copy_(rows)  # the rest keep old rows (< batch), whose logits are dropped
         tables, slots, lens = c.meta.decode_block_tables, c.meta.slot_mapping, c.meta.decode_context_lens
         tables[:n, :width].copy_(meta.decode_block_tables)
-        tables[:n, width:].zero_()  # masked columns: any block will do, block 0 is always zeroed
+        tables[:n, width:].zero_()  # masked columns: any block with finite contents will do
         slots[:n].copy_(meta.slot_mapping)
         lens[:n].copy_(meta.decode_context_lens)
         if n < batch:
@@ -139,10 +145,28 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(*args)
+            warm = self.forward(*args)
         torch.cuda.current_stream().wait_stream(side)
-        c.graph = torch.cuda.CUDAGraph()
+        if self.out is None:
+            pair = isinstance(warm, tuple)
+            head = warm[0] if pair else warm
+            shape = (2, self.max_batch, head.shape[-1]) if pair else (self.max_batch, head.shape[-1])
+            self.out = head.new_empty(shape)
+        graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of this process (NCCL's watchdog, the serve loop's) may
         # call CUDA meanwhile; only this thread's calls belong to the capture
-        with torch.cuda.graph(c.graph, pool=self.pool, capture_error_mode="thread_local"):
-            c.out = self.forward(*args)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self.forward(*args)
+            if isinstance(out, tuple):
+                self.out[0, :len(out[0])].copy_(out[0])
+                self.out[1, :len(out[1])].copy_(out[1])
+            else:
+                self.out[:len(out)].copy_(out)
+        c.graph = graph  # only once captured: a failed capture leaves the class to try again
+
+
+def _real(out, n: int, rows: int):
+    """The real part of a step's output: (hidden, residual) [n, hidden] each, or logits [rows, vocab]."""
+    if isinstance(out, tuple) or out.dim() == 3:
+        return out[0][:n], out[1][:n]
+    return out[:rows]

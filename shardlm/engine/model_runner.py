@@ -60,7 +60,8 @@ class ModelRunner:
             cache[:, num_blocks].view(torch.uint8).zero_()
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
         self.graphs = DecodeGraphs(self.decode_forward, device=device, block_size=block_size,
-                                   scratch_block=num_blocks, max_batch=max_num_seqs) if cuda_graphs else None
+                                   scratch_block=num_blocks, max_batch=max_num_seqs,
+                                   prompt_rows=kv_dtype == dtype) if cuda_graphs else None
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
                 torch._dynamo.mark_static(cache)
