@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardlm import LLM, SamplingParams
+from shardlm.cli import main
 from shardlm.errors import RankFailure
 
 BIN = Path(sys.executable).parent
@@ -67,18 +68,11 @@ def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
 
 @pytest.mark.parametrize("args, message", [
     (["--tp", "10", "x"], "tp=10 is larger than the model's 9 attention heads"),
-    (["--model", "/no/such/model", "x"], "not found"),
-    (["--max-new-tokens", "0", "x"], "--max-new-tokens 0"),
-    (["--temperature", "-1", "x"], "temperature=-1.0"),
-    (["--top-p", "0", "x"], "top_p=0.0"),
     (["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
      "does not fit the context of 8 tokens"),
-    (["--dtype", "int8", "x"], "invalid choice"),
-    (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
-    (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
-    (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
+    """The real command: exit status 2, one error line, no traceback, no rank left behind."""
     r = shardlm("generate", *args, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert message in r.stderr
@@ -86,6 +80,28 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1
     assert not rank_processes()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model", "x"], "not found"),
+    (["--max-new-tokens", "0", "x"], "--max-new-tokens 0"),
+    (["--temperature", "-1", "x"], "temperature=-1.0"),
+    (["--top-p", "0", "x"], "top_p=0.0"),
+    (["--dtype", "int8", "x"], "invalid choice"),
+    (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
+    (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
+    (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys):
+    """Caught before any rank starts, so checked through the command's own ``main`` (what the
+    installed ``shardlm`` calls), in this process: a second each instead of a start-up each."""
+    try:
+        code = main(["generate", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, (code, err)
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
 
 
 def test_world_size_mismatch_under_torchrun():

@@ -20,6 +20,7 @@ import torch
 
 from multirank import run_ranks
 from rankfns import layer_activations_on_rank, train_and_save, train_resumed, train_steps
+from shardlm.cli import main
 from test_cli import shardlm
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
@@ -429,9 +430,12 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     (["--tp", "3", "--sequence-parallel", "--batch-size", "1", "--seq-len", "16"],
      "splits a micro-batch's 16 tokens on a rank over tp=3 evenly"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    """Caught before any rank starts: checked through the command's ``main`` in this process (the
+    real command's exit path is test_cli's)."""
     data = tmp_path / "data.txt"
     data.write_text("a few words of text " * 50)
-    r = shardlm("train", "--data", str(data), *args)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    code = main(["train", "--data", str(data), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and message in err, err
