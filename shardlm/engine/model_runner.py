@@ -6,10 +6,11 @@ int8 rows carry their scale in 4 more bytes), flattens the step's tokens (prefil
 decodes),
 builds the attention metadata and returns the logits of each sequence's last token.
 
-With ``compile``, decode-only steps run the model through ``torch.compile`` (dynamic
+With ``compile``, decode steps run the model through ``torch.compile`` (dynamic
 shapes: context length and batch size never force a recompile, except that one
-sequence and several are two graphs), the way vLLM compiles its decode step; prefill
-steps stay eager, being few and bound by their matrix products.
+sequence and several are two graphs), the way vLLM compiles its decode step; so do
+steps with prompt tokens, computed as decode rows (below) while their reads stay small;
+long prompts stay eager, bound by their matrix products.
 
 With ``cuda_graphs`` (on a GPU), every step of up to the largest graph's batch of tokens
 replays a CUDA graph (``cuda_graphs.py``; of the compiled forward when both are on): decodes,
@@ -28,7 +29,7 @@ import time
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from shardlm.engine.cuda_graphs import DecodeGraphs
+from shardlm.engine.cuda_graphs import PROMPT_ROW_KEYS, DecodeGraphs
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
@@ -59,9 +60,12 @@ class ModelRunner:
         for cache in self.caches:
             cache[:, num_blocks].view(torch.uint8).zero_()
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed or written
+        # prompt tokens may run as decode rows (see prepare) unless the cache is quantized: an eager
+        # prompt attends to its own keys at full precision, a decode row reads them from the cache
+        self.prompt_rows = kv_dtype == dtype
         self.graphs = DecodeGraphs(self.decode_forward, device=device, block_size=block_size,
                                    scratch_block=num_blocks, max_batch=max_num_seqs,
-                                   prompt_rows=kv_dtype == dtype) if cuda_graphs else None
+                                   prompt_rows=self.prompt_rows) if cuda_graphs else None
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
                 torch._dynamo.mark_static(cache)
@@ -154,13 +158,17 @@ class ModelRunner:
         vocab]), else (hidden, residual).
 
         With graphs, a step of at most their largest batch of tokens replays one, prompts
-        and all (``prepare``'s ``rows_only``); longer ones, and prompt chunks deep into long
-        contexts (``cuda_graphs.PROMPT_ROW_KEYS``), run eagerly.
+        and all (``prepare``'s ``rows_only``); with compile, a step with prompt tokens runs
+        compiled the same way. Prompt chunks deep into long contexts
+        (``cuda_graphs.PROMPT_ROW_KEYS``) and, with graphs, longer steps run eagerly.
         """
-        graph = self.graphs is not None and not all_positions and self.graphs.fits(
-            sum(batch.counts), max(len(s.block_table) for s in batch.seqs),
-            decodes_only=all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts)))
-        ids, positions, meta, last_rows = self.prepare(batch, rows_only=graph)
+        tokens, blocks = sum(batch.counts), max(len(s.block_table) for s in batch.seqs)
+        decodes_only = all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts))
+        graph = self.graphs is not None and not all_positions and self.graphs.fits(tokens, blocks, decodes_only)
+        # compiled: prompt tokens as rows too, so that a step a request joins is not eager
+        compiled_rows = (self.compiled is not None and not all_positions and self.prompt_rows
+                         and tokens * blocks * self.block_size <= PROMPT_ROW_KEYS)
+        ids, positions, meta, last_rows = self.prepare(batch, rows_only=graph or compiled_rows)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
         if graph:
             out = self.graphs.run(*args)
