@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from multirank import run_ranks, run_ranks_on
-from rankfns import graph_runs
+from rankfns import graph_runs, llm_greedy
 from reference import NEW_TOKENS, PROMPTS
 from shardlm import LLM, SamplingParams
-from shardlm.engine.cuda_graphs import DecodeGraphs, batch_class, blocks_class
+from shardlm.engine.cuda_graphs import DecodeGraphs, batch_class, blocks_class, prompt_rows_fit
 
 THREE = PROMPTS[:3]
 """Decoded as a batch of 4 from the start, so the padding row runs while every block is in use."""
@@ -27,13 +27,9 @@ def test_shape_classes():
     assert [batch_class(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 24, 40]
     assert [blocks_class(n) for n in (1, 2, 3, 4, 5, 9)] == [2, 2, 4, 4, 8, 16]
     graphs = DecodeGraphs(None, device=torch.device("cpu"), block_size=16, scratch_block=0, max_batch=250)
-    assert graphs.max_batch == 256 and not graphs.fits(257, 2, decodes_only=True)
-    assert graphs.fits(256, 512, decodes_only=True)  # 256 contexts of 8192 tokens: each read once anyway
-    assert graphs.fits(72, 8, decodes_only=False)  # a prompt joining 32 decodes
-    assert not graphs.fits(256, 512, decodes_only=False)  # a prompt chunk deep into a long context
-    quantized = DecodeGraphs(None, device=torch.device("cpu"), block_size=16, scratch_block=0, max_batch=256,
-                             prompt_rows=False)  # what a runner with an int8 / fp8 KV cache makes
-    assert quantized.fits(32, 8, decodes_only=True) and not quantized.fits(2, 2, decodes_only=False)
+    assert graphs.max_batch == 256 and graphs.fits(256) and not graphs.fits(257)
+    assert prompt_rows_fit(72, 8, 16)  # a prompt joining 32 decodes
+    assert not prompt_rows_fit(256, 512, 16)  # a prompt chunk deep into a long context: eager
 
 
 def _check(ref, runs, classes):
@@ -60,6 +56,17 @@ def test_padded_steps_with_a_sliding_window(tiny):
     ref = tiny("mistral")
     [(runs, classes, _)] = run_ranks(1, graph_runs, str(ref.path), THREE, NEW_TOKENS, device="cpu")
     _check(ref, runs, classes)
+
+
+def test_quantized_cache_keeps_prompts_eager(tiny):
+    """With an int8 KV cache an eager prompt attends to its own keys at full precision, a decode
+    row to the cache's: prompt steps stay out of the graphs, decodes use them, tokens are eager's."""
+    ref = tiny("llama")
+    options = dict(device="cpu", kv_cache_dtype="int8")
+    [(runs, classes, _)] = run_ranks(1, graph_runs, str(ref.path), THREE, NEW_TOKENS, **options)
+    [(eager, _, _)] = run_ranks(1, llm_greedy, str(ref.path), THREE, NEW_TOKENS, block_size=4, **options)
+    assert runs[0][2] == eager
+    assert {b for b, _ in classes} == {1, 2, 4}, classes  # prompts as rows would add a class of 24
 
 
 @needs_cuda

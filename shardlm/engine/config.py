@@ -69,9 +69,10 @@ class EngineConfig:
     """'cpu', 'cuda' or 'auto': cuda when this host has a GPU for each of its ranks (and a process
     group the caller started can carry CUDA tensors, i.e. has NCCL), else cpu."""
     compile: bool = False
-    """Run decode-only steps through torch.compile (inductor), which fuses the small ops between
-    the matrix products. Each shape class (one sequence, several) compiles on its first step:
-    tens of seconds on a small CPU, then cached on disk. Dense models only."""
+    """Run decode steps through torch.compile (inductor), which fuses the small ops between the
+    matrix products; steps with short prompts too, their prompt tokens as decode rows. Each shape
+    class (one sequence, several) compiles on its first step: tens of seconds on a small CPU,
+    then cached on disk. Dense models only."""
     enforce_eager: bool = False
     """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU, steps of dense models at tp=1 of up
     to max_num_seqs tokens (decodes, and prompt tokens as decode rows) replay a CUDA graph per shape

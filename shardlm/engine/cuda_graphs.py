@@ -17,7 +17,7 @@ A step's rows are its tokens: decodes, and the tokens of short prompts (or promp
 computed as decode rows of their own (``ModelRunner.prepare``): in serving, a request joins the
 batch every few steps, and each such step would otherwise run eagerly, several times slower.
 Steps of more tokens than the largest class (``max_batch``), or whose prompt rows would read
-too much (``PROMPT_ROW_KEYS``), run eagerly.
+too much (``prompt_rows_fit``), run eagerly.
 
 On a CPU (no graphs) the same padded inputs run eagerly: how the test suite checks the padding
 on hosts without a GPU.
@@ -37,6 +37,12 @@ PROMPT_ROW_KEYS = 1 << 18
 row reads its sequence's whole table, so a prompt chunk late in a long context would read it
 once per token (256 tokens at 8192 of context: 2M slots, 1.5 GiB in bfloat16 for SmolLM2, per
 layer). Beyond this the step runs eagerly; decode-only steps read each context once anyway."""
+
+
+def prompt_rows_fit(tokens: int, blocks: int, block_size: int) -> bool:
+    """Whether a step of ``tokens`` with prompt tokens, whose widest table has ``blocks`` blocks,
+    may run as decode rows: its padded rows x context within ``PROMPT_ROW_KEYS``."""
+    return batch_class(tokens) * blocks_class(blocks) * block_size <= PROMPT_ROW_KEYS
 
 
 def batch_class(n: int) -> int:
@@ -62,14 +68,9 @@ class _Class:
 
 class DecodeGraphs:
     """Runs steps whose every token is a decode row through ``forward(first, positions, meta,
-    caches, rows)``, padded to their shape class, from a CUDA graph on a GPU.
+    caches, rows)``, padded to their shape class, from a CUDA graph on a GPU."""
 
-    ``prompt_rows``: whether steps with prompt tokens may run here. Off with a quantized KV cache:
-    an eager prompt attends to its own keys at full precision, a decode row reads them back from
-    the cache, and a step's result should not depend on whether it fitted a graph."""
-
-    def __init__(self, forward, *, device: torch.device, block_size: int, scratch_block: int, max_batch: int,
-                 prompt_rows: bool = True):
+    def __init__(self, forward, *, device: torch.device, block_size: int, scratch_block: int, max_batch: int):
         self.forward = forward
         self.device = device
         self.capture = device.type == "cuda"
@@ -77,19 +78,14 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_batch = batch_class(max_batch)
-        self.prompt_rows = prompt_rows
         self.classes: dict[tuple[int, int], _Class] = {}  # (batch, blocks) -> its inputs and graph
         # every graph copies its output here: [max_batch, vocab] logits, or [2, max_batch, hidden]
         # (one buffer for all classes, where outputs of their own would add up over a server's life)
         self.out: torch.Tensor | None = None
 
-    def fits(self, tokens: int, blocks: int, decodes_only: bool) -> bool:
-        """Whether a step of ``tokens`` whose widest block table has ``blocks`` blocks runs here."""
-        if batch_class(tokens) > self.max_batch:
-            return False
-        if decodes_only:
-            return True
-        return self.prompt_rows and batch_class(tokens) * blocks_class(blocks) * self.block_size <= PROMPT_ROW_KEYS
+    def fits(self, tokens: int) -> bool:
+        """Whether a step of this many decode rows has a shape class."""
+        return batch_class(tokens) <= self.max_batch
 
     def run(self, first: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             caches: list[torch.Tensor], rows: torch.Tensor):

@@ -29,7 +29,7 @@ import time
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from shardlm.engine.cuda_graphs import PROMPT_ROW_KEYS, DecodeGraphs
+from shardlm.engine.cuda_graphs import DecodeGraphs, prompt_rows_fit
 from shardlm.engine.scheduler import Batch
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
@@ -64,8 +64,7 @@ class ModelRunner:
         # prompt attends to its own keys at full precision, a decode row reads them from the cache
         self.prompt_rows = kv_dtype == dtype
         self.graphs = DecodeGraphs(self.decode_forward, device=device, block_size=block_size,
-                                   scratch_block=num_blocks, max_batch=max_num_seqs,
-                                   prompt_rows=self.prompt_rows) if cuda_graphs else None
+                                   scratch_block=num_blocks, max_batch=max_num_seqs) if cuda_graphs else None
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
                 torch._dynamo.mark_static(cache)
@@ -160,15 +159,17 @@ class ModelRunner:
         With graphs, a step of at most their largest batch of tokens replays one, prompts
         and all (``prepare``'s ``rows_only``); with compile, a step with prompt tokens runs
         compiled the same way. Prompt chunks deep into long contexts
-        (``cuda_graphs.PROMPT_ROW_KEYS``) and, with graphs, longer steps run eagerly.
+        (``cuda_graphs.prompt_rows_fit``) and, with graphs, longer steps run eagerly.
         """
-        tokens, blocks = sum(batch.counts), max(len(s.block_table) for s in batch.seqs)
-        decodes_only = all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts))
-        graph = self.graphs is not None and not all_positions and self.graphs.fits(tokens, blocks, decodes_only)
-        # compiled: prompt tokens as rows too, so that a step a request joins is not eager
-        compiled_rows = (self.compiled is not None and not all_positions and self.prompt_rows
-                         and tokens * blocks * self.block_size <= PROMPT_ROW_KEYS)
-        ids, positions, meta, last_rows = self.prepare(batch, rows_only=graph or compiled_rows)
+        rows_only = graph = False
+        if (self.graphs is not None or self.compiled is not None) and not all_positions:
+            tokens = sum(batch.counts)
+            as_rows = all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts)) or (
+                self.prompt_rows and prompt_rows_fit(tokens, max(len(s.block_table) for s in batch.seqs),
+                                                     self.block_size))
+            graph = as_rows and self.graphs is not None and self.graphs.fits(tokens)
+            rows_only = graph or (as_rows and self.compiled is not None)
+        ids, positions, meta, last_rows = self.prepare(batch, rows_only=rows_only)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
         if graph:
             out = self.graphs.run(*args)
