@@ -88,9 +88,22 @@ class DriverLink:
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._send_lock = threading.Lock()  # busy() may send from another thread
 
     def send(self, kind: str, value: Any) -> None:
-        self.conn.send((kind, value))
+        with self._send_lock:
+            self.conn.send((kind, value))
+
+
+_driver: DriverLink | None = None  # in a rank process that LocalRanks started
+
+
+def busy(what: str) -> None:
+    """Tell this rank's driver that the rank is alive and busy with ``what`` (a compile that
+    takes minutes on a small CPU), so that its silence is not taken for a hang. A no-op in
+    a process that no LocalRanks driver started."""
+    if _driver is not None:
+        _driver.send("busy", what)
 
     def poll(self, timeout: float) -> list[Any]:
         """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
@@ -104,7 +117,8 @@ def _rank_main(fd: int) -> None:
     """A rank process started by LocalRanks: build the worker, then run the driver's commands:
     ``generate`` (rank 0 streams its tokens), ``serve`` (requests arrive until stopped), or
     any other worker method, called with the command's payload."""
-    link = DriverLink(Connection(fd))
+    global _driver
+    link = _driver = DriverLink(Connection(fd))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     code = 0
     try:
@@ -162,7 +176,8 @@ class LocalRanks:
         """Wait for one ``kind`` reply from every rank; raise RankFailure if one fails, dies or stalls.
 
         A rank that stops answering gets ``timeout_s`` (the collective timeout) plus a
-        margin, since the ranks themselves then fail with a more precise message.
+        margin, since the ranks themselves then fail with a more precise message; a rank
+        that says it is busy (``busy()``, while it compiles) has not stopped answering.
         """
         got: dict[int, Any] = {}
         last_news = time.monotonic()
@@ -184,6 +199,8 @@ class LocalRanks:
                 if what == "token":
                     if on_token is not None:
                         on_token(*value)
+                elif what == "busy":
+                    pass  # news enough: the rank is alive (see busy())
                 elif what == kind:
                     got[rank] = value
                 else:
@@ -216,4 +233,7 @@ class LocalRanks:
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]))
+    # Run as the imported module, not as __main__: busy() and everything else that imports
+    # shardlm.launch must see this rank's _driver.
+    from shardlm.launch import _rank_main as rank_main
+    rank_main(int(sys.argv[1]))

@@ -31,6 +31,7 @@ from torch.fx.experimental import _config as fx_config
 
 from shardlm.engine.cuda_graphs import DecodeGraphs, prompt_rows_fit
 from shardlm.engine.scheduler import Batch
+from shardlm.launch import busy
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
 
@@ -202,19 +203,19 @@ class ModelRunner:
 
 @contextlib.contextmanager
 def announced(what: str, enabled: bool):
-    """Say on stderr that ``what`` compiles, every PROGRESS_EVERY_S that it still does (minutes
-    on a small CPU), and when it is done."""
-    if not enabled:
-        yield
-        return
+    """While ``what`` compiles (minutes on a small CPU), tell the driver every
+    PROGRESS_EVERY_S that this rank is busy, not hung (``launch.busy``); if ``enabled``, also
+    say on stderr that it compiles, that it still does, and when it is done."""
     start = time.perf_counter()
     done = threading.Event()
 
     def say(text: str) -> None:
-        print(f"shardlm: {text}", file=sys.stderr, flush=True)
+        if enabled:
+            print(f"shardlm: {text}", file=sys.stderr, flush=True)
 
     def progress() -> None:
         while not done.wait(PROGRESS_EVERY_S):
+            busy(f"compiling {what}")
             say(f"still compiling {what} ({time.perf_counter() - start:.0f} s)")
 
     say(f"compiling {what} (once; cached on disk for later runs)")
