@@ -188,8 +188,10 @@ class ModelRunner:
     def _run_compiled(self, args, several: bool):
         # Without duck sizing: by default dynamo assumes two sizes that happen to be equal when it
         # traces (say 4 sequences and 4-token blocks, or as many sequences as table columns) stay
-        # equal, and recompiles the first time they differ.
-        with fx_config.patch(use_duck_shape=False):
+        # equal, and recompiles the first time they differ. Python floats (the attention scale,
+        # norm epsilons) are the model's constants: traced as symbols, inductor's pass that turns
+        # them into tensors gives up and dynamo traces the whole model again (~30 s here).
+        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
             if several in self.compiled_classes:
                 return self.compiled(*args)
             return self._compile_class(args, several)
