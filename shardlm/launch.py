@@ -94,6 +94,13 @@ class DriverLink:
         with self._send_lock:
             self.conn.send((kind, value))
 
+    def poll(self, timeout: float) -> list[Any]:
+        """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
+        out = []
+        while self.conn.poll(timeout if not out else 0):
+            out.append(self.conn.recv())
+        return out
+
 
 _driver: DriverLink | None = None  # in a rank process that LocalRanks started
 
@@ -104,13 +111,6 @@ def busy(what: str) -> None:
     a process that no LocalRanks driver started."""
     if _driver is not None:
         _driver.send("busy", what)
-
-    def poll(self, timeout: float) -> list[Any]:
-        """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
-        out = []
-        while self.conn.poll(timeout if not out else 0):
-            out.append(self.conn.recv())
-        return out
 
 
 def _rank_main(fd: int) -> None:
