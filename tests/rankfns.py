@@ -107,16 +107,22 @@ def varied_runs(llm, prompts: list[list[int]], new_tokens: int, steady=contextli
 def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
     """``varied_runs`` with compile=True on this rank: the first two compile the two shape classes
     (several sequences, then one); the rest run under ``fail_on_recompile``. (runs, the classes
-    compiled, how many graphs dynamo made: one per class unless something breaks the graph)."""
+    compiled, how many graphs dynamo traced: one per class unless something breaks the graph or
+    makes dynamo trace the model again, as a Python float traced as a symbol did)."""
     import torch
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     from shardlm import LLM
 
+    def traces() -> int:
+        retraces = sum(len(v) for k, v in compilation_time_metrics.items()
+                       if k.startswith("compile_attempt_") and k != "compile_attempt_0")
+        return counters["stats"]["unique_graphs"] + retraces
+
     llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
-    graphs_before = counters["stats"]["unique_graphs"]
+    before = traces()
     runs = varied_runs(llm, prompts, new_tokens, lambda: torch.compiler.set_stance("fail_on_recompile"))
-    return runs, llm.worker.runner.compiled_classes, counters["stats"]["unique_graphs"] - graphs_before
+    return runs, llm.worker.runner.compiled_classes, traces() - before
 
 
 def graph_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
