@@ -24,6 +24,17 @@ def shardlm(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
+def main_exit(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of the command's own ``main`` (what the installed ``shardlm``
+    calls) run in this process: a second each for errors caught before any rank starts,
+    instead of a process start-up each."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
 def rank_processes() -> list[str]:
     """Rank processes of this checkout's shardlm (another checkout's runs on the host are not ours)."""
     out = subprocess.run(["pgrep", "-f", "-a", "shardlm.launch"], capture_output=True, text=True).stdout
@@ -93,13 +104,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys):
-    """Caught before any rank starts, so checked through the command's own ``main`` (what the
-    installed ``shardlm`` calls), in this process: a second each instead of a start-up each."""
-    try:
-        code = main(["generate", *args])
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    err = capsys.readouterr().err
+    """Caught before any rank starts: checked in this process (``main_exit``)."""
+    code, err = main_exit(["generate", *args], capsys)
     assert code == 2 and message in err, (code, err)
     assert len([line for line in err.splitlines() if "error" in line]) == 1
 

@@ -20,8 +20,7 @@ import torch
 
 from multirank import run_ranks
 from rankfns import layer_activations_on_rank, train_and_save, train_resumed, train_steps
-from shardlm.cli import main
-from test_cli import shardlm
+from test_cli import main_exit, shardlm
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 STEPS, BATCH, SEQ = 3, 12, 16  # 12 sequences split over dp = 1, 2, 3 and 2 x 2 micro-batches
@@ -431,11 +430,10 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
      "splits a micro-batch's 16 tokens on a rank over tp=3 evenly"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
-    """Caught before any rank starts: checked through the command's ``main`` in this process (the
-    real command's exit path is test_cli's)."""
+    """Caught before any rank starts: checked in this process (``main_exit``; the real
+    command's exit path is test_cli's)."""
     data = tmp_path / "data.txt"
     data.write_text("a few words of text " * 50)
-    code = main(["train", "--data", str(data), *args])
-    err = capsys.readouterr().err
+    code, err = main_exit(["train", "--data", str(data), *args], capsys)
     assert code == 2, err
     assert err.count("\n") == 1 and message in err, err
