@@ -11,12 +11,22 @@ from typing import Callable
 from shardlm import LLM, SamplingParams
 
 QUESTIONS = [
-    "Explain tensor parallelism in one paragraph.", "What is the capital of France?",
-    "Write a haiku about GPUs.", "Why is the sky blue?", "List three uses of a hash map.",
-    "What does a compiler do?", "Summarise the plot of Hamlet.", "How do vaccines work?",
-    "What is gradient descent?", "Give two tips for writing clean code.", "What is a prime number?",
-    "Describe the water cycle.", "What is the difference between TCP and UDP?", "Who was Ada Lovelace?",
-    "What is photosynthesis?", "How does a transistor work?",
+    "Explain tensor parallelism in one paragraph.",
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Why is the sky blue?",
+    "List three uses of a hash map.",
+    "What does a compiler do?",
+    "Summarise the plot of Hamlet.",
+    "How do vaccines work?",
+    "What is gradient descent?",
+    "Give two tips for writing clean code.",
+    "What is a prime number?",
+    "Describe the water cycle.",
+    "What is the difference between TCP and UDP?",
+    "Who was Ada Lovelace?",
+    "What is photosynthesis?",
+    "How does a transistor work?",
 ]
 
 

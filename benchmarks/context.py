@@ -42,7 +42,7 @@ def attend(algorithm: str, q, k, v, seq: int):
     from shardlm.parallel.context import ContextBatch, context_attention
 
     meta = ContextBatch.build(dist.group.WORLD, 1, seq, algorithm)
-    return context_attention(q, k, v, meta, GroupedHeads([h // 3 for h in range(Q_HEADS)]), D ** -0.5, None)
+    return context_attention(q, k, v, meta, GroupedHeads([h // 3 for h in range(Q_HEADS)]), D**-0.5, None)
 
 
 def rank_main(rank: int, cp: int, port: int, seq: int, repeats: int, results) -> None:
@@ -85,22 +85,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     seq, cp = args.seq_len, args.cp
-    print(f"context-parallel attention, SmolLM2 shape ({Q_HEADS} q / {KV_HEADS} kv heads, d {D}), float32, "
-          f"1 x {seq} tokens over cp={cp} ranks x 1 thread; {load_note()}", flush=True)
+    print(
+        f"context-parallel attention, SmolLM2 shape ({Q_HEADS} q / {KV_HEADS} kv heads, d {D}), float32, "
+        f"1 x {seq} tokens over cp={cp} ranks x 1 thread; {load_note()}",
+        flush=True,
+    )
     ranks = spawn_ranks(cp, rank_main, seq, args.repeats)
     alone = one_process(seq, args.repeats)
     n, kv_bytes = seq // cp, 2 * KV_HEADS * D * 4
     local = n * (2 * Q_HEADS * D * 4 + kv_bytes)  # this rank's queries, output, keys and values
-    formula = {"all-gather": local + (seq - n) * kv_bytes + n * seq * 4,  # + the other keys/values, the mask
-               "ring": local + n * Q_HEADS * 4}  # + the log-sum-exp
-    print("\n| algorithm | fwd+bwd s (slowest rank) | vs one process | saved for backward MiB (max rank) "
-          "| formula MiB | measured / formula |")
+    formula = {
+        "all-gather": local + (seq - n) * kv_bytes + n * seq * 4,  # + the other keys/values, the mask
+        "ring": local + n * Q_HEADS * 4,
+    }  # + the log-sum-exp
+    print(
+        "\n| algorithm | fwd+bwd s (slowest rank) | vs one process | saved for backward MiB (max rank) "
+        "| formula MiB | measured / formula |"
+    )
     print("|---|---|---|---|---|---|")
     for name in ("all-gather", "ring"):
         t = max(r[name][0] for r in ranks)
         held = max(r[name][1] for r in ranks)
-        print(f"| {name} | {t:.3f} | {alone / t:.2f}x | {held / 2**20:.2f} | {formula[name] / 2**20:.2f} "
-              f"| {held / formula[name]:.2f} |")
+        print(
+            f"| {name} | {t:.3f} | {alone / t:.2f}x | {held / 2**20:.2f} | {formula[name] / 2**20:.2f} "
+            f"| {held / formula[name]:.2f} |"
+        )
     print(f"| one process (SDPA) | {alone:.3f} | 1.00x | | | |")
     ring, gather = (max(r[a][0] for r in ranks) for a in ("ring", "all-gather"))
     saved = max(r["ring"][1] for r in ranks) / max(r["all-gather"][1] for r in ranks)

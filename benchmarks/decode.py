@@ -82,6 +82,7 @@ def synchronize() -> None:
 def runner(llm: LLM, ids: list[int]):
     def run(n: int) -> None:
         llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+
     return run
 
 
@@ -118,8 +119,12 @@ def main() -> None:
     ap.add_argument("--tp-only", action="store_true", help="only the tp=2 vs tp=1 table (no HF)")
     ap.add_argument("--no-compile", action="store_true", help="skip shardlm with compile=True")
     ap.add_argument("--tp-compile", action="store_true", help="the tp=2 vs tp=1 engines with compile=True")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where shardlm and HF run (cuda: no tp=2 table, which is about CPU ranks on one host)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where shardlm and HF run (cuda: no tp=2 table, which is about CPU ranks on one host)",
+    )
     args = ap.parse_args()
     if args.device == "cuda":
         args.no_tp2 = True
@@ -129,8 +134,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {where}; SmolLM2-135M, batch 1, "
-          f"{args.tokens} decode tokens, best of {args.repeats} turns", flush=True)
+    print(
+        f"torch {torch.__version__}, {where}; SmolLM2-135M, batch 1, "
+        f"{args.tokens} decode tokens, best of {args.repeats} turns",
+        flush=True,
+    )
     rows, tp_rows = [], []
     load = os.getloadavg()[0]
     for dtype in args.dtypes.split(","):
@@ -141,44 +149,59 @@ def main() -> None:
             continue
         floor, gbs = floor_rate(llm.worker.model, args.repeats)
         path = llm.checkpoint.path
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                  dtype=getattr(torch, dtype)).eval().to(args.device)
+        hf = (
+            AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+            .eval()
+            .to(args.device)
+        )
         x = torch.tensor([ids], device=args.device)
 
         def theirs(n: int) -> None:
             with torch.inference_mode():
                 hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
-        engines = {"eager": llm} if args.device == "cpu" else {
-            "eager": LLM("smollm2", dtype=dtype, device="cuda", enforce_eager=True), "graphs": llm}
+        engines = (
+            {"eager": llm}
+            if args.device == "cpu"
+            else {"eager": LLM("smollm2", dtype=dtype, device="cuda", enforce_eager=True), "graphs": llm}
+        )
         if not args.no_compile:
             engines["compiled"] = LLM("smollm2", dtype=dtype, compile=True, device=args.device)
-        best = best_in_turns({"hf": theirs} | {name: runner(e, ids) for name, e in engines.items()},
-                             args.tokens, args.repeats)
+        best = best_in_turns(
+            {"hf": theirs} | {name: runner(e, ids) for name, e in engines.items()}, args.tokens, args.repeats
+        )
         rows.append((dtype, best["hf"], best["eager"], best.get("graphs"), best.get("compiled"), floor, gbs))
         del hf, llm, engines
         if not args.no_tp2:
             tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
 
     if rows:
-        print(f"\n{'dtype':<9} {'HF tok/s':>9} {'eager':>7} {'ratio':>6} {'graphs':>7} {'ratio':>6} "
-              f"{'compiled':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} {'best/floor':>11} {'HF/floor':>9}")
+        print(
+            f"\n{'dtype':<9} {'HF tok/s':>9} {'eager':>7} {'ratio':>6} {'graphs':>7} {'ratio':>6} "
+            f"{'compiled':>9} {'ratio':>6} {'floor':>7} {'GB/s':>6} {'best/floor':>11} {'HF/floor':>9}"
+        )
         for dtype, ref, eager, graphs, comp, floor, gbs in rows:
             g = f"{graphs:>7.1f} {graphs / ref:>5.2f}x" if graphs else f"{'-':>7} {'-':>6}"
             c = f"{comp:>9.1f} {comp / ref:>5.2f}x" if comp else f"{'-':>9} {'-':>6}"
             top = max(eager, graphs or 0.0, comp or 0.0)
-            print(f"{dtype:<9} {ref:>9.1f} {eager:>7.1f} {eager / ref:>5.2f}x {g} {c} {floor:>7.1f} {gbs:>6.1f} "
-                  f"{top / floor:>10.0%} {ref / floor:>9.0%}")
-        print("\nratios are to HF; floor: tokens/s if a token cost only its matrix-vector products "
-              "(every weight byte once)")
+            print(
+                f"{dtype:<9} {ref:>9.1f} {eager:>7.1f} {eager / ref:>5.2f}x {g} {c} {floor:>7.1f} {gbs:>6.1f} "
+                f"{top / floor:>10.0%} {ref / floor:>9.0%}"
+            )
+        print(
+            "\nratios are to HF; floor: tokens/s if a token cost only its matrix-vector products "
+            "(every weight byte once)"
+        )
     if tp_rows:
         print(f"\n{'dtype':<9} {'tp=1 x2 thr':>11} {'tp=2 shm':>9} {'ratio':>6} {'tp=2 gloo':>10} {'ratio':>6}")
         for dtype, one, two, gloo in tp_rows:
             g = f"{gloo:>10.1f} {gloo / one:>5.2f}x" if gloo else f"{'-':>10} {'-':>6}"
             print(f"{dtype:<9} {one:>11.1f} {two:>9.1f} {two / one:>5.2f}x {g}")
-        print(f"tok/s of batch-1 decode{' compiled' if args.tp_compile else ''}; tp=2: two rank processes of one "
-              "thread each; "
-              f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+        print(
+            f"tok/s of batch-1 decode{' compiled' if args.tp_compile else ''}; tp=2: two rank processes of one "
+            "thread each; "
+            f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+        )
 
 
 if __name__ == "__main__":

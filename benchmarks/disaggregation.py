@@ -58,12 +58,17 @@ def main() -> None:
     tok = open_checkpoint("smollm2").tokenizer()
     ps = prompts(tok, args.long_tokens, args.long_every)
     long_n = sum(len(p) > 200 for p in ps)
-    print(f"SmolLM2-135M {args.dtype}, dp=2 x {args.threads} thread(s) per server; {len(ps)} prompts, {long_n} of "
-          f"{max(map(len, ps))} tokens, the others {min(map(len, ps))}-{max(len(p) for p in ps if len(p) < 200)}; "
-          f"{args.tokens} output tokens each; {os.cpu_count()} cores", flush=True)
+    print(
+        f"SmolLM2-135M {args.dtype}, dp=2 x {args.threads} thread(s) per server; {len(ps)} prompts, {long_n} of "
+        f"{max(map(len, ps))} tokens, the others {min(map(len, ps))}-{max(len(p) for p in ps if len(p) < 200)}; "
+        f"{args.tokens} output tokens each; {os.cpu_count()} cores",
+        flush=True,
+    )
     base = dict(threads=args.threads, tp=1, dp=2, dtype=args.dtype, device="cpu", compile=False)
-    servers = {name: start_server(types.SimpleNamespace(**base, prefill_replicas=p))
-               for name, p in (("coloc", 0), ("disagg", 1))}
+    servers = {
+        name: start_server(types.SimpleNamespace(**base, prefill_replicas=p))
+        for name, p in (("coloc", 0), ("disagg", 1))
+    }
     rows = []
     try:
         for _, url in servers.values():  # warm-up
@@ -76,18 +81,28 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    print(f"\n{'C':>3} | {'tok/s coloc / disagg':>22} | {'TTFT p50 s':>19} | {'TTFT p99 s':>19} | "
-          f"{'TPOT p50 ms':>17} | {'TPOT p99 ms':>17} | {'ITL p99 ms':>17}")
+    print(
+        f"\n{'C':>3} | {'tok/s coloc / disagg':>22} | {'TTFT p50 s':>19} | {'TTFT p99 s':>19} | "
+        f"{'TPOT p50 ms':>17} | {'TPOT p99 ms':>17} | {'ITL p99 ms':>17}"
+    )
     for c in sorted({r["clients"] for r in rows}):
         a, b = (next(r for r in rows if r["engine"] == e and r["clients"] == c) for e in ("coloc", "disagg"))
         cols = []
-        for key, scale, fmt in (("tok_s", 1, ".1f"), ("ttft50", 1, ".2f"), ("ttft99", 1, ".2f"),
-                                ("tpot50", 1e3, ".0f"), ("tpot99", 1e3, ".0f"), ("itl99", 1e3, ".0f")):
+        for key, scale, fmt in (
+            ("tok_s", 1, ".1f"),
+            ("ttft50", 1, ".2f"),
+            ("ttft99", 1, ".2f"),
+            ("tpot50", 1e3, ".0f"),
+            ("tpot99", 1e3, ".0f"),
+            ("itl99", 1e3, ".0f"),
+        ):
             x, y = a[key] * scale, b[key] * scale
             cols.append(f"{x:{fmt}} / {y:{fmt}} ({y / x:.2f}x)")
         print(f"{c:>3} | " + " | ".join(cols))
-    print("ratios: disaggregated / colocated. TPOT: an answer's time per token after its first; ITL: the gap "
-          "between two of its chunks (a decode stalled by a prefill shows there)")
+    print(
+        "ratios: disaggregated / colocated. TPOT: an answer's time per token after its first; ITL: the gap "
+        "between two of its chunks (a decode stalled by a prefill shows there)"
+    )
 
 
 if __name__ == "__main__":

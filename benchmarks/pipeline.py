@@ -28,7 +28,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the layouts in turns (median reported)")
     args = ap.parse_args()
     runs = [("pp=1", dict(pp=1), 1), ("pp=2, 1 micro-batch", dict(pp=2, micro_batches=1), 1)]
-    runs += [(f"pp=2, {m} micro-batches", dict(pp=2, micro_batches=m), m) for m in map(int, args.micro_batches.split(","))]
+    runs += [
+        (f"pp=2, {m} micro-batches", dict(pp=2, micro_batches=m), m) for m in map(int, args.micro_batches.split(","))
+    ]
     print(f"SmolLM2-135M float32, {args.prompts} prompts x {args.tokens} tokens; {load_note()}", flush=True)
     measured = in_turns({name: layout for name, layout, _ in runs}, args.prompts, args.tokens, args.repeats)
     rows = []
@@ -40,8 +42,10 @@ def main() -> None:
     print(f"\n{'layout':<24} {'tok/s':>7} {'vs pp=1':>8} {'vs 1 mb':>8}  idle per stage (measured | formula)")
     for name, rate, idle, formula in rows:
         stages = " ".join(f"{f:.0%}" for f in idle)
-        print(f"{name:<24} {rate:>7.1f} {rate / base['pp=1']:>7.2f}x {rate / base['pp=2, 1 micro-batch']:>7.2f}x"
-              f"  {stages} | {formula:.0%}")
+        print(
+            f"{name:<24} {rate:>7.1f} {rate / base['pp=1']:>7.2f}x {rate / base['pp=2, 1 micro-batch']:>7.2f}x"
+            f"  {stages} | {formula:.0%}"
+        )
     print(f"\n{load_note()} after the run")
 
 

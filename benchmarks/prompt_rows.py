@@ -38,8 +38,10 @@ def main() -> None:
             rate = sum(len(o.token_ids) for o in out) / (time.perf_counter() - start)
             best[rows] = max(best[rows], rate)
             print(f"{'prompt rows compiled' if rows else 'joining steps eager':<22} {rate:7.1f} tok/s", flush=True)
-    print(f"best of {args.repeats}: compiled rows {best[True]:.1f} tok/s, eager {best[False]:.1f}: "
-          f"{best[True] / best[False]:.2f}x; {load_note()}")
+    print(
+        f"best of {args.repeats}: compiled rows {best[True]:.1f} tok/s, eager {best[False]:.1f}: "
+        f"{best[True] / best[False]:.2f}x; {load_note()}"
+    )
     llm.close()
 
 

@@ -40,8 +40,9 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> str:
 
 def batch_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     """Decode tok/s over all of ``prompts`` decoding together (prefill and first token excluded)."""
-    return len(prompts) * decode_rate(lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
-                                      tokens)
+    return len(prompts) * decode_rate(
+        lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)), tokens
+    )
 
 
 def main() -> None:
@@ -56,8 +57,10 @@ def main() -> None:
     prompt = chat + torch.randint(100, 1000, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = exact.prompt_logits(prompt, chunk=1)
     per_token = ModelRunner.kv_bytes_per_block(exact.model, 1, torch.float32)
-    print(f"SmolLM2, {len(prompt)} positions teacher-forced, logits within +-{ref.abs().max():.1f}; "
-          f"torch {torch.__version__}\n")
+    print(
+        f"SmolLM2, {len(prompt)} positions teacher-forced, logits within +-{ref.abs().max():.1f}; "
+        f"torch {torch.__version__}\n"
+    )
     print(f"{'KV cache':<10} {'mean |dlogit|':>13} {'max':>7} {'top-1 same':>11} {'tokens/GiB':>11}")
     print(f"{'float32':<10} {'-':>13} {'-':>7} {'-':>11} {2**30 // per_token:>11}")
     for name in args.kv.split(","):
@@ -65,8 +68,10 @@ def main() -> None:
         per_token = ModelRunner.kv_bytes_per_block(w.model, 1, w.config.kv_torch_dtype)
         print(f"{name:<10} {errors(w.prompt_logits(prompt, chunk=1), ref)} {2**30 // per_token:>11}", flush=True)
 
-    print(f"\n{'weights':<16} {'mean |dlogit|':>13} {'max':>7} {'top-1 same':>11} {'MiB':>7} "
-          f"{'tok/s b=1':>10} {'b=32':>7}")
+    print(
+        f"\n{'weights':<16} {'mean |dlogit|':>13} {'max':>7} {'top-1 same':>11} {'MiB':>7} "
+        f"{'tok/s b=1':>10} {'b=32':>7}"
+    )
     for dtype in ("float32", "bfloat16"):
         llms = {q: LLM("smollm2", dtype=dtype, quantization=q, threads=1) for q in (None, "int8")}
         try:
@@ -78,8 +83,11 @@ def main() -> None:
             for q, llm in llms.items():
                 got = llm.worker.prompt_logits(prompt, chunk=1)
                 name = f"{dtype}{' int8' if q else ''}"
-                print(f"{name:<16} {errors(got, ref)} {llm.param_bytes[0] / 2**20:>7.1f} {best[q, 1]:>10.1f} "
-                      f"{best[q, 32]:>7.1f}", flush=True)
+                print(
+                    f"{name:<16} {errors(got, ref)} {llm.param_bytes[0] / 2**20:>7.1f} {best[q, 1]:>10.1f} "
+                    f"{best[q, 32]:>7.1f}",
+                    flush=True,
+                )
         finally:
             for llm in llms.values():
                 llm.close()

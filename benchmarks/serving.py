@@ -42,10 +42,30 @@ REQUEST_TIMEOUT_S = 600
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "shardlm.cli", "serve", "--port", "0", "--threads", str(args.threads),
-           "--tp", str(args.tp), "--dp", str(args.dp), "--dtype", args.dtype, "--device", args.device,
-           "--kv-cache-memory", "512MiB",
-           "--max-model-len", "2048", "--prefill-replicas", str(getattr(args, "prefill_replicas", 0))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardlm.cli",
+        "serve",
+        "--port",
+        "0",
+        "--threads",
+        str(args.threads),
+        "--tp",
+        str(args.tp),
+        "--dp",
+        str(args.dp),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-model-len",
+        "2048",
+        "--prefill-replicas",
+        str(getattr(args, "prefill_replicas", 0)),
+    ]
     cmd += ["--compile"] if args.compile else []
     cmd += ["--enforce-eager"] if args.enforce_eager else []
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -68,8 +88,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, found[0]
 
 
-async def shardlm_level(url: str, prompts: list[list[int]], clients: int, requests: int, tokens: int,
-                        until_eos: bool):
+async def shardlm_level(url: str, prompts: list[list[int]], clients: int, requests: int, tokens: int, until_eos: bool):
     """(wall seconds, generated tokens, [ttft], [tpot], [itl]) of `requests` streamed requests, `clients` at
     a time; itl: every gap between two chunks of tokens of one answer (inter-token latency)."""
     from openai import AsyncOpenAI
@@ -83,9 +102,14 @@ async def shardlm_level(url: str, prompts: list[list[int]], clients: int, reques
             start = time.perf_counter()
             first = last = None
             n = 0
-            stream = await client.completions.create(model="smollm2", prompt=prompts[i % len(prompts)],
-                                                     max_tokens=tokens, temperature=0, stream=True,
-                                                     extra_body={"ignore_eos": not until_eos, "return_token_ids": True})
+            stream = await client.completions.create(
+                model="smollm2",
+                prompt=prompts[i % len(prompts)],
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": not until_eos, "return_token_ids": True},
+            )
             async for chunk in stream:
                 got = len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
                 if got:
@@ -107,8 +131,9 @@ async def shardlm_level(url: str, prompts: list[list[int]], clients: int, reques
     return wall, sum(counts), ttft, tpot, itl
 
 
-def hf_level(model, prompts: list[list[int]], clients: int, requests: int, tokens: int, pad: int,
-             eos: list[int] | None):
+def hf_level(
+    model, prompts: list[list[int]], clients: int, requests: int, tokens: int, pad: int, eos: list[int] | None
+):
     """The same requests as static batches of `clients` through HF generate (to EOS when `eos` is given:
     a batch runs until its longest answer ends; each answer counts its tokens up to its first EOS)."""
     ttft, tpot, total, wall = [], [], 0, 0.0
@@ -121,8 +146,14 @@ def hf_level(model, prompts: list[list[int]], clients: int, requests: int, token
         def run(n: int) -> tuple[float, torch.Tensor]:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=pad,
-                                     **({"eos_token_id": eos} if eos else {"min_new_tokens": n}))
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=n,
+                    pad_token_id=pad,
+                    **({"eos_token_id": eos} if eos else {"min_new_tokens": n}),
+                )
             return time.perf_counter() - t0, out[:, width:]
 
         first, _ = run(1)
@@ -144,15 +175,35 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
-def row(name: str, clients: int, wall: float, tokens: int, ttft: list[float], tpot: list[float],
-        itl: list[float] | None = None) -> dict:
-    r = {"engine": name, "clients": clients, "tok_s": tokens / wall, "tokens": tokens, "wall": wall,
-         "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "tpot50": pct(tpot, 50), "tpot99": pct(tpot, 99),
-         "itl99": pct(itl or [], 99)}
-    print(f"  {name:<8} C={clients:<3} {r['tok_s']:7.1f} tok/s  ({tokens} tokens in {wall:5.1f} s)  "
-          f"TTFT p50 {r['ttft50']:.2f} s p99 {r['ttft99']:.2f} s  TPOT p50 {r['tpot50'] * 1e3:.0f} ms "
-          f"p99 {r['tpot99'] * 1e3:.0f} ms" + (f"  ITL p99 {r['itl99'] * 1e3:.0f} ms" if itl else "")
-          + f"   load {os.getloadavg()[0]:.1f}", flush=True)
+def row(
+    name: str,
+    clients: int,
+    wall: float,
+    tokens: int,
+    ttft: list[float],
+    tpot: list[float],
+    itl: list[float] | None = None,
+) -> dict:
+    r = {
+        "engine": name,
+        "clients": clients,
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "wall": wall,
+        "ttft50": pct(ttft, 50),
+        "ttft99": pct(ttft, 99),
+        "tpot50": pct(tpot, 50),
+        "tpot99": pct(tpot, 99),
+        "itl99": pct(itl or [], 99),
+    }
+    print(
+        f"  {name:<8} C={clients:<3} {r['tok_s']:7.1f} tok/s  ({tokens} tokens in {wall:5.1f} s)  "
+        f"TTFT p50 {r['ttft50']:.2f} s p99 {r['ttft99']:.2f} s  TPOT p50 {r['tpot50'] * 1e3:.0f} ms "
+        f"p99 {r['tpot99'] * 1e3:.0f} ms"
+        + (f"  ITL p99 {r['itl99'] * 1e3:.0f} ms" if itl else "")
+        + f"   load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     return r
 
 
@@ -164,8 +215,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, (key, label, scale) in zip(axes, (("tok_s", "output tokens/s", 1), ("ttft50", "TTFT p50 (s)", 1),
-                                              ("tpot50", "TPOT p50 (ms)", 1e3))):
+    for ax, (key, label, scale) in zip(
+        axes, (("tok_s", "output tokens/s", 1), ("ttft50", "TTFT p50 (s)", 1), ("tpot50", "TPOT p50 (ms)", 1e3))
+    ):
         for engine in dict.fromkeys(r["engine"] for r in rows):
             pts = [(r["clients"], r[key] * scale) for r in rows if r["engine"] == engine]
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=engine)
@@ -188,20 +240,29 @@ def main() -> None:
     ap.add_argument("--levels", default="1,8,32", help="concurrent clients, comma-separated")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each of the server's ranks")
-    ap.add_argument("--hf-threads", default=None,
-                    help="HF torch threads, comma-separated (default: the server's total, tp x dp x threads); "
-                         "the ratio is taken against the fastest")
+    ap.add_argument(
+        "--hf-threads",
+        default=None,
+        help="HF torch threads, comma-separated (default: the server's total, tp x dp x threads); "
+        "the ratio is taken against the fastest",
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the server and HF run")
-    ap.add_argument("--compile", action="store_true",
-                    help="shardlm serve --compile (its two decode graphs compile during the warm-up)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="shardlm serve --compile (its two decode graphs compile during the warm-up)",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="shardlm serve --enforce-eager (no CUDA graphs)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw tok/s, TTFT and TPOT per level")
-    ap.add_argument("--until-eos", action="store_true",
-                    help="answers end at EOS (at most --tokens) instead of all being --tokens long")
+    ap.add_argument(
+        "--until-eos",
+        action="store_true",
+        help="answers end at EOS (at most --tokens) instead of all being --tokens long",
+    )
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -213,18 +274,26 @@ def main() -> None:
     load0 = os.getloadavg()
     total = args.threads * args.tp * args.dp
     hf_threads = [int(t) for t in (args.hf_threads or str(total)).split(",")]
-    print(f"SmolLM2-135M {args.dtype} on {args.device}, {len(prompts)} chat prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {'up to ' if args.until_eos else ''}{args.tokens} output tokens each; "
-          f"shardlm tp={args.tp} dp={args.dp} x {args.threads} thread(s), HF {args.hf_threads or total} thread(s); "
-          f"{os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    print(
+        f"SmolLM2-135M {args.dtype} on {args.device}, {len(prompts)} chat prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, {'up to ' if args.until_eos else ''}{args.tokens} output tokens each; "
+        f"shardlm tp={args.tp} dp={args.dp} x {args.threads} thread(s), HF {args.hf_threads or total} thread(s); "
+        f"{os.cpu_count()} cores, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
     torch.set_num_threads(hf_threads[0])
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         with contextlib.redirect_stderr(io.StringIO()):  # HF's GGUF conversion progress bar
-            hf = AutoModelForCausalLM.from_pretrained(ckpt.path.parent, gguf_file=ckpt.path.name,
-                                                      dtype=getattr(torch, args.dtype)).eval().to(args.device)
+            hf = (
+                AutoModelForCausalLM.from_pretrained(
+                    ckpt.path.parent, gguf_file=ckpt.path.name, dtype=getattr(torch, args.dtype)
+                )
+                .eval()
+                .to(args.device)
+            )
         pad = tok.special_tokens.get("pad_token") and tok.backend.token_to_id(tok.special_tokens["pad_token"])
         pad = pad if pad is not None else tok.eos_token_ids[0]
         eos = list(tok.eos_token_ids) if args.until_eos else None
@@ -247,21 +316,41 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     load1 = os.getloadavg()
-    print(f"\n{'C':>3} {'shardlm tok/s':>13} {'HF tok/s':>9} {'ratio':>6} | {'TTFT p50/p99 s':>15} "
-          f"{'HF':>11} | {'TPOT p50/p99 ms':>15} {'HF':>11}")
+    print(
+        f"\n{'C':>3} {'shardlm tok/s':>13} {'HF tok/s':>9} {'ratio':>6} | {'TTFT p50/p99 s':>15} "
+        f"{'HF':>11} | {'TPOT p50/p99 ms':>15} {'HF':>11}"
+    )
     for c in levels:
         s = next(r for r in rows if r["engine"] == "shardlm" and r["clients"] == c)
-        h = max((r for r in rows if r["engine"].startswith("HF") and r["clients"] == c), key=lambda r: r["tok_s"],
-                default=None)
-        hf_cols = (f"{h['tok_s']:>9.1f} {s['tok_s'] / h['tok_s']:>5.2f}x", f"{h['ttft50']:.2f}/{h['ttft99']:.2f}",
-                   f"{h['tpot50'] * 1e3:.0f}/{h['tpot99'] * 1e3:.0f}") if h else (f"{'-':>9} {'-':>6}", "-", "-")
-        print(f"{c:>3} {s['tok_s']:>13.1f} {hf_cols[0]} | {s['ttft50']:>7.2f}/{s['ttft99']:<7.2f} {hf_cols[1]:>11} | "
-              f"{s['tpot50'] * 1e3:>7.0f}/{s['tpot99'] * 1e3:<7.0f} {hf_cols[2]:>11}")
-    print(f"target: shardlm >= 3x HF output tok/s at 32 concurrent; load average {load0[0]:.2f} at the start, "
-          f"{load1[0]:.2f} at the end ({os.cpu_count()} cores)")
+        h = max(
+            (r for r in rows if r["engine"].startswith("HF") and r["clients"] == c),
+            key=lambda r: r["tok_s"],
+            default=None,
+        )
+        hf_cols = (
+            (
+                f"{h['tok_s']:>9.1f} {s['tok_s'] / h['tok_s']:>5.2f}x",
+                f"{h['ttft50']:.2f}/{h['ttft99']:.2f}",
+                f"{h['tpot50'] * 1e3:.0f}/{h['tpot99'] * 1e3:.0f}",
+            )
+            if h
+            else (f"{'-':>9} {'-':>6}", "-", "-")
+        )
+        print(
+            f"{c:>3} {s['tok_s']:>13.1f} {hf_cols[0]} | {s['ttft50']:>7.2f}/{s['ttft99']:<7.2f} {hf_cols[1]:>11} | "
+            f"{s['tpot50'] * 1e3:>7.0f}/{s['tpot99'] * 1e3:<7.0f} {hf_cols[2]:>11}"
+        )
+    print(
+        f"target: shardlm >= 3x HF output tok/s at 32 concurrent; load average {load0[0]:.2f} at the start, "
+        f"{load1[0]:.2f} at the end ({os.cpu_count()} cores)"
+    )
     if args.plot:
-        plot(rows, args.plot, f"SmolLM2-135M {args.dtype}, {'up to ' if args.until_eos else ''}{args.tokens} tokens "
-                              f"per request; shardlm tp={args.tp} dp={args.dp}")
+        plot(
+            rows,
+            args.plot,
+            f"SmolLM2-135M {args.dtype}, {'up to ' if args.until_eos else ''}{args.tokens} tokens "
+            f"per request; shardlm tp={args.tp} dp={args.dp}",
+        )
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ from common import load_note
 from shardlm import LLM, SamplingParams
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef neg(a):\n    return -a\n"
-PASSAGE = ("Tensor parallelism splits every weight matrix of a layer over the ranks of a group, so each rank "
-           "stores and multiplies only its slice; two all-reduces per layer combine the partial results.")
+PASSAGE = (
+    "Tensor parallelism splits every weight matrix of a layer over the ranks of a group, so each rank "
+    "stores and multiplies only its slice; two all-reduces per layer combine the partial results."
+)
 PROMPTS = {
-    "copy": ["Repeat this code exactly, then add a mul function:\n" + CODE,
-             "Quote this passage word for word, then say in one line what it means:\n" + PASSAGE,
-             "Rename the function add to plus in this code and print the whole code:\n" + CODE],
+    "copy": [
+        "Repeat this code exactly, then add a mul function:\n" + CODE,
+        "Quote this passage word for word, then say in one line what it means:\n" + PASSAGE,
+        "Rename the function add to plus in this code and print the whole code:\n" + CODE,
+    ],
     "open": ["Why is the sky blue?", "Write a haiku about GPUs.", "What does a compiler do?"],
 }
 
@@ -38,11 +42,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    print(f"SmolLM2 {args.dtype}, one sequence at a time, {args.max_tokens} new tokens, greedy; {load_note()}",
-          flush=True)
+    print(
+        f"SmolLM2 {args.dtype}, one sequence at a time, {args.max_tokens} new tokens, greedy; {load_note()}", flush=True
+    )
     params = SamplingParams(max_tokens=args.max_tokens)
-    llms = {"plain": LLM("smollm2", dtype=args.dtype),
-            "ngram": LLM("smollm2", dtype=args.dtype, speculative_config={"num_speculative_tokens": args.k})}
+    llms = {
+        "plain": LLM("smollm2", dtype=args.dtype),
+        "ngram": LLM("smollm2", dtype=args.dtype, speculative_config={"num_speculative_tokens": args.k}),
+    }
     rows = []
     try:
         for kind, texts in PROMPTS.items():
@@ -65,8 +72,10 @@ def main() -> None:
             rate = {name: statistics.median(t) for name, t in times.items()}
             same = tokens["plain"] == tokens["ngram"]
             rows.append((kind, rate["plain"], rate["ngram"], accepted / max(drafted, 1), same))
-            print(f"  {kind}: plain {rate['plain']:.1f} tok/s, ngram {rate['ngram']:.1f} tok/s ({load_note()})",
-                  flush=True)
+            print(
+                f"  {kind}: plain {rate['plain']:.1f} tok/s, ngram {rate['ngram']:.1f} tok/s ({load_note()})",
+                flush=True,
+            )
     finally:
         for llm in llms.values():
             llm.close()

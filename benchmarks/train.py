@@ -91,8 +91,10 @@ def recompute_memory() -> None:
             got[mode] = ranks.call("step", batch)[0]
         finally:
             ranks.close()
-        print(f"  {mode:5s} peak RSS {got[mode]['max_rss_bytes'] / 2**30:.2f} GiB, step {got[mode]['seconds']:.2f} s",
-              flush=True)
+        print(
+            f"  {mode:5s} peak RSS {got[mode]['max_rss_bytes'] / 2**30:.2f} GiB, step {got[mode]['seconds']:.2f} s",
+            flush=True,
+        )
     saved = (got["none"]["max_rss_bytes"] - got["full"]["max_rss_bytes"]) / 2**30
     slower = got["full"]["seconds"] / got["none"]["seconds"]
     print(f"full recompute: {saved:.2f} GiB less at peak, step time {slower:.2f}x")
@@ -114,8 +116,10 @@ def activation_bytes() -> None:
             got = layer_activations(trainer, batch, layer=3)
             costs = ModelCosts(trainer.checkpoint.config)
             want = layer_activation_bytes(layer_shape(costs, False), seq=seq, micro_batch=b, recompute=recompute)
-            print(f"{f'{b} x {seq}':>12} {recompute:>9} {got / 2**20:9.2f} {want / 2**20:8.2f} {got / want:6.3f}",
-                  flush=True)
+            print(
+                f"{f'{b} x {seq}':>12} {recompute:>9} {got / 2**20:9.2f} {want / 2**20:8.2f} {got / want:6.3f}",
+                flush=True,
+            )
 
 
 def zero_memory(args) -> None:

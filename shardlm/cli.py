@@ -37,10 +37,11 @@ def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg}); write e.g. "
-                                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        raise argparse.ArgumentTypeError(
+            f'{text!r} is not JSON ({e.msg}); write e.g. \'{{"method": "ngram", "num_speculative_tokens": 4}}\''
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; write e.g. '{{\"method\": \"ngram\"}}'")
+        raise argparse.ArgumentTypeError(f'{text!r} is not a JSON object; write e.g. \'{{"method": "ngram"}}\'')
     return value
 
 
@@ -50,47 +51,92 @@ def log(msg: str) -> None:
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """The model and its layout over ranks: shared by generate and serve."""
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file")
+    p.add_argument(
+        "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
-    p.add_argument("--pp-layers", type=layer_counts, default=None, metavar="N,N,...",
-                   help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by per-token work)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="batches in flight through the pipeline (default: pp)")
+    p.add_argument(
+        "--pp-layers",
+        type=layer_counts,
+        default=None,
+        metavar="N,N,...",
+        help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by per-token work)",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
+    )
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
     p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only int8 linear layers (a scale per output row); embedding and LM head stay")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head) or "
-                        "fp8: 2-4x the tokens per GiB")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda when this host has a GPU per rank, else cpu")
-    p.add_argument("--compile", action="store_true",
-                   help="run decode steps through torch.compile: faster decoding after a one-time compile "
-                        "(tens of seconds, cached on disk); dense models")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)")
-    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(drafts looked up in each sequence's history; greedy output unchanged)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: weight-only int8 linear layers (a scale per output row); embedding and LM head stay",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head) or "
+        "fp8: 2-4x the tokens per GiB",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda when this host has a GPU per rank, else cpu",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps through torch.compile: faster decoding after a one-time compile "
+        "(tens of seconds, cached on disk); dense models",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(drafts looked up in each sequence's history; greedy output unchanged)",
+    )
 
 
 def layout_options(args) -> dict:
     """The EngineConfig fields that add_layout_args' flags set."""
-    return dict(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=args.etp, pp_layers=args.pp_layers,
-                micro_batches=args.micro_batches, dtype=args.dtype, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype, device=args.device, compile=args.compile,
-                enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
+    return dict(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        ep=args.ep,
+        etp=args.etp,
+        pp_layers=args.pp_layers,
+        micro_batches=args.micro_batches,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
+        compile=args.compile,
+        enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
+    )
 
 
 def add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from prompts, split over ranks",
-                       description="Generate completions for one or more prompts with the model split over "
-                                   "tp ranks (started on this host, or by torchrun).")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from prompts, split over ranks",
+        description="Generate completions for one or more prompts with the model split over "
+        "tp ranks (started on this host, or by torchrun).",
+    )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
     add_layout_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
@@ -98,8 +144,11 @@ def add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling")
-    p.add_argument("--no-chat", action="store_true",
-                   help="encode prompts as-is, as the model's HF tokenizer does, instead of applying the chat template")
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="encode prompts as-is, as the model's HF tokenizer does, instead of applying the chat template",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a timing line")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank, e.g. 2GiB")
@@ -119,32 +168,46 @@ def run_generate(args) -> int:
     speaker = (torchrun_env() or {"rank": 0})["rank"] == 0
     prompts = args.prompts or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
     if not prompts:
-        raise_usage("give at least one prompt, e.g. shardlm generate \"Hello\" (or pipe one on stdin)")
+        raise_usage('give at least one prompt, e.g. shardlm generate "Hello" (or pipe one on stdin)')
     if args.max_new_tokens < 1:
         raise_usage(f"--max-new-tokens {args.max_new_tokens} must be at least 1, e.g. --max-new-tokens 128")
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed if args.temperature > 0 else None)
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed if args.temperature > 0 else None,
+    )
     ckpt = open_checkpoint(args.model)
     tokenizer = ckpt.tokenizer()
     chat = not args.no_chat and bool(tokenizer.chat_template)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    options = dict(layout_options(args), seed=args.seed, timeout_s=args.timeout, threads=args.threads,
-                   max_model_len=args.max_model_len)
+    options = dict(
+        layout_options(args),
+        seed=args.seed,
+        timeout_s=args.timeout,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+    )
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
     layout = check_layout(EngineConfig(model=str(ckpt.path), **options), ckpt)
     if speaker:
         world = layout.world_size
         axes = ", ".join(f"{a}={getattr(layout, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(layout, a) > 1)
-        log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
-            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {args.dtype})")
+        log(
+            f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
+            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {args.dtype})"
+        )
     with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
         for t in texts:
             llm.encode(t)  # reject a prompt that does not fit before generating anything
         if speaker:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in llm.param_bytes)
-            log(f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
-                f"of {llm.config.block_size} tokens")
+            log(
+                f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
+                f"of {llm.config.block_size} tokens"
+            )
         stream = speaker and not args.json and len(texts) == 1
         decoder = IncrementalDecoder(tokenizer)
         on_token = (lambda i, tok: print(decoder.push(tok), end="", flush=True)) if stream else None
@@ -157,18 +220,34 @@ def run_generate(args) -> int:
             print(decoder.flush(), flush=True)
         for prompt, out in zip(prompts, outputs):
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                                  "prompt_tokens": len(out.prompt_token_ids),
-                                  "completion_tokens": len(out.token_ids), "finish_reason": out.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": out.text,
+                            "token_ids": out.token_ids,
+                            "prompt_tokens": len(out.prompt_token_ids),
+                            "completion_tokens": len(out.token_ids),
+                            "finish_reason": out.finish_reason,
+                        }
+                    )
+                )
             elif not stream:
                 print(f"--- {prompt}\n{out.text}\n")
         s = llm.last_stats
-        timing = {"load_s": round(llm.load_s, 3), "ttft_s": round(s.first_token_s or 0.0, 4),
-                  "decode_tok_s": round(s.decode_tok_s, 2) if s.decode_tok_s else None,
-                  "generated_tokens": s.generated_tokens,
-                  "wall_s": round(wall, 3), "tp": args.tp, "pp": args.pp, "dp": args.dp, "ep": args.ep,
-                  "dtype": args.dtype,
-                  "param_bytes_per_rank": llm.param_bytes}
+        timing = {
+            "load_s": round(llm.load_s, 3),
+            "ttft_s": round(s.first_token_s or 0.0, 4),
+            "decode_tok_s": round(s.decode_tok_s, 2) if s.decode_tok_s else None,
+            "generated_tokens": s.generated_tokens,
+            "wall_s": round(wall, 3),
+            "tp": args.tp,
+            "pp": args.pp,
+            "dp": args.dp,
+            "ep": args.ep,
+            "dtype": args.dtype,
+            "param_bytes_per_rank": llm.param_bytes,
+        }
         if s.expert_load is not None:  # MoE: tokens per expert / ep rank and max/mean imbalance per layer
             timing["expert_load"] = s.expert_load
         if args.json:
@@ -185,7 +264,9 @@ def raise_usage(msg: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardlm", description="Run LLMs split over many devices, and plan the split.")
+    parser = argparse.ArgumentParser(
+        prog="shardlm", description="Run LLMs split over many devices, and plan the split."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     from shardlm.plan.cli import add_parser as add_plan

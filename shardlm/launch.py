@@ -65,8 +65,14 @@ def init_distributed(rank: int, world: int, init_method: str, device_type: str, 
     kwargs: dict[str, Any] = {}
     if device_type == "cuda":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
 
 
 def _free_port() -> int:
@@ -160,8 +166,9 @@ class LocalRanks:
         for rank in range(world):
             mine, theirs = Pipe(duplex=True)
             fd = theirs.fileno()
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "shardlm.launch", str(fd)],
-                                               pass_fds=[fd], env=env))
+            self.procs.append(
+                subprocess.Popen([sys.executable, "-m", "shardlm.launch", str(fd)], pass_fds=[fd], env=env)
+            )
             theirs.close()  # so a dead rank reads as end-of-file here
             mine.send((rank, world, init_method, make_worker, args))
             self.conns.append(mine)
@@ -236,4 +243,5 @@ if __name__ == "__main__":
     # Run as the imported module, not as __main__: busy() and everything else that imports
     # shardlm.launch must see this rank's _driver.
     from shardlm.launch import _rank_main as rank_main
+
     rank_main(int(sys.argv[1]))

@@ -50,8 +50,11 @@ class MiniRunner:
         meta = self.meta_cls(slot_mapping=None, block_size=BLOCK)
         ids, pos, slots, last = [], [], [], []
         for i, p in enumerate(prompts):
-            meta.prefills.append(self.prefill_cls(start=len(ids), length=len(p), context_len=len(p),
-                                                  block_table=torch.tensor(self.table(i))))
+            meta.prefills.append(
+                self.prefill_cls(
+                    start=len(ids), length=len(p), context_len=len(p), block_table=torch.tensor(self.table(i))
+                )
+            )
             ids += p
             pos += range(len(p))
             slots += [self.slot(i, j) for j in range(len(p))]
@@ -65,8 +68,9 @@ class MiniRunner:
     def decode(self, tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """One new token per sequence; lengths = context length after this token."""
         n = len(tokens)
-        meta = self.meta_cls(slot_mapping=torch.tensor([self.slot(i, lengths[i] - 1) for i in range(n)]),
-                             block_size=BLOCK)
+        meta = self.meta_cls(
+            slot_mapping=torch.tensor([self.slot(i, lengths[i] - 1) for i in range(n)]), block_size=BLOCK
+        )
         meta.decode_block_tables = torch.tensor([self.table(i) for i in range(n)])
         meta.decode_context_lens = torch.tensor(lengths)
         meta.decode_max_context = max(lengths)
@@ -90,8 +94,16 @@ def greedy(runner: MiniRunner, prompts: list[list[int]], new_tokens: int, idle) 
     return out
 
 
-def dp_greedy_and_logits(path: str, tp: int, dp: int, ep: int, prompts: list[list[int]],
-                         assignment: list[list[int]], new_tokens: int, etp: int = 1):
+def dp_greedy_and_logits(
+    path: str,
+    tp: int,
+    dp: int,
+    ep: int,
+    prompts: list[list[int]],
+    assignment: list[list[int]],
+    new_tokens: int,
+    etp: int = 1,
+):
     """On every rank: ({prompt index: greedy tokens}, {prompt index: logits [len, vocab]},
     expert-weight elements held, dispatch path). assignment[d] = prompt indices of dp rank d."""
     from shardlm.models.loader import load_model, open_checkpoint
@@ -129,7 +141,7 @@ def _block(path: str, layer: int, dims, **kw):
 
 def _my_tokens(x: torch.Tensor, counts: list[int], dp_rank: int) -> torch.Tensor:
     start = sum(counts[:dp_rank])
-    return x[start:start + counts[dp_rank]]
+    return x[start : start + counts[dp_rank]]
 
 
 def block_outputs(path: str, layer: int, x: torch.Tensor, layouts: list[dict]) -> list:

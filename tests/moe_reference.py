@@ -56,9 +56,9 @@ def build_tiny_moe(name: str, directory: Path) -> MoEReference:
         for p in PROMPTS:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-            tokens.append(out[0, len(p):].tolist())
+            tokens.append(out[0, len(p) :].tolist())
             full = model(out).logits[0].float()  # the routers see every generated token here too
-            top2 = full[len(p) - 1: -1].topk(2, dim=-1).values
+            top2 = full[len(p) - 1 : -1].topk(2, dim=-1).values
             token_gaps.append((top2[:, 0] - top2[:, 1]).min().item())
             logits.append(full[: len(p)])
     for h in handles:

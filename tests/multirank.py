@@ -132,8 +132,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIM
     return run_ranks_on("gloo", world, fn, *args, timeout=timeout, **kwargs)
 
 
-def run_ranks_on(backend: str, world: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-                 **kwargs: Any) -> list:
+def run_ranks_on(
+    backend: str, world: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list:
     """``run_ranks`` over a process group of ``backend`` ("gloo", or "nccl": rank r on GPU r)."""
     key = (world, backend)
     pool = _pools.pop(key, None)

@@ -46,8 +46,9 @@ def row_parallel_int8(model: str, tp: int):
     from shardlm.parallel.tensor import RowParallelLinear
 
     worker = make_worker(model, tp, quantization="int8")
-    layer = next(m for m in worker.model.modules()
-                 if isinstance(m, RowParallelLinear) and m.source.endswith("down_proj"))
+    layer = next(
+        m for m in worker.model.modules() if isinstance(m, RowParallelLinear) and m.source.endswith("down_proj")
+    )
     return layer.weight.detach().clone(), layer.weight_scale.detach().clone()
 
 
@@ -115,8 +116,11 @@ def compiled_runs(model: str, prompts: list[list[int]], new_tokens: int, **layou
     from shardlm import LLM
 
     def traces() -> int:
-        retraces = sum(len(v) for k, v in compilation_time_metrics.items()
-                       if k.startswith("compile_attempt_") and k != "compile_attempt_0")
+        retraces = sum(
+            len(v)
+            for k, v in compilation_time_metrics.items()
+            if k.startswith("compile_attempt_") and k != "compile_attempt_0"
+        )
         return counters["stats"]["unique_graphs"] + retraces
 
     llm = LLM(model, threads=1, compile=True, block_size=4, **layout)
@@ -135,8 +139,9 @@ def graph_runs(model: str, prompts: list[list[int]], new_tokens: int, **layout):
     llm = LLM(model, threads=1, block_size=4, **layout)
     r = llm.worker.runner
     if r.device.type == "cpu":
-        r.graphs = DecodeGraphs(r.decode_forward, device=r.device, block_size=r.block_size,
-                                scratch_block=r.scratch_block, max_batch=256)
+        r.graphs = DecodeGraphs(
+            r.decode_forward, device=r.device, block_size=r.block_size, scratch_block=r.scratch_block, max_batch=256
+        )
     runs = varied_runs(llm, prompts, new_tokens)
     return runs, sorted(r.graphs.classes), sum(c.graph is not None for c in r.graphs.classes.values())
 
@@ -147,8 +152,11 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
     from shardlm.train.checkpoint import pieces
     from shardlm.train.trainer import Trainer, TrainConfig
 
-    trainer = Trainer(TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
-                      rank=dist.get_rank(), world=dist.get_world_size())
+    trainer = Trainer(
+        TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+    )
     stats = [trainer.step(b) for b in batches]
     with trainer.zero.full_weights():
         weights = pieces(trainer.model)
@@ -160,15 +168,19 @@ def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: 
     """Train on ``batches``, then save the model as a HF directory (rank 0 writes)."""
     from shardlm.train.trainer import Trainer, TrainConfig
 
-    trainer = Trainer(TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
-                      rank=dist.get_rank(), world=dist.get_world_size())
+    trainer = Trainer(
+        TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+    )
     for b in batches:
         trainer.step(b)
     return trainer.save(directory)
 
 
-def context_attention_grads(algorithm: str, q, k, v, grad, kv_of_q: list[int], window,
-                            tile: tuple[int, int] | None = None):
+def context_attention_grads(
+    algorithm: str, q, k, v, grad, kv_of_q: list[int], window, tile: tuple[int, int] | None = None
+):
     """This cp rank's share of attention over whole sequences (q, k, v, grad: [b, seq, heads, d]):
     (its positions, output, dq, dk, dv), each [b, local tokens, heads, d]. ``tile``: ring
     attention's (query, key) tile for this call."""
@@ -181,7 +193,7 @@ def context_attention_grads(algorithm: str, q, k, v, grad, kv_of_q: list[int], w
     default = context.TILE, context.KEY_TILE
     context.TILE, context.KEY_TILE = tile or default
     try:
-        o = context.context_attention(*local, meta, GroupedHeads(kv_of_q), d ** -0.5, window)
+        o = context.context_attention(*local, meta, GroupedHeads(kv_of_q), d**-0.5, window)
         o.backward(grad[:, meta.positions].flatten(0, 1))
     finally:
         context.TILE, context.KEY_TILE = default
@@ -196,9 +208,11 @@ def layer_activations_on_rank(model: str, tp: int, seq: int, batch: int, **optio
     from shardlm.train.measure import layer_activations
     from shardlm.train.trainer import Trainer, TrainConfig
 
-    trainer = Trainer(TrainConfig(model=model, tp=tp, dtype="bfloat16", threads=1, **options),
-                      rank=dist.get_rank() if dist.is_initialized() else 0,
-                      world=dist.get_world_size() if dist.is_initialized() else 1)
+    trainer = Trainer(
+        TrainConfig(model=model, tp=tp, dtype="bfloat16", threads=1, **options),
+        rank=dist.get_rank() if dist.is_initialized() else 0,
+        world=dist.get_world_size() if dist.is_initialized() else 1,
+    )
     ids = torch.randint(0, 251, (batch, seq + 1), generator=torch.Generator().manual_seed(5))
     return layer_activations(trainer, ids, layer=1)
 

@@ -25,18 +25,40 @@ PROMPTS = [  # token ids of different lengths: 1 token, short, longer than every
 ]
 NEW_TOKENS = 32
 
-_COMMON = dict(vocab_size=251, hidden_size=96, intermediate_size=200, num_hidden_layers=6,
-               max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-               eos_token_id=None, pad_token_id=None)
+_COMMON = dict(
+    vocab_size=251,
+    hidden_size=96,
+    intermediate_size=200,
+    num_hidden_layers=6,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 # name -> (transformers config class name, overrides)
 TINY_MODELS = {
-    "llama": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                                  rope_theta=500000.0)),
-    "llama_bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
-                                       mlp_bias=True)),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama_bias": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    ),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=6, num_key_value_heads=3)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
     "mistral": ("MistralConfig", dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=7)),
@@ -68,17 +90,21 @@ def _record(model, directory: Path, prompts: list[list[int]], **generate_kw) -> 
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, **generate_kw)
-            tokens.append(out[0, len(p):].tolist())
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS, **generate_kw
+            )
+            tokens.append(out[0, len(p) :].tolist())
         logits = model(torch.tensor([prompts[-1]])).logits[0].float()
     ref = Reference(directory, tokens, logits)
     (directory / "reference.json").write_text(json.dumps({"tokens": tokens}))
     return ref
 
 
-SMOLLM2_QUESTIONS = ["Explain tensor parallelism in one paragraph.", "What is the capital of France?",
-                     "Write a haiku about GPUs."]
+SMOLLM2_QUESTIONS = [
+    "Explain tensor parallelism in one paragraph.",
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+]
 
 
 def load_hf_smollm2():
@@ -102,13 +128,42 @@ def smollm2_reference(model, directory: Path, prompts: list[list[int]]) -> Refer
 # qwen3_moe has 6 experts, so ep=4 splits them unevenly (2, 2, 1, 1).
 _MOE_COMMON = dict(_COMMON, num_hidden_layers=2)
 TINY_MOE_MODELS = {
-    "mixtral": ("MixtralConfig", dict(_MOE_COMMON, num_attention_heads=6, num_key_value_heads=2,
-                                      num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE_COMMON, num_attention_heads=6, num_key_value_heads=2, num_experts=8,
-                                         num_experts_per_tok=4, moe_intermediate_size=48,
-                                         shared_expert_intermediate_size=128, norm_topk_prob=False,
-                                         mlp_only_layers=[0])),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                         num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
-                                         norm_topk_prob=True)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            _MOE_COMMON,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            _MOE_COMMON,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=4,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=128,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            _MOE_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        ),
+    ),
 }

@@ -18,8 +18,13 @@ class ServerProcess:
     """``shardlm serve --port 0 ARGS``; waits for the ``serving ... on URL`` line (or fails with the log)."""
 
     def __init__(self, *args: str, start_timeout: float = 300):
-        self.proc = subprocess.Popen([str(BIN / "shardlm"), "serve", "--port", "0", *args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [str(BIN / "shardlm"), "serve", "--port", "0", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.url: str | None = None
         ready = threading.Event()
@@ -48,8 +53,9 @@ class ServerProcess:
 
     def rank_pids(self) -> list[int]:
         """The server's rank processes (its ``python -m shardlm.launch`` children)."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "shardlm.launch"], capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid), "-f", "shardlm.launch"], capture_output=True, text=True
+        ).stdout
         return sorted(int(p) for p in out.split())
 
     def wait(self, timeout: float) -> int:

@@ -55,8 +55,26 @@ def test_a_wrong_result_is_reported():
 
 def test_cli_json_and_plots(tmp_path):
     """One run (its ranks cost most of it); the table's text is checked through the Python API above."""
-    cmd = [sys.executable, "-m", "shardlm.cli", "bench", "comm", "--ranks", "2", "--ops", "all_reduce,all_gather",
-           "--min-bytes", "8", "--max-bytes", "1K", "--budget", "0.002", "--json", "--plot", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardlm.cli",
+        "bench",
+        "comm",
+        "--ranks",
+        "2",
+        "--ops",
+        "all_reduce,all_gather",
+        "--min-bytes",
+        "8",
+        "--max-bytes",
+        "1K",
+        "--budget",
+        "0.002",
+        "--json",
+        "--plot",
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -65,19 +83,23 @@ def test_cli_json_and_plots(tmp_path):
     assert (tmp_path / "latency.png").stat().st_size > 10_000 and (tmp_path / "busbw.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--ranks", "1"], "--ranks 1"),
-    (["--ops", "all_reduce,sort"], "unknown op"),
-    (["--backend", "mpi"], "unknown backend"),
-    (["--backend", "nccl"], "CUDA GPUs"),
-    (["--min-bytes", "1M", "--max-bytes", "8"], "min <= max"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--ranks", "1"], "--ranks 1"),
+        (["--ops", "all_reduce,sort"], "unknown op"),
+        (["--backend", "mpi"], "unknown backend"),
+        (["--backend", "nccl"], "CUDA GPUs"),
+        (["--min-bytes", "1M", "--max-bytes", "8"], "min <= max"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, match):
     if "nccl" in args and dist.is_nccl_available():
         import torch
 
         if torch.cuda.device_count() >= 2:
             pytest.skip("this host can run nccl")
-    out = subprocess.run([sys.executable, "-m", "shardlm.cli", "bench", "comm", *args],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "shardlm.cli", "bench", "comm", *args], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and match in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

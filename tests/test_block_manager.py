@@ -200,8 +200,14 @@ def test_block_hash_is_the_same_in_every_process():
     got = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", _HASHES], env=env, capture_output=True, text=True,
-                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run(
+            [sys.executable, "-c", _HASHES],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         got.append(json.loads(out.stdout))
     h, here = 0, []
     for block in ([1, 2, 3, 4], [0, 0, 0, 0], [151_000, 7, 2**40, 5], [5, 4, 3, 2]):

@@ -20,8 +20,14 @@ PROMPT = "The capital of France is"
 
 
 def shardlm(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "shardlm"), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(BIN / "shardlm"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def main_exit(argv: list[str], capsys) -> tuple[int, str]:
@@ -49,8 +55,9 @@ def single_rank_tokens():
 
 
 def test_json_contract_at_tp2(single_rank_tokens):
-    r = shardlm("generate", "--tp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1",
-                PROMPT, "Hello")
+    r = shardlm(
+        "generate", "--tp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1", PROMPT, "Hello"
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(lines) == 3  # one object per prompt, then timing; logs went to stderr
@@ -77,11 +84,16 @@ def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
     assert "decode" in r.stderr and "decode" not in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tp", "10", "x"], "tp=10 is larger than the model's 9 attention heads"),
-    (["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
-     "does not fit the context of 8 tokens"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "10", "x"], "tp=10 is larger than the model's 9 attention heads"),
+        (
+            ["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
+            "does not fit the context of 8 tokens",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message):
     """The real command: exit status 2, one error line, no traceback, no rank left behind."""
     r = shardlm("generate", *args, timeout=120)
@@ -93,16 +105,19 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert not rank_processes()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/no/such/model", "x"], "not found"),
-    (["--max-new-tokens", "0", "x"], "--max-new-tokens 0"),
-    (["--temperature", "-1", "x"], "temperature=-1.0"),
-    (["--top-p", "0", "x"], "top_p=0.0"),
-    (["--dtype", "int8", "x"], "invalid choice"),
-    (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
-    (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
-    (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model", "x"], "not found"),
+        (["--max-new-tokens", "0", "x"], "--max-new-tokens 0"),
+        (["--temperature", "-1", "x"], "temperature=-1.0"),
+        (["--top-p", "0", "x"], "top_p=0.0"),
+        (["--dtype", "int8", "x"], "invalid choice"),
+        (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
+        (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
+        (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
+    ],
+)
 def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys):
     """Caught before any rank starts: checked in this process (``main_exit``)."""
     code, err = main_exit(["generate", *args], capsys)
@@ -146,19 +161,41 @@ def test_a_killed_rank_ends_the_run_with_a_message():
 def test_python_api_needs_no_main_guard(tmp_path):
     """Ranks are not spawned by re-running the caller's script, so a plain script works."""
     script = tmp_path / "plain.py"
-    script.write_text("from shardlm import LLM, SamplingParams\n"
-                      "llm = LLM('smollm2', tp=2, threads=1)\n"
-                      f"print(llm.generate({PROMPT!r}, SamplingParams(max_tokens=4))[0].token_ids)\n"
-                      "llm.close()\n")
+    script.write_text(
+        "from shardlm import LLM, SamplingParams\n"
+        "llm = LLM('smollm2', tp=2, threads=1)\n"
+        f"print(llm.generate({PROMPT!r}, SamplingParams(max_tokens=4))[0].token_ids)\n"
+        "llm.close()\n"
+    )
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.strip().splitlines()[-1])) == 4
 
 
 def test_runs_unchanged_under_torchrun(single_rank_tokens):
-    r = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "shardlm.cli",
-                        "generate", "--tp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1",
-                        PROMPT], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardlm.cli",
+            "generate",
+            "--tp",
+            "2",
+            "--no-chat",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 2  # rank 0 alone prints: one result and the timing line

@@ -57,6 +57,7 @@ def check_primitives(group) -> None:
     root = n - 1  # a non-zero group-local root
 
     for dtype in DTYPES:
+
         def V(j, shape, salt=0, positive=False):
             return val(ids[j], shape, dtype, salt, positive)
 
@@ -115,8 +116,10 @@ def check_primitives(group) -> None:
         eq(comm.all_gather(shards[r], group, dim=1, sizes=sizes), want)
         eq(comm.all_gather(shards[r], group, dim=-2, sizes=sizes), want)
         heads = split_sizes(9, n)  # 9 heads over n ranks, the tensor-parallel case
-        eq(comm.all_gather(V(r, (2, heads[r])), group, dim=-1, sizes=heads),
-           torch.cat([V(j, (2, heads[j])) for j in range(n)], dim=-1))
+        eq(
+            comm.all_gather(V(r, (2, heads[r])), group, dim=-1, sizes=heads),
+            torch.cat([V(j, (2, heads[j])) for j in range(n)], dim=-1),
+        )
         eq(comm.all_gather(V(r, (2, 3)), group), torch.cat([V(j, (2, 3)) for j in range(n)]))
 
         # reduce-scatter: chunk r of the sum, even and uneven
@@ -138,7 +141,7 @@ def check_primitives(group) -> None:
         eq(comm.all_to_all(xs[r], group, plan[r]), want)  # recv sizes exchanged
         eq(comm.all_to_all(xs[r].t(), group, plan[r], dim=1), want.t())
         even = V(r, (2 * n, 3))
-        eq(comm.all_to_all(even, group), torch.cat([V(j, (2 * n, 3))[2 * r: 2 * r + 2] for j in range(n)]))
+        eq(comm.all_to_all(even, group), torch.cat([V(j, (2 * n, 3))[2 * r : 2 * r + 2] for j in range(n)]))
 
         # point-to-point: a ring with isend/irecv, then blocking send/recv from 0 to the last rank
         buf = torch.empty(2, 3, dtype=dtype)
@@ -206,14 +209,14 @@ def check_duals(group) -> None:
         sz, off = sizes or [2] * n, offsets(sizes or [2] * n)
         full = V(0, (2, total))  # the same full tensor on every rank
         y, gx = run(lambda t: comm.split_to_region(t, group, -1, sizes), full, V(r, (2, sz[r]), 1))
-        eq(y, full[:, off[r]: off[r] + sz[r]])
+        eq(y, full[:, off[r] : off[r] + sz[r]])
         eq(gx, torch.cat([V(j, (2, sz[j]), 1) for j in range(n)], dim=-1))  # backward: all-gather
         nontrivial(gx, torch.zeros_like(full).narrow(1, off[r], sz[r]))
 
         shard = V(r, (2, sz[r]))
         y, gx = run(lambda t: comm.gather_from_region(t, group, -1, sizes), shard, V(r, (2, total), 1))
         eq(y, torch.cat([V(j, (2, sz[j])) for j in range(n)], dim=-1))
-        eq(gx, V(r, (2, total), 1)[:, off[r]: off[r] + sz[r]])  # backward: own chunk, no sum
+        eq(gx, V(r, (2, total), 1)[:, off[r] : off[r] + sz[r]])  # backward: own chunk, no sum
         eq(comm.split_to_region(y, group, -1, sizes), shard)  # round trip
         nontrivial(y, shard)
 
@@ -223,13 +226,13 @@ def check_duals(group) -> None:
     off = offsets(sz)
     y, gx = run(lambda t: comm.all_gather_region(t, group, 0, sz), V(r, (sz[r], 3)), V(r, (total, 3), 1))
     eq(y, torch.cat([V(j, (sz[j], 3)) for j in range(n)]))
-    eq(gx, sum(V(j, (total, 3), 1) for j in range(n))[off[r]: off[r] + sz[r]])
-    nontrivial(gx, V(r, (total, 3), 1)[off[r]: off[r] + sz[r]])
+    eq(gx, sum(V(j, (total, 3), 1) for j in range(n))[off[r] : off[r] + sz[r]])
+    nontrivial(gx, V(r, (total, 3), 1)[off[r] : off[r] + sz[r]])
 
     y, gx = run(lambda t: comm.reduce_scatter_region(t, group, 0, sz), V(r, (total, 3)), V(r, (sz[r], 3), 1))
-    eq(y, sum(V(j, (total, 3)) for j in range(n))[off[r]: off[r] + sz[r]])
+    eq(y, sum(V(j, (total, 3)) for j in range(n))[off[r] : off[r] + sz[r]])
     eq(gx, torch.cat([V(j, (sz[j], 3), 1) for j in range(n)]))
-    nontrivial(y, V(r, (total, 3))[off[r]: off[r] + sz[r]])
+    nontrivial(y, V(r, (total, 3))[off[r] : off[r] + sz[r]])
 
     # all-to-all: backward sends each gradient row back to the rank its forward row came from
     plan = a2a_plan(n)
@@ -247,12 +250,25 @@ def check_duals(group) -> None:
 def check_noop(group) -> None:
     """On a one-rank group (None or a real one) everything returns its input, uncommunicated."""
     x = val(3, (4, 6))
-    for out in (comm.broadcast(x, 0, group), comm.all_reduce(x, group, "max"), comm.reduce(x, 0, group),
-                comm.scatter(x, 0, group, dim=1), comm.gather(x, 0, group), comm.all_gather(x, group, dim=1),
-                comm.reduce_scatter(x, group, sizes=[4]), comm.all_to_all(x, group, [4], [4])):
+    for out in (
+        comm.broadcast(x, 0, group),
+        comm.all_reduce(x, group, "max"),
+        comm.reduce(x, 0, group),
+        comm.scatter(x, 0, group, dim=1),
+        comm.gather(x, 0, group),
+        comm.all_gather(x, group, dim=1),
+        comm.reduce_scatter(x, group, sizes=[4]),
+        comm.all_to_all(x, group, [4], [4]),
+    ):
         assert out is x
-    for region in (comm.copy_to_region, comm.reduce_from_region, comm.split_to_region,
-                   comm.gather_from_region, comm.all_gather_region, comm.reduce_scatter_region):
+    for region in (
+        comm.copy_to_region,
+        comm.reduce_from_region,
+        comm.split_to_region,
+        comm.gather_from_region,
+        comm.all_gather_region,
+        comm.reduce_scatter_region,
+    ):
         t = x.clone().requires_grad_()
         y = region(t, group)
         y.backward(val(4, (4, 6)))
@@ -263,8 +279,12 @@ def check_noop(group) -> None:
         comm.send(x, 0, group)
     with pytest.raises(ValueError, match="shift in a one-rank group"):
         comm.shift(x, group)
-    for bad in (lambda: comm.scatter(x, 0, group, sizes=[3]), lambda: comm.all_reduce(x, group, "mean"),
-                lambda: comm.broadcast(x, 1, group), lambda: comm.all_gather(x, group, sizes=[1, 3])):
+    for bad in (
+        lambda: comm.scatter(x, 0, group, sizes=[3]),
+        lambda: comm.all_reduce(x, group, "mean"),
+        lambda: comm.broadcast(x, 1, group),
+        lambda: comm.all_gather(x, group, sizes=[1, 3]),
+    ):
         with pytest.raises(ValueError):  # arguments are checked on one rank too
             bad()
 
@@ -300,8 +320,20 @@ def test_one_rank_group_is_a_noop_without_a_process_group(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a one-rank group must not communicate")
 
-    for name in ("broadcast", "all_reduce", "reduce", "scatter", "gather", "all_to_all_single", "send", "recv",
-                 "isend", "irecv", "get_world_size", "get_rank"):
+    for name in (
+        "broadcast",
+        "all_reduce",
+        "reduce",
+        "scatter",
+        "gather",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "get_world_size",
+        "get_rank",
+    ):
         monkeypatch.setattr(dist, name, forbidden)
     monkeypatch.setattr(collectives, "_all_gather_single", forbidden)
     monkeypatch.setattr(collectives, "_reduce_scatter_single", forbidden)

@@ -33,8 +33,9 @@ def test_compiled_decode_matches_hf_and_never_recompiles(mistral, layout):
     all-reduces and the head's all-gather are ops in the graph; pp=2: each stage compiles its own
     layers, the second starting from the hidden state it receives, with micro-batches in flight."""
     ref = mistral
-    for rank, (runs, classes, graphs) in enumerate(run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS,
-                                                                 **layout)):
+    for rank, (runs, classes, graphs) in enumerate(
+        run_ranks(2, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, **layout)
+    ):
         assert classes == {False, True} and graphs == 2, f"rank {rank}: {graphs} graphs (a graph break?)"
         for indices, max_tokens, tokens in runs:
             expected = [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)]
@@ -57,8 +58,10 @@ def test_compiled_decode_with_int8_weights_and_cache(mistral):
 
 def test_ranks_that_do_not_compile_never_import_dynamo():
     """torch._dynamo costs every rank ~2 s of start-up; only the compiling runner imports it."""
-    code = ("import sys, shardlm.engine.llm, shardlm.engine.worker, shardlm.launch, shardlm.server.cli; "
-            "print('torch._dynamo' in sys.modules)")
+    code = (
+        "import sys, shardlm.engine.llm, shardlm.engine.worker, shardlm.launch, shardlm.server.cli; "
+        "print('torch._dynamo' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 

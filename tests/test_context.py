@@ -24,8 +24,13 @@ def reference(q, k, v, grad, kv_of_q, window):
     mask = pos[None, :] <= pos[:, None]
     if window is not None:
         mask &= pos[None, :] > pos[:, None] - window
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k[:, :, idx].transpose(1, 2), v[:, :, idx].transpose(1, 2),
-                                       attn_mask=mask, scale=q.shape[-1] ** -0.5).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k[:, :, idx].transpose(1, 2),
+        v[:, :, idx].transpose(1, 2),
+        attn_mask=mask,
+        scale=q.shape[-1] ** -0.5,
+    ).transpose(1, 2)
     o.backward(grad)
     return o.detach(), q.grad, k.grad, v.grad
 
@@ -40,8 +45,11 @@ CASES = [  # (cp, kv head of each query head, sliding window)
 ]
 
 
-@pytest.mark.parametrize("algorithm,tile", [("all-gather", None), ("ring", None), ("ring", (3, 2))],
-                         ids=["all-gather", "ring", "ring-tiles3x2"])  # many tiles, the last ones partial
+@pytest.mark.parametrize(
+    "algorithm,tile",
+    [("all-gather", None), ("ring", None), ("ring", (3, 2))],
+    ids=["all-gather", "ring", "ring-tiles3x2"],
+)  # many tiles, the last ones partial
 @pytest.mark.parametrize("cp,kv_of_q,window", CASES, ids=[f"cp{c}-q{len(h)}kv{max(h) + 1}-w{w}" for c, h, w in CASES])
 def test_context_attention_matches_full(algorithm, tile, cp, kv_of_q, window):
     g = torch.Generator().manual_seed(cp)
@@ -51,8 +59,9 @@ def test_context_attention_matches_full(algorithm, tile, cp, kv_of_q, window):
     grad = torch.randn(q.shape, generator=g)
     want = reference(q, k, v, grad, kv_of_q, window)
     covered = torch.zeros(seq, dtype=torch.int64)
-    for rank, (pos, *got) in enumerate(run_ranks(cp, context_attention_grads, algorithm, q, k, v, grad,
-                                                 kv_of_q, window, tile)):
+    for rank, (pos, *got) in enumerate(
+        run_ranks(cp, context_attention_grads, algorithm, q, k, v, grad, kv_of_q, window, tile)
+    ):
         covered[pos] += 1
         for name, x, ref in zip(("output", "dq", "dk", "dv"), got, want):
             torch.testing.assert_close(x, ref[:, pos], msg=lambda m: f"rank {rank} {name}: {m}")
@@ -80,7 +89,8 @@ def test_ring_in_bfloat16_is_as_close_as_sdpa():
     exact = reference(q, k, v, grad, kv_of_q, None)[0]
     sdpa = reference(*(t.bfloat16() for t in (q, k, v, grad)), kv_of_q, None)[0].float()
     limit = 1.25 * (sdpa - exact).abs().max()
-    for pos, out, *_ in run_ranks(2, context_attention_grads, "ring", *(t.bfloat16() for t in (q, k, v, grad)),
-                                  kv_of_q, None, (64, 64)):
+    for pos, out, *_ in run_ranks(
+        2, context_attention_grads, "ring", *(t.bfloat16() for t in (q, k, v, grad)), kv_of_q, None, (64, 64)
+    ):
         assert out.dtype == torch.bfloat16
         assert (out.float() - exact[:, pos]).abs().max() <= limit

@@ -26,8 +26,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("name", list(TINY_MODELS))
 def test_tiny_models_on_cuda_match_hf(tiny, name):
     ref = tiny(name)
-    [(tokens, logits, _)] = run_ranks_on("nccl", 1, greedy_and_logits, str(ref.path), 1, PROMPTS, NEW_TOKENS,
-                                         device="cuda")
+    [(tokens, logits, _)] = run_ranks_on(
+        "nccl", 1, greedy_and_logits, str(ref.path), 1, PROMPTS, NEW_TOKENS, device="cuda"
+    )
     assert tokens == ref.tokens
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
 
@@ -45,8 +46,9 @@ def test_compiled_decode_on_cuda_matches_hf(tmp_path):
     """compile=True on the GPU (inductor's Triton kernels): one graph per shape class, never
     recompiled over other batches, contexts and early finishes (as test_compile on CPU)."""
     ref = build_tiny("mistral", tmp_path, num_hidden_layers=2)
-    [(runs, classes, graphs)] = run_ranks_on("nccl", 1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS,
-                                             device="cuda")
+    [(runs, classes, graphs)] = run_ranks_on(
+        "nccl", 1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, device="cuda"
+    )
     assert classes == {False, True} and graphs == 2
     for indices, max_tokens, tokens in runs:
         assert tokens == [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)], f"prompts {indices}"

@@ -39,15 +39,17 @@ def _check(ref, runs, classes):
     assert {1, 2, 4} <= {b for b, _ in classes} and len({w for _, w in classes}) >= 3, classes
 
 
-@pytest.mark.parametrize("layout", [dict(max_num_batched_tokens=8), dict(pp=2, micro_batches=1)],
-                         ids=["tp1-chunked", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(max_num_batched_tokens=8), dict(pp=2, micro_batches=1)], ids=["tp1-chunked", "pp2"]
+)
 def test_padded_steps_match_hf(tiny, layout):
     """Llama: grouped KV heads. Prompts are computed as rows of the same graphs; chunked (8 prompt
     tokens a step): steps that mix prompt chunks and decodes. pp=2: the second stage's input is
     the hidden state, padded too (one micro-batch, so that batches of 3 reach it whole)."""
     ref = tiny("llama")
-    for runs, classes, captured in run_ranks(1 + ("pp" in layout), graph_runs, str(ref.path), THREE, NEW_TOKENS,
-                                             device="cpu", **layout):
+    for runs, classes, captured in run_ranks(
+        1 + ("pp" in layout), graph_runs, str(ref.path), THREE, NEW_TOKENS, device="cpu", **layout
+    ):
         _check(ref, runs, classes)
         assert captured == 0  # no GPU: run eagerly
 
@@ -74,8 +76,7 @@ def test_quantized_cache_keeps_prompts_eager(tiny):
 def test_cuda_graphs_match_hf(tiny, name):
     """On the GPU: each class captured once, replayed for every later step of its shape."""
     ref = tiny(name)
-    [(runs, classes, captured)] = run_ranks_on("nccl", 1, graph_runs, str(ref.path), THREE, NEW_TOKENS,
-                                               device="cuda")
+    [(runs, classes, captured)] = run_ranks_on("nccl", 1, graph_runs, str(ref.path), THREE, NEW_TOKENS, device="cuda")
     _check(ref, runs, classes)
     assert captured == len(classes)
 

@@ -26,6 +26,7 @@ def rank_of(dims: ParallelDims, c: dict[str, int]) -> int:
 
 # ---- field validation ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", FIELDS)
 @pytest.mark.parametrize("bad", [0, -1, -4, True, False, 2.0, 1.5, "2", None])
 def test_each_field_rejects_bad_values_naming_field_and_value(name, bad):
@@ -56,6 +57,7 @@ def test_positional_arguments_are_refused():
 
 
 # ---- factorisations and the world size ---------------------------------------------
+
 
 @pytest.mark.parametrize("world", [1, 2, 6, 8, 12])
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -144,6 +146,7 @@ def test_coords_rejects_ranks_outside_the_world(rank):
 
 # ---- expert folding: ep * etp must divide dp * tp ----------------------------------
 
+
 @pytest.mark.parametrize("dp,tp", [(1, 1), (2, 2), (1, 6), (3, 4), (8, 1)])
 def test_ep_etp_fold_rule_every_choice(dp, tp):
     n = dp * tp
@@ -184,6 +187,7 @@ def test_ep_error_always_suggests_something_valid():
 
 
 # ---- a 1-rank layout needs no torch.distributed --------------------------------------
+
 
 def test_single_rank_layout_has_none_groups_without_distributed():
     assert not dist.is_initialized()  # precondition: nothing below may rely on a process group

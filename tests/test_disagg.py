@@ -43,7 +43,7 @@ def serve(path: str, params: list[SamplingParams], cancelled: int = 0, **layout)
             if engine.stats["running"] == engine.stats["waiting"] == engine.stats["kv_blocks_used"] == 0:
                 break
             await asyncio.sleep(0.05)
-        return out[:len(PROMPTS)]
+        return out[: len(PROMPTS)]
 
     try:
         return asyncio.run(run()), engine.stats
@@ -57,8 +57,9 @@ def test_disaggregated_serving_matches_hf(tiny, layout):
     equal HF's, also for clients that leave right after their first token (aborted on whichever
     side they are then)."""
     ref = tiny("llama")
-    tokens, stats = serve(str(ref.path), [SamplingParams(max_tokens=n) for n in MAX_TOKENS], cancelled=2,
-                          prefill_replicas=1, **layout)
+    tokens, stats = serve(
+        str(ref.path), [SamplingParams(max_tokens=n) for n in MAX_TOKENS], cancelled=2, prefill_replicas=1, **layout
+    )
     assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
     assert stats["kv_handoffs"] >= len(PROMPTS), stats  # every answer longer than one token was handed off
     assert stats["kv_transfer_bytes"] > 0 and stats["handoffs_recomputed"] == 0, stats
@@ -84,8 +85,14 @@ def test_decode_replica_without_room_recomputes(tiny):
     """A decode replica whose cache is full queues what arrives, to recompute it from its tokens:
     answers unchanged. Blocks of 4 tokens, 16 blocks a replica: the four answers need ~40."""
     ref = tiny("llama")
-    tokens, stats = serve(str(ref.path), [SamplingParams(max_tokens=30)] * len(PROMPTS), dp=2, prefill_replicas=1,
-                          block_size=4, kv_cache_memory=16 * _block_bytes())
+    tokens, stats = serve(
+        str(ref.path),
+        [SamplingParams(max_tokens=30)] * len(PROMPTS),
+        dp=2,
+        prefill_replicas=1,
+        block_size=4,
+        kv_cache_memory=16 * _block_bytes(),
+    )
     assert tokens == [t[:30] for t in ref.tokens]
     assert stats["handoffs_recomputed"] > 0, stats
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0, stats

@@ -23,7 +23,7 @@ def hf_greedy(path, prompts, new_tokens=NEW_TOKENS):
         for p in prompts:
             ids = torch.tensor([p])
             g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens)
-            out.append(g[0, len(p):].tolist())
+            out.append(g[0, len(p) :].tolist())
     return out
 
 
@@ -74,6 +74,7 @@ def test_prefix_cache_reuses_blocks_and_matches_hf(tiny):
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=2)])
 def test_chunks_and_cache_across_ranks(tiny, layout):
     ref = tiny("llama")
-    for tokens, _, _ in run_ranks(4, llm_greedy, str(ref.path), PROMPTS * 2, NEW_TOKENS, block_size=4,
-                                  max_num_batched_tokens=8, **layout):
+    for tokens, _, _ in run_ranks(
+        4, llm_greedy, str(ref.path), PROMPTS * 2, NEW_TOKENS, block_size=4, max_num_batched_tokens=8, **layout
+    ):
         assert tokens == ref.tokens * 2  # the repeats hit the cache and still give HF's tokens

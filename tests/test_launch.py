@@ -43,8 +43,9 @@ def busy_worker(rank: int, world: int, init_method: str) -> BusyWorker:
 
 def test_a_busy_rank_is_not_taken_for_a_hung_one(monkeypatch):
     """A real rank process sends news for 4 s to a driver that gives up after 2 s of silence."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                    os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    )
     ranks = launch.LocalRanks(1, busy_worker, (), timeout_s=60)
     try:
         ranks.collect("ready")

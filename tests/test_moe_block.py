@@ -78,7 +78,7 @@ def test_block_every_path_with_empty_ranks_matches_hf(tiny_moe, name):
             start, n = sum(spec["counts"][:d]), spec["counts"][d]
             assert path == expected_path(spec), spec
             assert y.shape == (n, ref.config.hidden_size), (spec, rank)
-            torch.testing.assert_close(y, want[start:start + n], msg=lambda m: f"{spec}, rank {rank}: {m}")
+            torch.testing.assert_close(y, want[start : start + n], msg=lambda m: f"{spec}, rank {rank}: {m}")
 
 
 def skewed_tokens(block, n: int) -> torch.Tensor:
@@ -88,10 +88,14 @@ def skewed_tokens(block, n: int) -> torch.Tensor:
     return torch.randn(n, w.shape[1], generator=torch.Generator().manual_seed(4)) + 3.0 * d / d.norm()
 
 
-@pytest.mark.parametrize("spec", [
-    dict(tp=1, dp=4, ep=4, counts=[24, 0, 20, 20]),  # all-to-all, one idle rank
-    dict(tp=2, dp=2, ep=2, counts=[30, 34]),  # replicated inside the tp groups
-], ids=["all_to_all", "replicated"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(tp=1, dp=4, ep=4, counts=[24, 0, 20, 20]),  # all-to-all, one idle rank
+        dict(tp=2, dp=2, ep=2, counts=[30, 34]),  # replicated inside the tp groups
+    ],
+    ids=["all_to_all", "replicated"],
+)
 def test_eplb_keeps_outputs_and_evens_the_load(tiny_moe, spec):
     ref = tiny_moe("mixtral")
     block, _ = hf_block(ref.path, "mixtral")
@@ -105,7 +109,7 @@ def test_eplb_keeps_outputs_and_evens_the_load(tiny_moe, spec):
     for rank, (before, after, load0, load1, placement) in enumerate(results):
         d = rank // spec["tp"]
         start, n = sum(spec["counts"][:d]), spec["counts"][d]
-        torch.testing.assert_close(before, want[start:start + n])
+        torch.testing.assert_close(before, want[start : start + n])
         torch.testing.assert_close(after, before)  # replicas and moves change where, not what
         # every (token, choice) pair counted exactly once, before and after
         assert sum(load0.expert_tokens[0]) == sum(load1.expert_tokens[0]) == pairs

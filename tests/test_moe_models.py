@@ -26,7 +26,9 @@ from shardlm.parallel.collectives import split_sizes
 
 # (tp, dp, ep) -> prompt indices of each dp rank: uneven shares, and at dp=4 an idle rank
 LAYOUTS = {
-    (1, 1, 1): None, (2, 1, 1): None, (2, 1, 2): None,
+    (1, 1, 1): None,
+    (2, 1, 1): None,
+    (2, 1, 2): None,
     (1, 2, 2): [[1, 3], [0, 2]],
     (2, 2, 2): [[3, 0], [1, 2]],
     (2, 2, 4): [[2], [0, 1, 3]],

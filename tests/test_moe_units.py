@@ -16,8 +16,15 @@ from multirank import run_ranks
 from shardlm.parallel.dims import EXPERT_GROUPS, LayoutError, ParallelDims
 from shardlm.parallel.eplb import ExpertPlacement, imbalance, rebalance
 
-FOLDS = [dict(dp=2, tp=2, ep=2), dict(dp=2, tp=2, ep=4), dict(dp=2, tp=2, ep=2, etp=2), dict(tp=4, ep=2, etp=2),
-         dict(pp=2, tp=2, ep=2), dict(dp=3, tp=2, ep=3), dict(dp=2, pp=2, cp=2, tp=2, ep=2, etp=2)]
+FOLDS = [
+    dict(dp=2, tp=2, ep=2),
+    dict(dp=2, tp=2, ep=4),
+    dict(dp=2, tp=2, ep=2, etp=2),
+    dict(tp=4, ep=2, etp=2),
+    dict(pp=2, tp=2, ep=2),
+    dict(dp=3, tp=2, ep=3),
+    dict(dp=2, pp=2, cp=2, tp=2, ep=2, etp=2),
+]
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +33,7 @@ def tiny_moe(tmp_path_factory):
 
 
 # ---- folded expert groups -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("kw", FOLDS, ids=str)
 def test_expert_groups_partition_each_stage_by_the_folded_coordinates(kw):
@@ -72,8 +80,12 @@ def built_groups(layouts):
     out = []
     for kw in layouts:
         d = dims(**kw)
-        out.append({k: (None if d.expert_group(k) is None else dist.get_process_group_ranks(d.expert_group(k)))
-                    for k in EXPERT_GROUPS})
+        out.append(
+            {
+                k: (None if d.expert_group(k) is None else dist.get_process_group_ranks(d.expert_group(k)))
+                for k in EXPERT_GROUPS
+            }
+        )
     return out
 
 
@@ -89,6 +101,7 @@ def test_built_groups_match_the_pure_ones():
 
 
 # ---- placements and EPLB ------------------------------------------------------------
+
 
 def test_contiguous_placement_and_its_tables():
     p = ExpertPlacement.contiguous(6, 4)
@@ -127,6 +140,7 @@ def test_imbalance_is_max_over_mean():
 
 # ---- config ----------------------------------------------------------------------
 
+
 def test_moe_layers_and_support(tiny_moe):
     from shardlm.models.config import ConfigError, ModelConfig
 
@@ -146,6 +160,7 @@ def test_moe_layers_and_support(tiny_moe):
 
 
 # ---- router and fused checkpoints -------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_router_matches_hf(name, tiny_moe):

@@ -24,6 +24,7 @@ def _cases(num_heads: int):
 
 # ---- split_sizes / shard_range ------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", list(range(0, 41)) + [151, 49152])
 def test_split_sizes_and_shard_range(n):
     for parts in range(1, 11):
@@ -51,6 +52,7 @@ def test_split_sizes_known_values_and_errors():
 
 
 # ---- partition_heads ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("num_heads", range(1, 17))
 def test_partition_heads_every_layout(num_heads):
@@ -110,6 +112,7 @@ def test_tp_larger_than_heads_is_a_layout_error(num_heads, kv, tp):
 
 
 # ---- GroupedHeads -------------------------------------------------------------------
+
 
 def _check_grouping(local_kv_of_q: list[int], lead=(3,), d=4):
     num_q = len(local_kv_of_q)

@@ -61,7 +61,7 @@ def test_each_stage_holds_only_its_layers(tiny):
     ranges = [layers for _, _, layers in results]
     assert ranges == [range(0, 2), range(2, 4), range(4, 6)]
     bytes_per_stage = [own[0] for _, own, _ in results]  # under SPMD each rank reports itself
-    (_, (one,), _), = run_ranks(1, llm_greedy, str(ref.path), PROMPTS[:1], 2)
+    ((_, (one,), _),) = run_ranks(1, llm_greedy, str(ref.path), PROMPTS[:1], 2)
     middle = bytes_per_stage[1]
     assert middle < one / 3  # two of six layers and no embedding
     # first and last carry the embedding table (251 x 96 floats) besides their layers
@@ -79,12 +79,13 @@ def test_smollm2_layouts_match_hf(smollm2, dp, pp, tp):
 
 # ---- pure functions --------------------------------------------------------------------
 
+
 def brute_force(costs, stages, first, last):
     n = len(costs)
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        stage = [sum(costs[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+        stage = [sum(costs[bounds[s] : bounds[s + 1]]) for s in range(stages)]
         stage[0] += first
         stage[-1] += last
         best = min(best, max(stage))
@@ -109,9 +110,17 @@ def test_partition_is_optimal_and_contiguous(seed):
 
 
 def test_smollm2_stages_count_the_head_as_work():
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-                               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                               "num_key_value_heads": 3})
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        }
+    )
     # per token, a layer does 3.54M multiply-adds and the LM head 28.3M; the embedding lookup ~0
     assert [len(r) for r in stage_layers(cfg, 2)] == [19, 11]
     three = [len(r) for r in stage_layers(cfg, 3)]

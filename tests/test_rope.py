@@ -26,17 +26,37 @@ ROPES = {
     "default_500k": {"rope_type": "default", "rope_theta": 500000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     # original context small enough that head_dim=64 frequencies fall in all three llama3 bands
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-    "llama3_8k": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "llama3_8k": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 }
 
 
 def hf_config(rope: dict, head_dim: int = 64) -> LlamaConfig:
-    return LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=64, num_hidden_layers=1, vocab_size=32,
-                       max_position_embeddings=16384, rope_parameters=dict(rope), architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=32,
+        max_position_embeddings=16384,
+        rope_parameters=dict(rope),
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def both(name: str, head_dim: int = 64) -> tuple[LlamaConfig, ModelConfig]:
@@ -84,7 +104,9 @@ def test_scaling_changes_the_frequencies(name):
 def test_llama3_bands_all_exercised():
     # the 256-context case has high (kept), medium (blended) and low (divided) frequencies
     _, cfg = both("llama3", 64)
-    plain = inverse_frequencies(ModelConfig.from_hf(hf_config({"rope_type": "default", "rope_theta": 500000.0}).to_dict()))
+    plain = inverse_frequencies(
+        ModelConfig.from_hf(hf_config({"rope_type": "default", "rope_theta": 500000.0}).to_dict())
+    )
     ratio = plain / inverse_frequencies(cfg)
     kept = torch.isclose(ratio, torch.tensor(1.0))
     divided = torch.isclose(ratio, torch.tensor(8.0))
@@ -97,7 +119,7 @@ def rotate(rot: Rotary, positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """Rotary's q/k rotation as the model does it: q and k heads side by side, one
     ``apply_rotary`` with the step's (cos, signed sin) from ``rot.at``."""
     qk = rope.apply_rotary(torch.cat([q, k], dim=1), *rot.at(positions, q.dtype))
-    return qk[:, : q.shape[1]], qk[:, q.shape[1]:]
+    return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
 
 @pytest.mark.parametrize("name", list(ROPES))

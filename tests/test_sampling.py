@@ -37,12 +37,28 @@ def assert_freqs_match(counts: torch.Tensor, probs: torch.Tensor) -> None:
 
 # ---- validation ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,bad", [
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "8"),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", -math.inf),
-    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", float("nan")),
-    ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),
-])
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("max_tokens", "8"),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", -math.inf),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.01),
+        ("top_p", float("nan")),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_k", "5"),
+    ],
+)
 def test_bad_params_raise_usage_error_naming_the_field(field, bad):
     with pytest.raises(UsageError) as err:
         SamplingParams(**{field: bad})
@@ -67,6 +83,7 @@ def test_good_params_are_accepted():
 
 # ---- greedy -------------------------------------------------------------------------
 
+
 def test_greedy_is_argmax_per_row():
     logits = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))
     want = logits.argmax(-1).tolist()
@@ -86,6 +103,7 @@ def test_greedy_and_sampled_rows_mix():
 
 
 # ---- top-k --------------------------------------------------------------------------
+
 
 def test_top_k_keeps_exactly_the_k_most_likely():
     g = torch.Generator().manual_seed(1)
@@ -107,16 +125,17 @@ def test_top_k_keeps_exactly_the_k_most_likely():
 
 # ---- top-p --------------------------------------------------------------------------
 
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # probabilities 0.4, 0.3, 0.2, 0.1 in shuffled positions
     probs = torch.tensor([0.1, 0.3, 0.4, 0.2])
     logits = probs.log()
     cases = {
-        0.05: {2},           # the top token always stays
-        0.39: {2},           # 0.4 already reaches 0.39
-        0.5: {2, 1},         # 0.4 < 0.5 <= 0.7
+        0.05: {2},  # the top token always stays
+        0.39: {2},  # 0.4 already reaches 0.39
+        0.5: {2, 1},  # 0.4 < 0.5 <= 0.7
         0.69: {2, 1},
-        0.8: {2, 1, 3},      # 0.7 < 0.8 <= 0.9
+        0.8: {2, 1, 3},  # 0.7 < 0.8 <= 0.9
         0.95: {0, 1, 2, 3},  # 0.9 < 0.95
     }
     for top_p, keep in cases.items():
@@ -139,6 +158,7 @@ def test_top_k_then_top_p():
 
 # ---- seeds --------------------------------------------------------------------------
 
+
 def test_same_seed_same_draws_different_seed_different_draws():
     flat = torch.zeros(1000)
     p = SamplingParams(temperature=1.0)
@@ -154,6 +174,7 @@ def test_same_seed_same_draws_different_seed_different_draws():
 
 
 # ---- temperature --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_temperature_frequencies_match_softmax(temperature):

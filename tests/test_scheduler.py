@@ -128,7 +128,7 @@ class Driver:
                 h = block_hash(h, s.tokens(i * bm.block_size, (i + 1) * bm.block_size))
                 b, bs = s.block_table[i], bm.block_size
                 assert bm.hash_of.get(b, h) == h
-                assert self.kv[b * bs:(b + 1) * bs] == s.tokens(i * bs, (i + 1) * bs)
+                assert self.kv[b * bs : (b + 1) * bs] == s.tokens(i * bs, (i + 1) * bs)
 
     def step(self) -> Batch:
         s, bm = self.s, self.bm
@@ -187,7 +187,7 @@ class Driver:
                 continue
             run = []  # greedy verification: accept drafts while the model agrees, then its own token
             for i in range(len(dr) + 1):
-                run.append(self.model(ctx[:x.num_tokens + i]))
+                run.append(self.model(ctx[: x.num_tokens + i]))
                 if i == len(dr) or run[-1] != dr[i]:
                     break
             tokens.append(run if dr else run[0])
@@ -200,8 +200,12 @@ class Driver:
         self.check_blocks()
         return batch
 
-    def run(self, max_steps: int = 5000, arrivals: dict[int, list[Sequence]] | None = None,
-            aborts: dict[int, list[int]] | None = None) -> list[Sequence]:
+    def run(
+        self,
+        max_steps: int = 5000,
+        arrivals: dict[int, list[Sequence]] | None = None,
+        aborts: dict[int, list[int]] | None = None,
+    ) -> list[Sequence]:
         """Steps until no work is left; ``arrivals``/``aborts`` happen before the given step."""
         arrivals, aborts = dict(arrivals or {}), dict(aborts or {})
         while self.s.has_work() or arrivals:
@@ -233,6 +237,7 @@ def steps_of(d: Driver, i: int) -> list[tuple[int, int]]:
 
 # ---- the driver itself ----------------------------------------------------------------
 
+
 def test_unlimited_run_matches_reference_and_the_model_is_not_trivial():
     d = Driver(1000, 4, max_num_batched_tokens=10**6)
     d.add(*[seq(i, n, max_tokens=12) for i, n in enumerate([3, 9, 1, 17])])
@@ -262,6 +267,7 @@ def test_driver_catches_a_wrong_block_table():
 
 # ---- chunked prefill and continuous batching ------------------------------------------
 
+
 def test_long_prompt_is_chunked_while_others_keep_decoding():
     d = Driver(64, 4, max_num_batched_tokens=8)
     a, long = seq(0, 3, max_tokens=12), seq(1, 30, max_tokens=3)
@@ -277,8 +283,9 @@ def test_long_prompt_is_chunked_while_others_keep_decoding():
     assert [1 in got for got in d.sampled[2:9]] == [False] * 4 + [True] * 3
 
 
-@pytest.mark.parametrize("budget,length,chunks", [
-    (5, 23, [5, 5, 5, 5, 3]), (8, 8, [8]), (8, 9, [8, 1]), (1, 4, [1, 1, 1, 1]), (7, 3, [3])])
+@pytest.mark.parametrize(
+    "budget,length,chunks", [(5, 23, [5, 5, 5, 5, 3]), (8, 8, [8]), (8, 9, [8, 1]), (1, 4, [1, 1, 1, 1]), (7, 3, [3])]
+)
 def test_prompt_is_prefilled_in_budget_sized_chunks(budget, length, chunks):
     d = Driver(64, 4, max_num_batched_tokens=budget)
     d.add(seq(0, length, max_tokens=3))
@@ -311,8 +318,14 @@ def test_max_num_seqs_caps_the_running_batch():
     assert max(len(st) for st in d.steps) == 2
     # seq 0 finishes at step 1 and seq 2 takes its place at once, beside seq 1's decodes;
     # seq 2 finishes at step 3 and seq 3 follows the same way
-    assert d.steps[:6] == [[(0, 3), (1, 3)], [(0, 1), (1, 1)], [(2, 3), (1, 1)], [(1, 1), (2, 1)],
-                           [(3, 3), (1, 1)], [(1, 1), (3, 1)]]
+    assert d.steps[:6] == [
+        [(0, 3), (1, 3)],
+        [(0, 1), (1, 1)],
+        [(2, 3), (1, 1)],
+        [(1, 1), (2, 1)],
+        [(3, 3), (1, 1)],
+        [(1, 1), (3, 1)],
+    ]
 
 
 def test_decodes_go_past_the_token_budget_only_as_far_as_max_num_seqs():
@@ -335,6 +348,7 @@ def test_decodes_go_past_the_token_budget_only_as_far_as_max_num_seqs():
 
 # ---- preemption -----------------------------------------------------------------------
 
+
 def test_preemption_takes_the_newest_running_sequences_first():
     d = Driver(3, 2, max_num_batched_tokens=100)
     d.add(*[seq(i, 2, 4) for i in range(4)])
@@ -352,15 +366,19 @@ def test_preemption_takes_the_newest_running_sequences_first():
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("num_blocks,block_size,lengths,max_tokens,budget", [
-    (8, 4, [5, 6, 7, 3], 10, 8192),
-    (5, 4, [5, 6, 7, 3, 2], 8, 6),
-    (6, 2, [1, 2, 3, 4], 7, 3),
-    (3, 8, [7, 9, 2], 12, 8192),
-    (5, 3, [2, 4, 3, 10], 4, 5),
-])
-def test_preemption_and_recompute_do_not_change_outputs(num_blocks, block_size, lengths, max_tokens,
-                                                        budget, prefix_caching):
+@pytest.mark.parametrize(
+    "num_blocks,block_size,lengths,max_tokens,budget",
+    [
+        (8, 4, [5, 6, 7, 3], 10, 8192),
+        (5, 4, [5, 6, 7, 3, 2], 8, 6),
+        (6, 2, [1, 2, 3, 4], 7, 3),
+        (3, 8, [7, 9, 2], 12, 8192),
+        (5, 3, [2, 4, 3, 10], 4, 5),
+    ],
+)
+def test_preemption_and_recompute_do_not_change_outputs(
+    num_blocks, block_size, lengths, max_tokens, budget, prefix_caching
+):
     d = Driver(num_blocks, block_size, prefix_caching=prefix_caching, max_num_batched_tokens=budget)
     d.add(*[seq(i, n, max_tokens) for i, n in enumerate(lengths)])
     d.run()
@@ -378,6 +396,7 @@ def test_preemption_and_recompute_do_not_change_outputs(num_blocks, block_size, 
 
 
 # ---- abort ----------------------------------------------------------------------------
+
 
 def test_abort_waiting_running_and_partially_prefilled_sequences():
     d = Driver(16, 4, max_num_batched_tokens=6, max_num_seqs=3)
@@ -425,6 +444,7 @@ def test_abort_while_the_step_is_in_flight_is_skipped_by_update():
 
 # ---- capacity -------------------------------------------------------------------------
 
+
 def test_add_refuses_a_request_that_could_never_fit():
     s = Scheduler(BlockManager(2, 4))  # 8 KV slots
     x = seq(0, 8, max_tokens=10)  # its last step holds 8 + 10 - 1 = 17 tokens' K/V
@@ -450,6 +470,7 @@ def test_a_request_that_needs_exactly_the_whole_cache_runs():
 
 
 # ---- stop conditions ------------------------------------------------------------------
+
 
 def test_stop_on_eos_stop_token_ids_and_max_tokens_through_the_scheduler():
     free_run, _ = reference(prompt(0, 5), SamplingParams(max_tokens=10))
@@ -489,6 +510,7 @@ def test_stop_token_that_is_also_the_last_allowed_one_reports_stop():
 
 # ---- prefix caching through the scheduler ---------------------------------------------
 
+
 def test_prefix_hit_leaves_a_single_token_step_listed_after_chunks():
     d = Driver(32, 4)
     a = seq(0, prompt(5, 9), 6)
@@ -512,6 +534,7 @@ def test_prefix_caching_off_shares_nothing():
 
 # ---- random workloads -----------------------------------------------------------------
 
+
 def random_workload(rng: random.Random):
     bs, nb = rng.choice([1, 2, 3, 4]), rng.randint(2, 14)
     cfg = dict(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 20))
@@ -522,11 +545,15 @@ def random_workload(rng: random.Random):
         p = rng.choice(systems) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
         if rng.random() < 0.4:
             p += [rng.randrange(VOCAB) for _ in range(rng.randint(0, nb * bs))]
-        params = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=rng.random() < 0.2,
-                                stop_token_ids=(rng.randrange(VOCAB),) if rng.random() < 0.2 else ())
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 10),
+            ignore_eos=rng.random() < 0.2,
+            stop_token_ids=(rng.randrange(VOCAB),) if rng.random() < 0.2 else (),
+        )
         if len(p) + params.max_tokens - 1 <= nb * bs:
             arrivals.setdefault(rng.choice([0, 0, 0, rng.randint(0, 12)]), []).append(
-                Sequence(i, p, params, eos_ids=eos))
+                Sequence(i, p, params, eos_ids=eos)
+            )
             if rng.random() < 0.15:
                 aborts.setdefault(rng.randint(0, 15), []).append(i)
     return Driver(nb, bs, prefix_caching=rng.random() < 0.7, **cfg), arrivals, aborts, eos
@@ -553,6 +580,7 @@ def test_random_workloads_keep_every_invariant_and_the_reference_outputs():
 
 # ---- the engine's micro-batches share one block manager -------------------------------
 
+
 def test_micro_batches_sharing_blocks_do_not_deadlock_on_chunked_prompts():
     bm = BlockManager(4, 1)  # 4 slots; each request alone needs 4 + 1 - 1 = 4
     cfg = SchedulerConfig(max_num_batched_tokens=2)
@@ -563,12 +591,12 @@ def test_micro_batches_sharing_blocks_do_not_deadlock_on_chunked_prompts():
     for _ in range(20):
         batches = [s.schedule() if s.has_work() else Batch([], []) for s in scheds]
         # the engine raises when no micro-batch stepped while work remains
-        assert any(b.seqs for b in batches) or not any(s.has_work() for s in scheds), \
-            [(x.num_computed, x.status) for x in seqs]
+        assert any(b.seqs for b in batches) or not any(s.has_work() for s in scheds), [
+            (x.num_computed, x.status) for x in seqs
+        ]
         for s, b in zip(scheds, batches):
             s.update(b, [fake_next(x.token_ids()) if y else None for x, y in zip(b.seqs, b.samples())])
-    assert [(x.output_ids, x.finish_reason) for x in seqs] == \
-        [reference(x.prompt_ids, x.params) for x in seqs]
+    assert [(x.output_ids, x.finish_reason) for x in seqs] == [reference(x.prompt_ids, x.params) for x in seqs]
 
 
 # ---- speculative decoding (n-gram drafts) -----------------------------------------------
@@ -577,22 +605,32 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("num_blocks,block_size,lengths,max_tokens,budget", [
-    (1000, 4, [5, 6, 7, 3], 30, 8192),  # room for every draft
-    (9, 4, [5, 6, 7, 3], 20, 8192),  # blocks run out: drafts shrink, sequences are preempted
-    (40, 2, [1, 2, 9, 4], 25, 5),  # a budget that leaves few tokens for drafts
-])
+@pytest.mark.parametrize(
+    "num_blocks,block_size,lengths,max_tokens,budget",
+    [
+        (1000, 4, [5, 6, 7, 3], 30, 8192),  # room for every draft
+        (9, 4, [5, 6, 7, 3], 20, 8192),  # blocks run out: drafts shrink, sequences are preempted
+        (40, 2, [1, 2, 9, 4], 25, 5),  # a budget that leaves few tokens for drafts
+    ],
+)
 def test_speculative_decoding_keeps_outputs(num_blocks, block_size, lengths, max_tokens, budget, prefix_caching):
-    d = Driver(num_blocks, block_size, prefix_caching=prefix_caching, model=cyclic_next,
-               max_num_batched_tokens=budget, speculative=SPEC)
+    d = Driver(
+        num_blocks,
+        block_size,
+        prefix_caching=prefix_caching,
+        model=cyclic_next,
+        max_num_batched_tokens=budget,
+        speculative=SPEC,
+    )
     d.add(*[seq(i, prompt(i, n) if n > 1 else [i], max_tokens, eos=(10,)) for i, n in enumerate(lengths)])
     d.run()
     d.check_outputs(eos=(10,))
     s = d.s
     # it can fail: drafts were fed, many accepted, some rejected (their stale K/V overwritten later)
     assert s.draft_tokens > s.accepted_tokens > 0, (s.draft_tokens, s.accepted_tokens)
-    plain = Driver(num_blocks, block_size, prefix_caching=prefix_caching, model=cyclic_next,
-                   max_num_batched_tokens=budget)
+    plain = Driver(
+        num_blocks, block_size, prefix_caching=prefix_caching, model=cyclic_next, max_num_batched_tokens=budget
+    )
     plain.add(*[seq(i, prompt(i, n) if n > 1 else [i], max_tokens, eos=(10,)) for i, n in enumerate(lengths)])
     plain.run()
     assert [x.output_ids for x in plain.seqs] == [x.output_ids for x in d.seqs]

@@ -19,8 +19,14 @@ import pytest
 from server_harness import ServerProcess, alive, get, metrics, wait_for
 from shardlm import LLM, SamplingParams
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about GPUs.", "Why is the sky blue?",
-             "List three uses of a hash map.", "What does a compiler do?", "Who was Ada Lovelace?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Why is the sky blue?",
+    "List three uses of a hash map.",
+    "What does a compiler do?",
+    "Who was Ada Lovelace?",
+]
 MAX_TOKENS = 8
 CONTEXT = 1024  # --max-model-len: small, so over-long prompts are cheap to build
 RAW = "The capital of France is"
@@ -32,8 +38,10 @@ def reference():
     """Offline greedy answers: {question or RAW: (token ids, text, finish reason)} (RAW: 16 tokens, no EOS),
     and {question: chat prompt ids}."""
     with LLM("smollm2", kv_cache_memory=256 << 20, max_model_len=CONTEXT, threads=THREADS) as llm:
-        outs = llm.generate([llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS],
-                            SamplingParams(max_tokens=MAX_TOKENS))
+        outs = llm.generate(
+            [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS],
+            SamplingParams(max_tokens=MAX_TOKENS),
+        )
         raw = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True))[0]
         ref = {q: (o.token_ids, o.text, o.finish_reason) for q, o in zip(QUESTIONS, outs)}
         ref[RAW] = (raw.token_ids, raw.text, raw.finish_reason)
@@ -43,8 +51,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(CONTEXT), "--max-queue", "64",
-                      "--threads", str(THREADS))
+    s = ServerProcess(
+        "--kv-cache-memory", "256MiB", "--max-model-len", str(CONTEXT), "--max-queue", "64", "--threads", str(THREADS)
+    )
     yield s
     s.kill()
 
@@ -71,8 +80,9 @@ def test_models_and_health(server, client):
 def test_chat_matches_offline_greedy(client, reference):
     q = QUESTIONS[0]
     ids, text, reason = reference[q]
-    r = client.chat.completions.create(model="smollm2", messages=chat(q), max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(
+        model="smollm2", messages=chat(q), max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == text
     assert extra(choice, "token_ids") == ids and extra(choice, "prompt_token_ids") == reference["chat_ids"][q]
@@ -84,8 +94,14 @@ def test_chat_matches_offline_greedy(client, reference):
 
 def test_chat_streams_openai_chunks(client, reference):
     q = QUESTIONS[1]
-    stream = client.chat.completions.create(model="smollm2", messages=chat(q), max_completion_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=chat(q),
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference[q][1]
@@ -98,27 +114,43 @@ def test_chat_streams_openai_chunks(client, reference):
 
 def test_completion_streamed_and_not(client, reference):
     ids, text, _ = reference[RAW]
-    r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=16, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(
+        model="smollm2",
+        prompt=RAW,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert r.object == "text_completion" and r.choices[0].text == text and extra(r.choices[0], "token_ids") == ids
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
-    chunks = list(client.completions.create(model="smollm2", prompt=RAW, max_tokens=16, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="smollm2", prompt=RAW, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    by_ids = client.completions.create(model="smollm2", prompt=reference["chat_ids"][QUESTIONS[0]],
-                                       max_tokens=MAX_TOKENS, temperature=0)  # a prompt given as token ids
+    by_ids = client.completions.create(
+        model="smollm2", prompt=reference["chat_ids"][QUESTIONS[0]], max_tokens=MAX_TOKENS, temperature=0
+    )  # a prompt given as token ids
     assert by_ids.choices[0].text == reference[QUESTIONS[0]][1]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_are_cut_like_openai(client, reference, stream):
     ids, text, _ = reference[RAW]
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip() and stop in text
     expected = text[: text.find(stop)]
-    r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=16, temperature=0, stream=stream,
-                                  stop=["never-seen-stop", stop], extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="smollm2",
+        prompt=RAW,
+        max_tokens=16,
+        temperature=0,
+        stream=stream,
+        stop=["never-seen-stop", stop],
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(r) if stream else [r]
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -133,8 +165,13 @@ def tok():
 
 def test_stop_token_ids_end_without_their_text(client, reference, tok):
     ids, _, _ = reference[RAW]
-    r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=16, temperature=0,
-                                  extra_body={"ignore_eos": True, "stop_token_ids": [ids[3]], "return_token_ids": True})
+    r = client.completions.create(
+        model="smollm2",
+        prompt=RAW,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [ids[3]], "return_token_ids": True},
+    )
     first = ids.index(ids[3])
     assert extra(r.choices[0], "token_ids") == ids[: first + 1] and r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == tok.decode(ids[:first])
@@ -143,8 +180,9 @@ def test_stop_token_ids_end_without_their_text(client, reference, tok):
 def test_seed_top_k_and_temperature(client, reference, tok):
     def sample(top_k: int | None = None, **kw) -> str:
         body = {"ignore_eos": True, **({"top_k": top_k} if top_k is not None else {})}
-        return client.completions.create(model="smollm2", prompt=RAW, max_tokens=8, extra_body=body,
-                                         **kw).choices[0].text
+        return (
+            client.completions.create(model="smollm2", prompt=RAW, max_tokens=8, extra_body=body, **kw).choices[0].text
+        )
 
     greedy = tok.decode(reference[RAW][0][:8])
     assert sample(temperature=0) == greedy
@@ -157,9 +195,12 @@ def test_prefix_cache_hit_is_reported(server, client):
     system = f"Session {uuid.uuid4().hex}. " + "You are a careful assistant who answers briefly. " * 8
     usage = []
     for q in ("Name a color.", "Name a fruit."):
-        r = client.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": system},
-                                                                      {"role": "user", "content": q}],
-                                           max_tokens=2, temperature=0)
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+            max_tokens=2,
+            temperature=0,
+        )
         usage.append(r.usage)
     assert usage[0].prompt_tokens_details.cached_tokens == 0  # a new system prompt
     cached = usage[1].prompt_tokens_details.cached_tokens
@@ -172,8 +213,9 @@ def test_client_disconnect_frees_kv_blocks(server, client):
     idle = metrics(server.root)
     assert idle["shardlm_kv_blocks_used"] == 0 and idle["shardlm_requests_running"] == 0
     aborted = idle.get('shardlm_requests_finished_total{finish_reason="abort"}', 0)
-    stream = client.completions.create(model="smollm2", prompt=RAW, max_tokens=400, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="smollm2", prompt=RAW, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     for _, _chunk in zip(range(2), stream):
         pass
     busy = metrics(server.root)
@@ -182,8 +224,10 @@ def test_client_disconnect_frees_kv_blocks(server, client):
     wait_for(lambda: metrics(server.root)["shardlm_kv_blocks_used"] == 0, 60, "the stream's KV blocks to be freed")
     # an unstreamed request whose client gives up (times out) is aborted too
     with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=3).completions.create(model="smollm2", prompt=RAW, max_tokens=400,
-                                                          extra_body={"ignore_eos": True})
+        client.with_options(timeout=3).completions.create(
+            model="smollm2", prompt=RAW, max_tokens=400, extra_body={"ignore_eos": True}
+        )
+
     def idle_again():
         m = metrics(server.root)
         quiet = m["shardlm_requests_in_flight"] == m["shardlm_kv_blocks_used"] == m["shardlm_requests_running"] == 0
@@ -263,11 +307,17 @@ def test_200_requests_at_32_concurrent_match_offline(server, reference):
         q = QUESTIONS[i % len(QUESTIONS)]
         async with gate:
             if i % 4 == 3:
-                stream = await client.chat.completions.create(model="smollm2", messages=chat(q), max_tokens=MAX_TOKENS,
-                                                              temperature=0, stream=True)
+                stream = await client.chat.completions.create(
+                    model="smollm2", messages=chat(q), max_tokens=MAX_TOKENS, temperature=0, stream=True
+                )
                 return q, None, "".join([c.choices[0].delta.content or "" async for c in stream])
-            r = await client.chat.completions.create(model="smollm2", messages=chat(q), max_tokens=MAX_TOKENS,
-                                                     temperature=0, extra_body={"return_token_ids": True})
+            r = await client.chat.completions.create(
+                model="smollm2",
+                messages=chat(q),
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             return q, extra(r.choices[0], "token_ids"), r.choices[0].message.content
 
     async def run_all():

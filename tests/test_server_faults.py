@@ -16,8 +16,13 @@ from server_harness import BIN, ServerProcess, alive, get, wait_for
 
 
 def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "shardlm"), "serve", *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(BIN / "shardlm"), "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_a_busy_port_fails_at_once_with_exit_2():
@@ -33,12 +38,15 @@ def test_a_busy_port_fails_at_once_with_exit_2():
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tp", "10"], "tp=10 is larger than the model's 9 attention heads"),
-    (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
-    (["--kv-cache-memory", "lots"], "is not a size"),
-    (["--prefill-replicas", "1"], "prefill_replicas=1 must leave at least one of the dp=1 replicas to decode"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "10"], "tp=10 is larger than the model's 9 attention heads"),
+        (["--max-queue", "0"], "--max-queue 0 must be at least 1"),
+        (["--kv-cache-memory", "lots"], "is not a size"),
+        (["--prefill-replicas", "1"], "prefill_replicas=1 must leave at least one of the dp=1 replicas to decode"),
+    ],
+)
 def test_bad_flags_are_one_line_and_exit_2(args, message):
     r = serve("--port", "0", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -48,13 +56,31 @@ def test_queue_full_then_a_killed_rank_fails_requests_and_exits_cleanly():
     """tp=2, --max-queue 1: a second request gets 429. Then rank 1 is killed mid-stream: the stream ends
     with an error event, /health and new requests answer 503, and the server exits 1 with the reason
     after --grace seconds, its rank processes gone."""
-    server = ServerProcess("--tp", "2", "--threads", "1", "--max-queue", "1", "--grace", "5",
-                           "--kv-cache-memory", "128MiB", "--max-model-len", "1024")
+    server = ServerProcess(
+        "--tp",
+        "2",
+        "--threads",
+        "1",
+        "--max-queue",
+        "1",
+        "--grace",
+        "5",
+        "--kv-cache-memory",
+        "128MiB",
+        "--max-model-len",
+        "1024",
+    )
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
         assert len(server.ranks) == 2 and all(alive(p) for p in server.ranks)
-        stream = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=900, stream=True,
-                                           temperature=0, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="smollm2",
+            prompt="Once upon a time",
+            max_tokens=900,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         it = iter(stream)
         got = [next(it).choices[0].text for _ in range(3)]  # tp=2 serves
         with pytest.raises(openai.RateLimitError) as full:

@@ -30,14 +30,17 @@ def streamed(tok, text: str, stops: tuple[str, ...]) -> tuple[list[str], bool]:
     return out + [st.flush()], st.stopped
 
 
-@pytest.mark.parametrize("stops, expected", [
-    ((), "Paris is the capital. It is big."),
-    (("capital",), "Paris is the "),
-    ((". It",), "Paris is the capital"),  # the stop spans tokens
-    (("zzz", "is"), "Par"),  # the earliest of several, inside a word too (as OpenAI)
-    (("big.",), "Paris is the capital. It is "),
-    (("",), "Paris is the capital. It is big."),  # an empty stop string is ignored
-])
+@pytest.mark.parametrize(
+    "stops, expected",
+    [
+        ((), "Paris is the capital. It is big."),
+        (("capital",), "Paris is the "),
+        ((". It",), "Paris is the capital"),  # the stop spans tokens
+        (("zzz", "is"), "Par"),  # the earliest of several, inside a word too (as OpenAI)
+        (("big.",), "Paris is the capital. It is "),
+        (("",), "Paris is the capital. It is big."),  # an empty stop string is ignored
+    ],
+)
 def test_stop_strings_cut_the_text_and_streaming_agrees(tok, stops, expected):
     deltas, stopped = streamed(tok, "Paris is the capital. It is big.", stops)
     assert "".join(deltas) == expected
@@ -53,8 +56,13 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok):
 
 @pytest.fixture
 def engine(tok):
-    fake = SimpleNamespace(tokenizer=tok, max_model_len=64, kv_blocks=100, config=SimpleNamespace(block_size=16),
-                           checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)))
+    fake = SimpleNamespace(
+        tokenizer=tok,
+        max_model_len=64,
+        kv_blocks=100,
+        config=SimpleNamespace(block_size=16),
+        checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)),
+    )
     fake.room = lambda prompt_len: AsyncLLM.room(fake, prompt_len)  # the engine's own rule
     return fake
 
@@ -81,38 +89,62 @@ def test_defaults_follow_openai(engine, tok):
 
 
 def test_parameters_reach_sampling(engine):
-    p = prepare(chat(max_completion_tokens=5, max_tokens=9, temperature=0.5, top_p=0.9, top_k=-1, seed=3,
-                     stop="x", stop_token_ids=[7], stream=True, stream_options={"include_usage": True}),
-                engine, "smollm2")
+    p = prepare(
+        chat(
+            max_completion_tokens=5,
+            max_tokens=9,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=-1,
+            seed=3,
+            stop="x",
+            stop_token_ids=[7],
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        engine,
+        "smollm2",
+    )
     got = (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.top_k, p.params.seed)
     assert got == (5, 0.5, 0.9, 0, 3)  # max_completion_tokens wins over max_tokens; top_k -1 is off
     assert p.params.stop_token_ids == (7,) and p.stops == ("x",) and p.stream and p.include_usage
     assert prepare(chat(temperature=1e-40), engine, "smollm2").params.greedy  # 1/T would overflow the logits
-    parts = ChatRequest(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be "},
-                                                                    {"type": "text", "text": "brief"}]}])
-    assert prepare(parts, engine, "smollm2").prompt_ids == prepare(
-        ChatRequest(messages=[{"role": "system", "content": "Be brief"}]), engine, "smollm2").prompt_ids
+    parts = ChatRequest(
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief"}]}
+        ]
+    )
+    assert (
+        prepare(parts, engine, "smollm2").prompt_ids
+        == prepare(ChatRequest(messages=[{"role": "system", "content": "Be brief"}]), engine, "smollm2").prompt_ids
+    )
 
 
-@pytest.mark.parametrize("req, param, words", [
-    (lambda: chat(model="gpt-4"), "model", "'gpt-4' is not served here"),
-    (lambda: chat(n=3), "n", "n=3 is not supported"),
-    (lambda: chat(max_tokens=0), "max_tokens", "at least 1"),
-    (lambda: chat(max_tokens=60), "max_tokens", "lower max_tokens to"),
-    (lambda: chat(temperature=-0.1), "temperature", ">= 0"),
-    (lambda: chat(top_p=1.5), "top_p", "top_p=1.5"),
-    (lambda: chat(top_k=-2), "top_k", "top_k=-2"),
-    (lambda: chat(seed=2**70), "seed", "out of range"),
-    (lambda: chat(presence_penalty=0.5), "presence_penalty", "not supported"),
-    (lambda: ChatRequest(messages=[]), "messages", "messages is empty"),
-    (lambda: ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content",
-     "text only"),
-    (lambda: CompletionRequest(prompt="word " * 70), "prompt", "shorten it"),
-    (lambda: CompletionRequest(prompt=[-1]), "prompt", "outside the vocabulary"),
-    (lambda: CompletionRequest(prompt=["a", "b"]), "prompt", "one prompt per request"),
-    (lambda: CompletionRequest(prompt=""), "prompt", "no tokens"),
-    (lambda: CompletionRequest(prompt="Hi", echo=True), "echo", "not supported"),
-])
+@pytest.mark.parametrize(
+    "req, param, words",
+    [
+        (lambda: chat(model="gpt-4"), "model", "'gpt-4' is not served here"),
+        (lambda: chat(n=3), "n", "n=3 is not supported"),
+        (lambda: chat(max_tokens=0), "max_tokens", "at least 1"),
+        (lambda: chat(max_tokens=60), "max_tokens", "lower max_tokens to"),
+        (lambda: chat(temperature=-0.1), "temperature", ">= 0"),
+        (lambda: chat(top_p=1.5), "top_p", "top_p=1.5"),
+        (lambda: chat(top_k=-2), "top_k", "top_k=-2"),
+        (lambda: chat(seed=2**70), "seed", "out of range"),
+        (lambda: chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+        (lambda: ChatRequest(messages=[]), "messages", "messages is empty"),
+        (
+            lambda: ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[0].content",
+            "text only",
+        ),
+        (lambda: CompletionRequest(prompt="word " * 70), "prompt", "shorten it"),
+        (lambda: CompletionRequest(prompt=[-1]), "prompt", "outside the vocabulary"),
+        (lambda: CompletionRequest(prompt=["a", "b"]), "prompt", "one prompt per request"),
+        (lambda: CompletionRequest(prompt=""), "prompt", "no tokens"),
+        (lambda: CompletionRequest(prompt="Hi", echo=True), "echo", "not supported"),
+    ],
+)
 def test_refusals_name_the_field(engine, req, param, words):
     e = refused(engine, req())
     assert e.param == param and words in e.message, e.message
@@ -127,14 +159,17 @@ def test_max_tokens_is_bounded_by_the_kv_cache_too(engine):
     assert e.param == "prompt" and "leaves no room" in e.message
 
 
-@pytest.mark.parametrize("body, param, words", [
-    (b'{"messages": [', None, "not valid JSON"),
-    (b'"hello"', None, "must be a JSON object"),
-    (b'{"messages": [{"role": "user"}], "temperature": true}', "temperature", "must be a finite number, not true"),
-    (b'{"messages": [{"content": "Hi"}]}', "messages[0].role", "is required"),
-    (b'{"messages": [], "stop": [1]}', "stop", "a string or an array of strings"),
-    (b'{"messages": [], "max_tokens": 1.5}', "max_tokens", "must be an integer, not 1.5"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (b'{"messages": [', None, "not valid JSON"),
+        (b'"hello"', None, "must be a JSON object"),
+        (b'{"messages": [{"role": "user"}], "temperature": true}', "temperature", "must be a finite number, not true"),
+        (b'{"messages": [{"content": "Hi"}]}', "messages[0].role", "is required"),
+        (b'{"messages": [], "stop": [1]}', "stop", "a string or an array of strings"),
+        (b'{"messages": [], "max_tokens": 1.5}', "max_tokens", "must be an integer, not 1.5"),
+    ],
+)
 def test_validation_errors_become_openai_400s(body, param, words):
     with pytest.raises(ValidationError) as e:
         ChatRequest.model_validate_json(body)

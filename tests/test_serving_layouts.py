@@ -39,8 +39,11 @@ def serve_all(path: str, max_tokens=MAX_TOKENS, **layout) -> tuple[list[list[int
         engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=3, micro_batches=2), dict(dp=2), dict(tp=2, pp=2),
-                                    dict(dp=2, pp=2)], ids=["pp2", "pp3-mb2", "dp2", "tp2-pp2", "dp2-pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(pp=2), dict(pp=3, micro_batches=2), dict(dp=2), dict(tp=2, pp=2), dict(dp=2, pp=2)],
+    ids=["pp2", "pp3-mb2", "dp2", "tp2-pp2", "dp2-pp2"],
+)
 def test_dense_serving_matches_hf(tiny, layout):
     ref = tiny("llama")
     tokens, stats = serve_all(str(ref.path), **layout)
@@ -55,16 +58,19 @@ def test_speculative_serving_streams_the_offline_tokens(tiny):
 
     ref = tiny("llama")
     plain = [o.token_ids for o in LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(max_tokens=200))]
-    tokens, stats = serve_all(str(ref.path), [200] * len(PROMPTS), dp=2,
-                              speculative_config={"num_speculative_tokens": 3})
+    tokens, stats = serve_all(
+        str(ref.path), [200] * len(PROMPTS), dp=2, speculative_config={"num_speculative_tokens": 3}
+    )
     assert tokens == plain
     assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"] > 0, stats
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2),
-                                    dict(tp=2, dp=2, ep=2, eplb_interval=3)],
-                         ids=["lockstep", "lockstep+eplb", "replicated+eplb"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(dp=2, ep=2), dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2), dict(tp=2, dp=2, ep=2, eplb_interval=3)],
+    ids=["lockstep", "lockstep+eplb", "replicated+eplb"],
+)
 def test_moe_serving_matches_hf(tmp_path_factory, layout):
     ref = cached_tiny_moe("qwen3_moe", tmp_path_factory)
     tokens, stats = serve_all(str(ref.path), **layout)

@@ -63,8 +63,9 @@ def ops_vs_gloo(group=None, sizes=SIZES) -> list[torch.Tensor]:
             dist.all_reduce(ref, group=group)
             close_to_gloo(got, ref, dtype)
             want = defined_sum(ids, count, dtype)
-            torch.testing.assert_close(got, want, rtol=0, atol=0) if dtype == torch.bfloat16 else \
-                torch.testing.assert_close(got, want)
+            torch.testing.assert_close(
+                got, want, rtol=0, atol=0
+            ) if dtype == torch.bfloat16 else torch.testing.assert_close(got, want)
             assert not torch.equal(got, mine)
             outs.append(got)
             # all-gather, uneven (rank j holds count + j elements) and even
@@ -84,8 +85,9 @@ def ops_vs_gloo(group=None, sizes=SIZES) -> list[torch.Tensor]:
             got = comm.reduce_scatter(full, group, sizes=sizes)
             total = defined_sum(ids, count * n + 1, dtype)
             lo = sum(sizes[:r])
-            torch.testing.assert_close(got, total[lo: lo + sizes[r]], rtol=0, atol=0) if dtype == torch.bfloat16 \
-                else torch.testing.assert_close(got, total[lo: lo + sizes[r]])
+            torch.testing.assert_close(
+                got, total[lo : lo + sizes[r]], rtol=0, atol=0
+            ) if dtype == torch.bfloat16 else torch.testing.assert_close(got, total[lo : lo + sizes[r]])
             outs.append(got)
             # all-to-all, uneven: rank i sends (i + 2j) % 3 + count rows to rank j
             send = [(r + 2 * j) % 3 + count for j in range(n)]

@@ -20,7 +20,7 @@ def data(seed: int, count: int) -> torch.Tensor:
 def bound(xs: list[torch.Tensor], payload: str) -> torch.Tensor:
     """Per-element error bound of the sum of encoded xs (plus float32 accumulation slack)."""
     if payload == "bf16":
-        b = sum(x.abs() for x in xs) * 2.0 ** -8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
+        b = sum(x.abs() for x in xs) * 2.0**-8  # bf16 keeps 8 significant bits: unit roundoff 2^-8
     else:
         b = 0
         for x in xs:

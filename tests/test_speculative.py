@@ -21,17 +21,20 @@ from shardlm.errors import UsageError
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 
 
-@pytest.mark.parametrize("tokens,limit,want", [
-    ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 9, [8, 1, 2]),  # the latest occurrence of the longest suffix
-    ([4, 5, 6, 7, 0, 5, 6, 1, 5, 6], 9, [1, 5, 6]),  # "5 6" twice before: the later one wins
-    ([4, 5, 6, 7, 0, 9, 6], 9, [7, 0, 9]),  # only the last token occurs before: n = 1
-    ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # at most ``limit`` drafts
-    ([1, 2, 3, 4], 9, []),  # nothing repeats: no draft
-    ([7, 256, 0, 5, 1], 9, []),  # token 1's bytes appear inside "256 0" (misaligned): not a match
-    ([1, 9, 256, 0, 5, 1], 9, [9, 256, 0]),
-    ([3, 3], 9, [3]),  # the continuation may run into the suffix itself
-    ([3], 9, []),
-])
+@pytest.mark.parametrize(
+    "tokens,limit,want",
+    [
+        ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 9, [8, 1, 2]),  # the latest occurrence of the longest suffix
+        ([4, 5, 6, 7, 0, 5, 6, 1, 5, 6], 9, [1, 5, 6]),  # "5 6" twice before: the later one wins
+        ([4, 5, 6, 7, 0, 9, 6], 9, [7, 0, 9]),  # only the last token occurs before: n = 1
+        ([1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # at most ``limit`` drafts
+        ([1, 2, 3, 4], 9, []),  # nothing repeats: no draft
+        ([7, 256, 0, 5, 1], 9, []),  # token 1's bytes appear inside "256 0" (misaligned): not a match
+        ([1, 9, 256, 0, 5, 1], 9, [9, 256, 0]),
+        ([3, 3], 9, [3]),  # the continuation may run into the suffix itself
+        ([3], 9, []),
+    ],
+)
 def test_propose_finds_what_followed_the_suffix_before(tokens, limit, want):
     assert propose(tokens, NGRAM, limit) == want
 
@@ -90,8 +93,9 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
     assert stats.draft_tokens > stats.accepted_tokens > 0, (stats.draft_tokens, stats.accepted_tokens)
     for layout in (dict(tp=2), dict(pp=2, tp=2)):
         world = layout.get("tp", 1) * layout.get("pp", 1)
-        for tokens, _ in run_ranks(world, llm_generate, str(ref.path), PROMPTS, n,
-                                   speculative_config={"num_speculative_tokens": 3}, **layout):
+        for tokens, _ in run_ranks(
+            world, llm_generate, str(ref.path), PROMPTS, n, speculative_config={"num_speculative_tokens": 3}, **layout
+        ):
             assert tokens == [o.token_ids for o in plain], layout
 
 
@@ -111,17 +115,18 @@ def test_smollm2_repeating_text_takes_fewer_steps_for_the_same_tokens():
     assert stats.accepted_tokens > 0.5 * stats.draft_tokens > 0, (stats.draft_tokens, stats.accepted_tokens)
 
 
-@pytest.mark.parametrize("config,match", [
-    ({"method": "eagle"}, "method='eagle' is not supported"),
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 must be a positive integer"),
-    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min=5 is above prompt_lookup_max=2"),
-    ({"num_tokens": 3}, r"unknown keys \['num_tokens'\]"),
-    ("ngram", "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"method": "eagle"}, "method='eagle' is not supported"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 must be a positive integer"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min=5 is above prompt_lookup_max=2"),
+        ({"num_tokens": 3}, r"unknown keys \['num_tokens'\]"),
+        ("ngram", "must be a dict"),
+    ],
+)
 def test_bad_speculative_config(config, match):
     from shardlm.engine.config import EngineConfig
 
     with pytest.raises(UsageError, match=match):
         EngineConfig(speculative_config=config)
-
-

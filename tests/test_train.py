@@ -36,8 +36,9 @@ def hf_run(tiny):
     batches = [torch.randint(0, 251, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32).train()
     before = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    opt = torch.optim.AdamW(hf.parameters(), lr=OPTIM["lr"], betas=(0.9, 0.95), eps=OPTIM["eps"],
-                            weight_decay=OPTIM["weight_decay"])
+    opt = torch.optim.AdamW(
+        hf.parameters(), lr=OPTIM["lr"], betas=(0.9, 0.95), eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"]
+    )
     stats = []
     for b in batches:
         logits = hf(b[:, :-1]).logits
@@ -55,13 +56,13 @@ def check_against_hf(results, hf_run) -> None:
     _, _, hf_stats, before, after = hf_run
     for rank, (stats, pieces, _, _) in enumerate(results):
         got = [(s["loss"], s["grad_norm"]) for s in stats]
-        torch.testing.assert_close(got, hf_stats, rtol=1e-5, atol=0,
-                                   msg=lambda m: f"rank {rank}: losses / grad norms: {m}")
+        torch.testing.assert_close(
+            got, hf_stats, rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}: losses / grad norms: {m}"
+        )
         for p in pieces:
             want = after[p.name][p.rows or slice(None)]
             want = want if p.cols is None else want[:, p.cols]
-            torch.testing.assert_close(p.tensor, want, rtol=0, atol=1e-4,
-                                       msg=lambda m: f"rank {rank}: {p.name}: {m}")
+            torch.testing.assert_close(p.tensor, want, rtol=0, atol=1e-4, msg=lambda m: f"rank {rank}: {p.name}: {m}")
             assert (p.tensor - want).abs().mean() < 1e-6, f"rank {rank}: {p.name}"
     # it can fail: training moved the weights far beyond the tolerance, and the loss changed
     assert max((after[n] - before[n]).abs().max().item() for n in after) > 1e-3
@@ -135,8 +136,17 @@ def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
             assert sum(o for o, _ in held) == held[0][1]
 
 
-@pytest.mark.parametrize("dtype,dp,tp,zero", [("bfloat16", 1, 1, 1), ("bfloat16", 2, 1, 2), ("bfloat16", 2, 1, 3),
-                                              ("bfloat16", 1, 2, 0), ("float16", 1, 1, 1), ("float16", 2, 1, 3)])
+@pytest.mark.parametrize(
+    "dtype,dp,tp,zero",
+    [
+        ("bfloat16", 1, 1, 1),
+        ("bfloat16", 2, 1, 2),
+        ("bfloat16", 2, 1, 3),
+        ("bfloat16", 1, 2, 0),
+        ("float16", 1, 1, 1),
+        ("float16", 2, 1, 3),
+    ],
+)
 def test_16bit_with_float32_masters(hf_run, dtype, dp, tp, zero):
     """bfloat16 (or float16, loss-scaled) weights, activations and gradients, float32 master
     weights in the optimizer: HF's float32 steps within bfloat16's error. Losses rtol 2e-2.
@@ -189,7 +199,7 @@ def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monk
         assert len(calls) == runs * trainer.checkpoint.config.num_layers, recompute
 
 
-@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -8)])  # bf16: one rounding
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-8)])  # bf16: one rounding
 def test_rms_norm_keeps_only_its_input_and_the_inverse_rms(dtype, rtol):
     """Training's RMSNorm: F.rms_norm's output, gradients of its float32 recipe (bfloat16: the
     float32 gradients rounded once), and for backward only the input and 1/rms per token (autograd
@@ -215,10 +225,19 @@ def test_rms_norm_keeps_only_its_input_and_the_inverse_rms(dtype, rtol):
     assert sorted(t.numel() * t.element_size() for t in saved) == sorted([x.nbytes, w.nbytes, 64 * 4])
 
 
-@pytest.mark.parametrize("tp,options", [
-    (1, {}), (1, {"recompute": "full"}), (1, {"recompute": "selective"}), (2, {}), (2, {"sequence_parallel": True}),
-    (2, {"sequence_parallel": True, "recompute": "full"}), (2, {"sequence_parallel": True, "recompute": "selective"}),
-], ids=["tp1", "tp1-full", "tp1-selective", "tp2", "tp2-sp", "tp2-sp-full", "tp2-sp-selective"])
+@pytest.mark.parametrize(
+    "tp,options",
+    [
+        (1, {}),
+        (1, {"recompute": "full"}),
+        (1, {"recompute": "selective"}),
+        (2, {}),
+        (2, {"sequence_parallel": True}),
+        (2, {"sequence_parallel": True, "recompute": "full"}),
+        (2, {"sequence_parallel": True, "recompute": "selective"}),
+    ],
+    ids=["tp1", "tp1-full", "tp1-selective", "tp2", "tp2-sp", "tp2-sp-full", "tp2-sp-selective"],
+)
 def test_planner_activation_count_is_what_a_layer_saves(tiny, tp, options):
     """The planner's per-layer activation bytes (plan/activations.py) against what autograd
     saves for one decoder layer of a bfloat16 step, on every rank: within 2% (measured: the
@@ -230,16 +249,23 @@ def test_planner_activation_count_is_what_a_layer_saves(tiny, tp, options):
 
     path, seq, batch = str(tiny("llama").path), 32, 4
     got = run_ranks(tp, layer_activations_on_rank, path, tp, seq, batch, **options)
-    want = layer_activation_bytes(layer_shape(ModelCosts(open_checkpoint(path).config), False), seq=seq,
-                                  micro_batch=batch, tp=tp, sp=options.get("sequence_parallel", False),
-                                  recompute=options.get("recompute", "none"))
+    want = layer_activation_bytes(
+        layer_shape(ModelCosts(open_checkpoint(path).config), False),
+        seq=seq,
+        micro_batch=batch,
+        tp=tp,
+        sp=options.get("sequence_parallel", False),
+        recompute=options.get("recompute", "none"),
+    )
     for rank, n in enumerate(got):
         assert want <= n <= 1.02 * want, (rank, n, want)
 
 
-@pytest.mark.parametrize("dp,tp,zero,extra", [(2, 1, 2, {}),
-                                              (1, 2, 3, {"pp": 2, "grad_accum": 2, "dtype": "bfloat16"})],
-                         ids=["dp2-zero2", "pp2-tp2-zero3-bf16"])
+@pytest.mark.parametrize(
+    "dp,tp,zero,extra",
+    [(2, 1, 2, {}), (1, 2, 3, {"pp": 2, "grad_accum": 2, "dtype": "bfloat16"})],
+    ids=["dp2-zero2", "pp2-tp2-zero3-bf16"],
+)
 def test_resumed_training_takes_the_same_step(hf_run, tmp_path, dp, tp, zero, extra):
     """Two steps, save the state, a new Trainer loads it and takes the third: bitwise the third
     step of an uninterrupted run (loss, grad norm, every weight), so AdamW's moments and step
@@ -276,18 +302,18 @@ def test_float16_skips_an_overflowing_step_and_halves_the_scale(hf_run, tmp_path
     from shardlm.train.trainer import Trainer, TrainConfig
 
     path, batches = hf_run[:2]
-    trainer = Trainer(TrainConfig(model=path, dtype="float16", loss_scale=2.0 ** 40, **OPTIM))
+    trainer = Trainer(TrainConfig(model=path, dtype="float16", loss_scale=2.0**40, **OPTIM))
     before = [u.master.detach().clone() for u in trainer.zero.units]
     stats = trainer.step(batches[0])
-    assert stats["skipped"] and stats["loss_scale"] == 2.0 ** 40 and trainer.scaler.scale == 2.0 ** 39
+    assert stats["skipped"] and stats["loss_scale"] == 2.0**40 and trainer.scaler.scale == 2.0**39
     assert all(torch.equal(a, u.master) for a, u in zip(before, trainer.zero.units))
-    trainer.scaler.scale = 2.0 ** 8
+    trainer.scaler.scale = 2.0**8
     stats = trainer.step(batches[1])
     assert not stats["skipped"] and trainer.scaler.good == 1
     assert not all(torch.equal(a, u.master) for a, u in zip(before, trainer.zero.units))
     trainer.save_state(str(tmp_path))
     resumed = Trainer(TrainConfig(model=path, dtype="float16", **OPTIM))
-    assert resumed.load_state(str(tmp_path)) == 2 and (resumed.scaler.scale, resumed.scaler.good) == (2.0 ** 8, 1)
+    assert resumed.load_state(str(tmp_path)) == 2 and (resumed.scaler.scale, resumed.scaler.good) == (2.0**8, 1)
 
 
 def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
@@ -378,9 +404,30 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     over those two; --checkpoint and resuming from it (the state's contents: test_resumed_...)."""
     data = tmp_path / "data.txt"
     data.write_text("Tensor parallelism splits every weight matrix over the ranks of a group. " * 30)
-    common = ["train", "--data", str(data), "--cp", "2", "--cp-attention", "ring", "--zero", "2",
-              "--batch-size", "2", "--seq-len", "16", "--lr", "1e-4", "--threads", "1", "--json",
-              "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    common = [
+        "train",
+        "--data",
+        str(data),
+        "--cp",
+        "2",
+        "--cp-attention",
+        "ring",
+        "--zero",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--lr",
+        "1e-4",
+        "--threads",
+        "1",
+        "--json",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "2",
+    ]
     r = shardlm(*common, "--steps", "3", "--plot", str(tmp_path), "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
     steps = [json.loads(line) for line in r.stdout.splitlines()]
@@ -412,23 +459,32 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     trained = load_file(tmp_path / "trained" / "model.safetensors")
     reference = dict(hf_smollm2.named_parameters())
     assert trained.keys() == reference.keys()
-    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    ):
         moved = (trained[name] - reference[name]).abs().max().item()
         assert 0 < moved < 1e-3, (name, moved)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--data", "missing.txt"], "--data 'missing.txt' is not a file"),
-    (["--checkpoint-every", "0"], "--checkpoint-every 0 must be at least 1"),
-    (["--tp", "2"], "query group over two ranks (9 query heads, 3 KV heads)"),
-    (["--steps", "0"], "--steps 0 must be at least 1"),
-    (["--batch-size", "4000"], "fewer than one batch of 4000"),
-    (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
-    (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
-    (["--tp", "3", "--sequence-parallel", "--batch-size", "1", "--seq-len", "16"],
-     "splits a micro-batch's 16 tokens on a rank over tp=3 evenly"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--data", "missing.txt"], "--data 'missing.txt' is not a file"),
+        (["--checkpoint-every", "0"], "--checkpoint-every 0 must be at least 1"),
+        (["--tp", "2"], "query group over two ranks (9 query heads, 3 KV heads)"),
+        (["--steps", "0"], "--steps 0 must be at least 1"),
+        (["--batch-size", "4000"], "fewer than one batch of 4000"),
+        (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
+        (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
+        (
+            ["--tp", "3", "--sequence-parallel", "--batch-size", "1", "--seq-len", "16"],
+            "splits a micro-batch's 16 tokens on a rank over tp=3 evenly",
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     """Caught before any rank starts: checked in this process (``main_exit``; the real
     command's exit path is test_cli's)."""

@@ -56,8 +56,11 @@ def _case(op: str, group, count: int, dtype: torch.dtype, device, timing: bool):
     from shardlm.parallel import comm
 
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    make = (lambda j, k: torch.zeros(k, dtype=dtype, device=device)) if timing else \
-        (lambda j, k: _val(j, k, dtype).to(device))
+    make = (
+        (lambda j, k: torch.zeros(k, dtype=dtype, device=device))
+        if timing
+        else (lambda j, k: _val(j, k, dtype).to(device))
+    )
     if op == "all_reduce":
         x = make(r, count)
         return (lambda: comm.all_reduce(x, group)), (lambda: x), sum(_val(j, count, dtype) for j in range(n))
@@ -67,11 +70,11 @@ def _case(op: str, group, count: int, dtype: torch.dtype, device, timing: bool):
     if op == "reduce_scatter":
         x = make(r, count)
         k = count // n
-        want = sum(_val(j, count, dtype) for j in range(n))[r * k:(r + 1) * k]
+        want = sum(_val(j, count, dtype) for j in range(n))[r * k : (r + 1) * k]
         return (*_keep(lambda: comm.reduce_scatter(x, group)), want)
     if op == "all_to_all":
         x, k = make(r, count), count // n
-        want = torch.cat([_val(j, count, dtype)[r * k:(r + 1) * k] for j in range(n)])
+        want = torch.cat([_val(j, count, dtype)[r * k : (r + 1) * k] for j in range(n)])
         return (*_keep(lambda: comm.all_to_all(x, group, [k] * n, [k] * n)), want)
     if op == "broadcast":
         x = make(r, count)
@@ -122,8 +125,9 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return src.numel() / best
 
 
-def measure(*, ops=OPS, sizes=(8, 1 << 20), backends=("auto", "gloo"), dtype="float32", budget_s=0.05,
-            device="cpu") -> dict:
+def measure(
+    *, ops=OPS, sizes=(8, 1 << 20), backends=("auto", "gloo"), dtype="float32", budget_s=0.05, device="cpu"
+) -> dict:
     """Run the benchmark on the ranks of the current world (collective: call it on every rank)."""
     from shardlm.parallel import shm
 
@@ -151,11 +155,27 @@ def measure(*, ops=OPS, sizes=(8, 1 << 20), backends=("auto", "gloo"), dtype="fl
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=world)
                 nbytes = count * elem
                 algbw = nbytes / sec / 1e9
-                rows.append(dict(op=op, backend=backend, path=paths[backend], bytes=nbytes, count=count,
-                                 time_us=sec * 1e6, algbw=algbw, busbw=algbw * busbw_factor(op, n),
-                                 ok=bool(flag.item())))
-    return {"rows": rows, "paths": paths, "memcpy_GBps": memcpy / 1e9 if memcpy else None, "ranks": n,
-            "dtype": dtype, "why_not_shm": next(iter(shm.why_not.values()), None)}
+                rows.append(
+                    dict(
+                        op=op,
+                        backend=backend,
+                        path=paths[backend],
+                        bytes=nbytes,
+                        count=count,
+                        time_us=sec * 1e6,
+                        algbw=algbw,
+                        busbw=algbw * busbw_factor(op, n),
+                        ok=bool(flag.item()),
+                    )
+                )
+    return {
+        "rows": rows,
+        "paths": paths,
+        "memcpy_GBps": memcpy / 1e9 if memcpy else None,
+        "ranks": n,
+        "dtype": dtype,
+        "why_not_shm": next(iter(shm.why_not.values()), None),
+    }
 
 
 class BenchWorker:
@@ -185,8 +205,9 @@ class BenchWorker:
         return measure_overlap(**options)
 
 
-def on_local_ranks(ranks: int, method: str, options: dict, *, device: str = "cpu", threads: int | None = None,
-                   timeout_s: float = 300.0):
+def on_local_ranks(
+    ranks: int, method: str, options: dict, *, device: str = "cpu", threads: int | None = None, timeout_s: float = 300.0
+):
     """Start ranks with ``shardlm.launch.LocalRanks``, run ``method`` ("measure" or "overlap")
     with ``options`` on each, stop them; returns rank 0's result."""
     from shardlm.launch import LocalRanks
@@ -226,19 +247,42 @@ class CommReport:
         return comm_plots(self, directory)
 
 
-def bench_comm(*, ranks: int = 2, ops=OPS, min_bytes: int = 8, max_bytes: int = 64 << 20,
-               backends=("auto", "gloo"), dtype: str = "float32", budget_s: float = 0.05,
-               threads: int | None = None, timeout_s: float = 300.0) -> CommReport:
+def bench_comm(
+    *,
+    ranks: int = 2,
+    ops=OPS,
+    min_bytes: int = 8,
+    max_bytes: int = 64 << 20,
+    backends=("auto", "gloo"),
+    dtype: str = "float32",
+    budget_s: float = 0.05,
+    threads: int | None = None,
+    timeout_s: float = 300.0,
+) -> CommReport:
     """Start ``ranks`` local ranks, measure, stop them; returns the report (see ``measure``)."""
     ops, backends = list(ops), list(backends)
     check_options(ranks=ranks, ops=ops, backends=backends, dtype=dtype, min_bytes=min_bytes, max_bytes=max_bytes)
     device = "cuda" if "nccl" in backends else "cpu"
     load_before = os.getloadavg()
-    options = dict(ops=ops, sizes=sizes_between(min_bytes, max_bytes), backends=backends, dtype=dtype,
-                   budget_s=budget_s, device=device)
+    options = dict(
+        ops=ops,
+        sizes=sizes_between(min_bytes, max_bytes),
+        backends=backends,
+        dtype=dtype,
+        budget_s=budget_s,
+        device=device,
+    )
     out = on_local_ranks(ranks, "measure", options, device=device, threads=threads, timeout_s=timeout_s)
-    return CommReport(ranks=ranks, dtype=dtype, rows=out["rows"], paths=out["paths"], memcpy_GBps=out["memcpy_GBps"],
-                      load_before=load_before, load_after=os.getloadavg(), why_not_shm=out["why_not_shm"] or None)
+    return CommReport(
+        ranks=ranks,
+        dtype=dtype,
+        rows=out["rows"],
+        paths=out["paths"],
+        memcpy_GBps=out["memcpy_GBps"],
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        why_not_shm=out["why_not_shm"] or None,
+    )
 
 
 def check_options(*, ranks, ops, backends, dtype, min_bytes, max_bytes) -> None:
@@ -250,11 +294,12 @@ def check_options(*, ranks, ops, backends, dtype, min_bytes, max_bytes) -> None:
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
         raise UsageError(f"unknown backend(s) {bad or backends}; pick from {','.join(BACKENDS)}, e.g. auto,gloo")
-    if "nccl" in backends and (len(backends) > 1 or not torch.cuda.is_available() or
-                               torch.cuda.device_count() < ranks):
+    if "nccl" in backends and (len(backends) > 1 or not torch.cuda.is_available() or torch.cuda.device_count() < ranks):
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise UsageError(f"--backend nccl needs {ranks} CUDA GPUs (this host has {have}) and runs alone; "
-                         f"use --backend auto,gloo on CPU")
+        raise UsageError(
+            f"--backend nccl needs {ranks} CUDA GPUs (this host has {have}) and runs alone; "
+            f"use --backend auto,gloo on CPU"
+        )
     if "shm" in backends:
         from shardlm.parallel.shm_setup import why_not_here
 

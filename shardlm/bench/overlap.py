@@ -26,7 +26,7 @@ HIDDEN, QKV, O_IN, GATE_UP, DOWN_IN, LAYERS = 576, 448, 320, 1536, 768, 30
 
 def _weights(seed: int) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
-    w = lambda o, i: torch.randn(o, i, generator=g) * i ** -0.5  # noqa: E731
+    w = lambda o, i: torch.randn(o, i, generator=g) * i**-0.5  # noqa: E731
     return [(w(QKV, HIDDEN), w(HIDDEN, O_IN), w(GATE_UP, HIDDEN), w(HIDDEN, DOWN_IN)) for _ in range(LAYERS)]
 
 
@@ -92,8 +92,10 @@ def measure_overlap(batches=(1, 8, 64), repeats: int = 5, steps: int = 3) -> lis
         reduce = lambda t: comm.all_reduce(t, group)  # noqa: E731
         for b in batches:
             x = torch.randn(b, HIDDEN) * 0.01
-            variants = {"compute": lambda: _step_sync(x, layers, lambda t: t),
-                        "sync": lambda: _step_sync(x, layers, reduce)}
+            variants = {
+                "compute": lambda: _step_sync(x, layers, lambda t: t),
+                "sync": lambda: _step_sync(x, layers, reduce),
+            }
             if b > 1:
                 variants["tbo"] = lambda: _step_tbo(x, layers, start)
             best = dict.fromkeys(variants, float("inf"))

@@ -43,8 +43,13 @@ def emulated_tp(tp: int, payload: str | None, stats: list[float]):
         RowParallelLinear.forward = original
 
 
-def payload_errors(*, tp: int = 2, tokens: int = 32, prompt: str = "Explain tensor parallelism in one paragraph.",
-                   payloads=(None, "bf16", "int8")) -> list[dict]:
+def payload_errors(
+    *,
+    tp: int = 2,
+    tokens: int = 32,
+    prompt: str = "Explain tensor parallelism in one paragraph.",
+    payloads=(None, "bf16", "int8"),
+) -> list[dict]:
     from shardlm import LLM, SamplingParams
 
     llm = LLM("smollm2", dtype="float32")
@@ -59,19 +64,29 @@ def payload_errors(*, tp: int = 2, tokens: int = 32, prompt: str = "Explain tens
             got = llm.generate([ids], params)[0].token_ids
             logits = llm.worker.prompt_logits(ids)
         same = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), len(reference))
-        rows.append(dict(payload=payload or "float32", tp=tp, calls=len(stats),
-                         rel_err_mean=sum(stats) / len(stats), rel_err_max=max(stats),
-                         max_logit_diff=(logits - ref_logits).abs().max().item(),
-                         greedy_match=f"{same}/{len(reference)}",
-                         bytes_vs_float32=compress.encoded_bytes(576, payload) / (4 * 576) if payload else 1.0))
+        rows.append(
+            dict(
+                payload=payload or "float32",
+                tp=tp,
+                calls=len(stats),
+                rel_err_mean=sum(stats) / len(stats),
+                rel_err_max=max(stats),
+                max_logit_diff=(logits - ref_logits).abs().max().item(),
+                greedy_match=f"{same}/{len(reference)}",
+                bytes_vs_float32=compress.encoded_bytes(576, payload) / (4 * 576) if payload else 1.0,
+            )
+        )
     llm.close()
     return rows
 
 
 def payload_table(rows: list[dict]) -> str:
-    lines = [f"{'payload':<8} {'bytes':>6} {'rel err mean':>12} {'rel err max':>11} {'max |dlogit|':>12} "
-             f"{'greedy same':>11}"]
+    lines = [
+        f"{'payload':<8} {'bytes':>6} {'rel err mean':>12} {'rel err max':>11} {'max |dlogit|':>12} {'greedy same':>11}"
+    ]
     for r in rows:
-        lines.append(f"{r['payload']:<8} {r['bytes_vs_float32']:>6.2f} {r['rel_err_mean']:>12.2e} "
-                     f"{r['rel_err_max']:>11.2e} {r['max_logit_diff']:>12.2e} {r['greedy_match']:>11}")
+        lines.append(
+            f"{r['payload']:<8} {r['bytes_vs_float32']:>6.2f} {r['rel_err_mean']:>12.2e} "
+            f"{r['rel_err_max']:>11.2e} {r['max_logit_diff']:>12.2e} {r['greedy_match']:>11}"
+        )
     return "\n".join(lines)

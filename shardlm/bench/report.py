@@ -16,8 +16,10 @@ def human(nbytes: int) -> str:
 def comm_table(report) -> str:
     backends = list(report.paths)
     label = {b: b if report.paths[b] == b else f"{b}={report.paths[b]}" for b in backends}
-    lines = [f"{report.ranks} ranks, {report.dtype}; load average {report.load_before[0]:.2f} before, "
-             f"{report.load_after[0]:.2f} after"]
+    lines = [
+        f"{report.ranks} ranks, {report.dtype}; load average {report.load_before[0]:.2f} before, "
+        f"{report.load_after[0]:.2f} after"
+    ]
     if report.memcpy_GBps:
         lines.append(f"memcpy (one torch copy, one rank's threads): {report.memcpy_GBps:.2f} GB/s")
     if report.why_not_shm:
@@ -60,8 +62,10 @@ def comm_plots(report, directory: str) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     paths = []
-    for key, ylabel, name in (("time_us", "time per call (us)", "latency.png"),
-                              ("busbw", "bus bandwidth (GB/s)", "busbw.png")):
+    for key, ylabel, name in (
+        ("time_us", "time per call (us)", "latency.png"),
+        ("busbw", "bus bandwidth (GB/s)", "busbw.png"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for op in dict.fromkeys(r["op"] for r in report.rows):
             for b, path in report.paths.items():

@@ -67,13 +67,23 @@ class AsyncLLM(EngineFront):
         self._prefill = list(range(split or replicas))
         self._decode = list(range(split, replicas)) if split else None
         per_replica = len(infos) // replicas  # ranks, consecutive per replica
-        self._block_bytes = [sum(i["kv_block_bytes"] for i in infos[r * per_replica:(r + 1) * per_replica])
-                             for r in range(replicas)]
+        self._block_bytes = [
+            sum(i["kv_block_bytes"] for i in infos[r * per_replica : (r + 1) * per_replica]) for r in range(replicas)
+        ]
         self._lock = threading.Lock()
         self.error: str | None = None
-        self.stats = {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": self.kv_blocks,
-                      "prefix_cache_hits": 0, "prefix_cache_queries": 0, "spec_draft_tokens": 0,
-                      "spec_accepted_tokens": 0, "handoffs_recomputed": 0, "expert_load": None}
+        self.stats = {
+            "waiting": 0,
+            "running": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_total": self.kv_blocks,
+            "prefix_cache_hits": 0,
+            "prefix_cache_queries": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "handoffs_recomputed": 0,
+            "expert_load": None,
+        }
         self._replica_stats = [dict(self.stats) for _ in self._replica_leaders]
         self._handoffs = {"kv_handoffs": 0, "kv_transfer_bytes": 0}  # counted here, from the handoff events
         self.stats.update(self._handoffs)
@@ -101,11 +111,14 @@ class AsyncLLM(EngineFront):
             raise UsageError("the prompt is empty; give at least one token")
         room, why = self.room(len(prompt_ids))
         if room < 1:
-            raise UsageError(f"the prompt has {len(prompt_ids)} tokens but {why} leaves no room for an answer; "
-                             f"shorten the prompt")
+            raise UsageError(
+                f"the prompt has {len(prompt_ids)} tokens but {why} leaves no room for an answer; shorten the prompt"
+            )
         if params.max_tokens > room:
-            raise UsageError(f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt_ids)} tokens "
-                             f"and {why}; lower max_tokens to {room} or less")
+            raise UsageError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {len(prompt_ids)} tokens "
+                f"and {why}; lower max_tokens to {room} or less"
+            )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
         """Stream the completion of one prompt. Leaving the loop early cancels the request."""
@@ -183,8 +196,11 @@ class AsyncLLM(EngineFront):
     def _dispatch(self, replica: int, tokens, finished, stats, handoffs) -> None:
         self._replica_stats[replica] = stats
         numbers = {k: sum(s[k] for s in self._replica_stats) for k, v in stats.items() if k != "expert_load"}
-        self.stats = {**numbers, "expert_load": merge_expert_loads([s.get("expert_load") for s in self._replica_stats]),
-                      **self._handoffs}
+        self.stats = {
+            **numbers,
+            "expert_load": merge_expert_loads([s.get("expert_load") for s in self._replica_stats]),
+            **self._handoffs,
+        }
         outs: dict[int, StreamOutput] = {}
         for rid, tok in tokens:
             outs.setdefault(rid, StreamOutput([])).token_ids.append(tok)
@@ -243,6 +259,10 @@ def merge_expert_loads(loads: list[dict | None]) -> dict | None:
         return loads[0]
     add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in loads))]  # noqa: E731
     ranks = add("rank_tokens")
-    return {"expert_tokens": add("expert_tokens"), "rank_tokens": ranks,
-            "imbalance": [round(imbalance(r), 4) for r in ranks], "comm_s": max(x["comm_s"] for x in loads),
-            "all_replicas": True}
+    return {
+        "expert_tokens": add("expert_tokens"),
+        "rank_tokens": ranks,
+        "imbalance": [round(imbalance(r), 4) for r in ranks],
+        "comm_s": max(x["comm_s"] for x in loads),
+        "all_replicas": True,
+    }

@@ -79,7 +79,7 @@ class BlockManager:
         tokens = seq.token_ids()
         h = 0
         for i in range((len(tokens) - 1) // self.block_size):
-            h = block_hash(h, tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(h, tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self.block_of.get(h)
             if block is None:
                 break
@@ -103,7 +103,7 @@ class BlockManager:
         tokens = seq.token_ids()
         h = seq.block_hashes[-1] if seq.block_hashes else 0
         for i in range(len(seq.block_hashes), full):
-            h = block_hash(h, tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(h, tokens[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.block_of and block not in self.hash_of:

@@ -13,8 +13,12 @@ from shardlm.models.attention import INT8_SCALED
 from shardlm.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {"int8": INT8_SCALED, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {
+    "int8": INT8_SCALED,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
 
 
@@ -97,8 +101,10 @@ class EngineConfig:
         if self.quantization not in (None, "int8"):
             raise UsageError(f"quantization={self.quantization!r} is not supported; use 'int8' (weight-only) or None")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise UsageError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use auto or one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+            raise UsageError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use auto or one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
         for name in ("eplb_interval", "eplb_redundant"):
@@ -116,8 +122,10 @@ class EngineConfig:
         if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split < max(self.dp, 1):
             fits = f"0 to {self.dp - 1}" if self.dp > 1 else "0 (no split)"
             more = f", or raise dp to {split + 1}" if isinstance(split, int) and split > 0 else ""
-            raise UsageError(f"prefill_replicas={split!r} must leave at least one of the dp={self.dp} "
-                             f"replicas to decode; use {fits}{more}")
+            raise UsageError(
+                f"prefill_replicas={split!r} must leave at least one of the dp={self.dp} "
+                f"replicas to decode; use {fits}{more}"
+            )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
@@ -145,9 +153,13 @@ def resolve_device(device: str, local_world: int) -> str:
         return "cuda" if gpus >= local_world and nccl else "cpu"
     if device == "cuda":
         if gpus < local_world:
-            raise UsageError(f"device='cuda' with {local_world} rank(s) on this host needs as many GPUs, and it has "
-                             f"{gpus}; use fewer ranks per host or device='cpu'")
+            raise UsageError(
+                f"device='cuda' with {local_world} rank(s) on this host needs as many GPUs, and it has "
+                f"{gpus}; use fewer ranks per host or device='cpu'"
+            )
         if started is not None and "nccl" not in started:
-            raise UsageError(f"device='cuda' but the process group was started with backends {started!r}, "
-                             f"none of them NCCL; start it with 'nccl' (or 'cpu:gloo,cuda:nccl')")
+            raise UsageError(
+                f"device='cuda' but the process group was started with backends {started!r}, "
+                f"none of them NCCL; start it with 'nccl' (or 'cpu:gloo,cuda:nccl')"
+            )
     return device

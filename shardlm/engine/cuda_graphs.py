@@ -87,8 +87,14 @@ class DecodeGraphs:
         """Whether a step of this many decode rows has a shape class."""
         return batch_class(tokens) <= self.max_batch
 
-    def run(self, first: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            caches: list[torch.Tensor], rows: torch.Tensor):
+    def run(
+        self,
+        first: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[torch.Tensor],
+        rows: torch.Tensor,
+    ):
         """The forward's output for this step (the real rows and tokens only)."""
         n = len(positions)
         key = (batch_class(n), blocks_class(meta.decode_block_tables.shape[1]))
@@ -108,20 +114,27 @@ class DecodeGraphs:
     def _new_class(self, batch: int, blocks: int, first: torch.Tensor) -> _Class:
         dev = self.device
         shape = (batch,) if first.dim() == 1 else (first.shape[0], batch, *first.shape[2:])
-        meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long, device=dev),
-                                 block_size=self.block_size,
-                                 decode_block_tables=torch.zeros(batch, blocks, dtype=torch.long, device=dev),
-                                 decode_context_lens=torch.ones(batch, dtype=torch.long, device=dev),
-                                 decode_max_context=blocks * self.block_size, decode_padded=True)
-        return _Class(first=first.new_zeros(shape), positions=torch.zeros(batch, dtype=torch.long, device=dev),
-                      rows=torch.zeros(batch, dtype=torch.long, device=dev), meta=meta)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.long, device=dev),
+            block_size=self.block_size,
+            decode_block_tables=torch.zeros(batch, blocks, dtype=torch.long, device=dev),
+            decode_context_lens=torch.ones(batch, dtype=torch.long, device=dev),
+            decode_max_context=blocks * self.block_size,
+            decode_padded=True,
+        )
+        return _Class(
+            first=first.new_zeros(shape),
+            positions=torch.zeros(batch, dtype=torch.long, device=dev),
+            rows=torch.zeros(batch, dtype=torch.long, device=dev),
+            meta=meta,
+        )
 
     def _fill(self, c: _Class, n: int, first, positions, meta: AttentionMetadata, rows) -> None:
         """Copy the step into the class's inputs; the rows past ``n`` become padding."""
         width, batch = meta.decode_block_tables.shape[1], len(c.positions)
         c.first.narrow(0 if c.first.dim() == 1 else 1, 0, n).copy_(first)  # ids, or hidden states
         c.positions[:n].copy_(positions)
-        c.rows[:len(rows)].copy_(rows)  # the rest keep old rows (< batch), whose logits are dropped
+        c.rows[: len(rows)].copy_(rows)  # the rest keep old rows (< batch), whose logits are dropped
         tables, slots, lens = c.meta.decode_block_tables, c.meta.slot_mapping, c.meta.decode_context_lens
         tables[:n, :width].copy_(meta.decode_block_tables)
         tables[:n, width:].zero_()  # masked columns: any block with finite contents will do
@@ -154,10 +167,10 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.forward(*args)
             if isinstance(out, tuple):
-                self.out[0, :len(out[0])].copy_(out[0])
-                self.out[1, :len(out[1])].copy_(out[1])
+                self.out[0, : len(out[0])].copy_(out[0])
+                self.out[1, : len(out[1])].copy_(out[1])
             else:
-                self.out[:len(out)].copy_(out)
+                self.out[: len(out)].copy_(out)
         c.graph = graph  # only once captured: a failed capture leaves the class to try again
 
 

@@ -53,12 +53,21 @@ def hand_off(engine, sched: Scheduler, seq: Sequence) -> Handoff:
     ranks that sample (the last stage's) also send the sampler's state after the first token,
     so seeded sampling goes on where it left off."""
     link = engine.replica_link
-    blocks = seq.block_table[:-(-seq.num_computed // engine.blocks.block_size)]
+    blocks = seq.block_table[: -(-seq.num_computed // engine.blocks.block_size)]
     link.send(engine.runner.read_blocks(blocks), seq.handoff, tag=seq.id)  # a copy: the blocks are freed below
     if seq.generator is not None and engine.links.last:
         link.send(seq.generator.get_state().to(engine.runner.device), seq.handoff, tag=seq.id)
-    handoff = Handoff(seq.id, seq.prompt_ids, seq.params, list(seq.output_ids), seq.num_computed, seq.num_cached,
-                      link.dp_rank, seq.handoff, len(blocks))
+    handoff = Handoff(
+        seq.id,
+        seq.prompt_ids,
+        seq.params,
+        list(seq.output_ids),
+        seq.num_computed,
+        seq.num_cached,
+        link.dp_rank,
+        seq.handoff,
+        len(blocks),
+    )
     sched.abort(seq, reason="handoff")  # frees its blocks; their hashes keep them in the prefix cache
     return handoff
 
@@ -78,7 +87,7 @@ def adopt(engine, h: Handoff) -> Sequence:
     seq.num_cached = h.num_cached
     sched = engine.least_loaded()
     if sched.adopt(seq, h.num_computed):
-        runner.write_blocks(seq.block_table[:h.num_blocks], kv)
+        runner.write_blocks(seq.block_table[: h.num_blocks], kv)
     else:
         engine.recomputed_handoffs += 1
     engine.seqs[h.rid] = seq

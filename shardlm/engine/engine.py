@@ -78,9 +78,18 @@ TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, *, eos_ids: tuple[int, ...],
-                 config: SchedulerConfig, links: StageLinks, micro_batches: int = 1, lockstep=None,
-                 replica_link: ReplicaLink | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        *,
+        eos_ids: tuple[int, ...],
+        config: SchedulerConfig,
+        links: StageLinks,
+        micro_batches: int = 1,
+        lockstep=None,
+        replica_link: ReplicaLink | None = None,
+    ):
         self.runner = runner
         self.lockstep = lockstep  # the dp group when replicas share expert collectives
         self.blocks = blocks
@@ -107,8 +116,10 @@ class Engine:
 
     def least_loaded(self) -> Scheduler:
         """The micro-batch with the fewest tokens still to process."""
-        work = [sum(s.num_tokens + s.params.max_tokens - len(s.output_ids) for s in (*sc.waiting, *sc.running))
-                for sc in self.scheds]
+        work = [
+            sum(s.num_tokens + s.params.max_tokens - len(s.output_ids) for s in (*sc.waiting, *sc.running))
+            for sc in self.scheds
+        ]
         return self.scheds[work.index(min(work))]
 
     def adopt(self, handoff: Handoff) -> None:
@@ -195,8 +206,7 @@ class Engine:
             tokens = self._verify(batch, out.cpu())
         else:
             picked = [s for s, yes in zip(batch.seqs, samples) if yes]
-            drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked])
-                         if picked else [])
+            drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked]) if picked else [])
             tokens = [next(drawn) if yes else None for yes in samples]
         self.busy_s += time.perf_counter() - t0
         if any(samples):
@@ -213,14 +223,16 @@ class Engine:
             if not yes:
                 tokens.append(None)
             elif drafts:
-                tokens.append(verify(logits[row:row + 1 + len(drafts)], drafts, seq.params, seq.generator))
+                tokens.append(verify(logits[row : row + 1 + len(drafts)], drafts, seq.params, seq.generator))
             else:
-                tokens.append(sample(logits[row:row + 1], [seq.params], [seq.generator])[0])
+                tokens.append(sample(logits[row : row + 1], [seq.params], [seq.generator])[0])
             row += (1 + len(drafts)) if yes else 0
         return tokens
 
     # ---- offline ------------------------------------------------------------------------
-    def run(self, requests: dict[int, Request], on_token: TokenCallback | None = None) -> tuple[list[Sequence], RunStats]:
+    def run(
+        self, requests: dict[int, Request], on_token: TokenCallback | None = None
+    ) -> tuple[list[Sequence], RunStats]:
         """Generate for requests keyed by their index; returns sequences in key order."""
         seqs = [self.add(i, r) for i, r in sorted(requests.items())]
         start = time.perf_counter()
@@ -258,7 +270,7 @@ def _pack(batch: Batch, tokens: list[int | list[int] | None]) -> list[int]:
 def _unpack(batch: Batch, flat: list[int]) -> list[int | list[int] | None]:
     tokens, at = [], 0
     for i, n in enumerate(_token_slots(batch)):
-        run = [t for t in flat[at:at + n] if t >= 0]
+        run = [t for t in flat[at : at + n] if t >= 0]
         tokens.append(None if n == 0 else run if batch.draft(i) else run[0])
         at += n
     return tokens
@@ -267,8 +279,11 @@ def _unpack(batch: Batch, flat: list[int]) -> list[int | list[int] | None]:
 def _stats(seqs: list[Sequence], start: float) -> RunStats:
     end = time.perf_counter()
     firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
-    stats = RunStats(elapsed_s=end - start, prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
-                     generated_tokens=sum(len(s.output_ids) for s in seqs))
+    stats = RunStats(
+        elapsed_s=end - start,
+        prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
+        generated_tokens=sum(len(s.output_ids) for s in seqs),
+    )
     if firsts:
         stats.first_token_s = min(firsts) - start
         stats.decode_s = end - min(firsts)

@@ -47,12 +47,16 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     check_expert_layout(ckpt.config, config.ep, config.etp)
     stage_layers(ckpt.config, config.pp, config.pp_layers)
     if config.prefill_replicas and ckpt.config.is_moe and experts_span_replicas(config.tp, config.ep, config.etp):
-        raise UsageError(f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "
-                         f"experts over ep*etp={config.ep * config.etp} ranks (not dividing tp={config.tp}) keep "
-                         f"the replicas in lockstep; use ep*etp dividing tp, or no prefill replicas")
+        raise UsageError(
+            f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "
+            f"experts over ep*etp={config.ep * config.etp} ranks (not dividing tp={config.tp}) keep "
+            f"the replicas in lockstep; use ep*etp dividing tp, or no prefill replicas"
+        )
     if config.compile and ckpt.config.is_moe:
-        raise UsageError(f"compile=True supports dense models; {ckpt.path.name} is a mixture of experts, whose "
-                         "routing torch.compile cannot trace: drop --compile")
+        raise UsageError(
+            f"compile=True supports dense models; {ckpt.path.name} is a mixture of experts, whose "
+            "routing torch.compile cannot trace: drop --compile"
+        )
     return dims
 
 
@@ -95,8 +99,10 @@ class LLM(EngineFront):
     def __init__(self, model: str | Checkpoint = "smollm2", *, tokenizer=None, **options):
         super().__init__(model, options, tokenizer)
         if self.config.prefill_replicas:
-            raise UsageError(f"prefill_replicas={self.config.prefill_replicas} is a serving layout (requests that "
-                             "arrive over time); use AsyncLLM or `shardlm serve --prefill-replicas`, or 0 here")
+            raise UsageError(
+                f"prefill_replicas={self.config.prefill_replicas} is a serving layout (requests that "
+                "arrive over time); use AsyncLLM or `shardlm serve --prefill-replicas`, or 0 here"
+            )
         self._ranks: LocalRanks | None = None
         self.last_stats: RunStats | None = None
         self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives
@@ -109,12 +115,20 @@ class LLM(EngineFront):
             if env is not None:
                 self.dims.check_world_size(env["world"])
             rank = env or {"rank": 0, "world": 1, "local_rank": 0, "local_world": 1}
-            self.worker = Worker(self.config, rank=rank["rank"], world=rank["world"], local_rank=rank["local_rank"],
-                                 local_world=rank["local_world"], init_method="env://" if env else None)
+            self.worker = Worker(
+                self.config,
+                rank=rank["rank"],
+                world=rank["world"],
+                local_rank=rank["local_rank"],
+                local_world=rank["local_world"],
+                init_method="env://" if env else None,
+            )
             infos = [self.worker.ready_info()]
         self.load_s = time.perf_counter() - start
         self._took_ready(infos)
-        stages = sorted((i["coords"]["pp"], r) for r, i in enumerate(infos) if i["coords"]["dp"] == i["coords"]["tp"] == 0)
+        stages = sorted(
+            (i["coords"]["pp"], r) for r, i in enumerate(infos) if i["coords"]["dp"] == i["coords"]["tp"] == 0
+        )
         self._stage_leaders = [r for _, r in stages]  # replica 0's tp-rank-0 of each stage, in pp order
 
     # ---- prompts -------------------------------------------------------------------
@@ -136,8 +150,13 @@ class LLM(EngineFront):
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     # ---- generation ----------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, on_token: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[RequestOutput]:
         """Complete each prompt (text or token ids). ``on_token(i, token_id)`` streams on this rank."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -154,9 +173,13 @@ class LLM(EngineFront):
             requests.append(Request(ids, p, p.seed if p.seed is not None else self.config.seed + i))
         completions = self._run(requests, on_token)
         return [
-            RequestOutput(prompt=pr if isinstance(pr, str) else None, prompt_token_ids=r.prompt_ids,
-                          token_ids=c.token_ids, finish_reason=c.finish_reason,
-                          text=self.tokenizer.decode(c.token_ids) if isinstance(pr, str) else None)
+            RequestOutput(
+                prompt=pr if isinstance(pr, str) else None,
+                prompt_token_ids=r.prompt_ids,
+                token_ids=c.token_ids,
+                finish_reason=c.finish_reason,
+                text=self.tokenizer.decode(c.token_ids) if isinstance(pr, str) else None,
+            )
             for pr, r, c in zip(prompts, requests, completions)
         ]
 
@@ -183,7 +206,9 @@ class LLM(EngineFront):
             done.update(completions)
         self.last_stats = merge_stats([stats for _, stats in per_replica])
         if self._ranks is not None and self.last_stats.expert_load is not None:
-            self.last_stats.expert_load = join_stages([self.last_rank_stats[r].expert_load for r in self._stage_leaders])
+            self.last_stats.expert_load = join_stages(
+                [self.last_rank_stats[r].expert_load for r in self._stage_leaders]
+            )
         return [done[i] for i in range(len(requests))]
 
     def close(self) -> None:
@@ -201,13 +226,17 @@ class LLM(EngineFront):
 def merge_stats(parts: list[RunStats]) -> RunStats:
     """One run's timing from its replicas': they ran side by side, so token counts add up."""
     first = [p.first_token_s for p in parts if p.first_token_s is not None]
-    return RunStats(elapsed_s=max(p.elapsed_s for p in parts), first_token_s=min(first) if first else None,
-                    prompt_tokens=sum(p.prompt_tokens for p in parts),
-                    generated_tokens=sum(p.generated_tokens for p in parts),
-                    decode_s=max(p.decode_s for p in parts), decode_tokens=sum(p.decode_tokens for p in parts),
-                    draft_tokens=sum(p.draft_tokens for p in parts),
-                    accepted_tokens=sum(p.accepted_tokens for p in parts),
-                    expert_load=parts[0].expert_load)  # already summed over the stage's dp x tp ranks
+    return RunStats(
+        elapsed_s=max(p.elapsed_s for p in parts),
+        first_token_s=min(first) if first else None,
+        prompt_tokens=sum(p.prompt_tokens for p in parts),
+        generated_tokens=sum(p.generated_tokens for p in parts),
+        decode_s=max(p.decode_s for p in parts),
+        decode_tokens=sum(p.decode_tokens for p in parts),
+        draft_tokens=sum(p.draft_tokens for p in parts),
+        accepted_tokens=sum(p.accepted_tokens for p in parts),
+        expert_load=parts[0].expert_load,
+    )  # already summed over the stage's dp x tp ranks
 
 
 def join_stages(loads: list[dict]) -> dict:

@@ -39,9 +39,20 @@ PROGRESS_EVERY_S = 30.0
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 kv_dtype: torch.dtype | None = None, compile: bool = False, cuda_graphs: bool = False,
-                 max_num_seqs: int = 256, announce: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+        compile: bool = False,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        announce: bool = False,
+    ):
         self.model = model
         self.compiled = None
         if compile:
@@ -64,8 +75,17 @@ class ModelRunner:
         # prompt tokens may run as decode rows (see prepare) unless the cache is quantized: an eager
         # prompt attends to its own keys at full precision, a decode row reads them from the cache
         self.prompt_rows = kv_dtype == dtype
-        self.graphs = DecodeGraphs(self.decode_forward, device=device, block_size=block_size,
-                                   scratch_block=num_blocks, max_batch=max_num_seqs) if cuda_graphs else None
+        self.graphs = (
+            DecodeGraphs(
+                self.decode_forward,
+                device=device,
+                block_size=block_size,
+                scratch_block=num_blocks,
+                max_batch=max_num_seqs,
+            )
+            if cuda_graphs
+            else None
+        )
         if compile:
             for cache in self.caches:  # fixed shapes: no symbols, nothing to coincide with a batch size
                 torch._dynamo.mark_static(cache)
@@ -84,7 +104,7 @@ class ModelRunner:
         Blocks are handed out in increasing order first, so a high-water mark suffices."""
         if highest >= self.zeroed_blocks:
             for cache in self.caches:
-                cache[:, self.zeroed_blocks:highest + 1].view(torch.uint8).zero_()  # bytes: fp8 has no fill on CPU
+                cache[:, self.zeroed_blocks : highest + 1].view(torch.uint8).zero_()  # bytes: fp8 has no fill on CPU
             self.zeroed_blocks = highest + 1
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -105,8 +125,9 @@ class ModelRunner:
         for cache, layer in zip(self.caches, kv):
             cache.view(torch.uint8).index_copy_(1, idx, layer)
 
-    def prepare(self, batch: Batch, rows_only: bool = False) -> tuple[torch.Tensor, torch.Tensor,
-                                                                        AttentionMetadata, torch.Tensor]:
+    def prepare(
+        self, batch: Batch, rows_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
         last token of each sequence that reaches its end this step (a prompt chunk that
         does not is computed for its K/V only), and each of its draft tokens.
@@ -128,8 +149,9 @@ class ModelRunner:
             if rows_only or (n == 1 and seq.is_decoding):  # the batch lists decodes last
                 decodes.extend((table, p + 1) for p in range(start, end))
             else:
-                meta.prefills.append(PrefillSeq(start=len(ids), length=n, context_len=end,
-                                                block_table=torch.tensor(table, device=dev)))
+                meta.prefills.append(
+                    PrefillSeq(start=len(ids), length=n, context_len=end, block_table=torch.tensor(table, device=dev))
+                )
             ids.extend(seq.tokens(start, end - len(drafts)) + drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -145,8 +167,12 @@ class ModelRunner:
             meta.decode_max_context = max(n for _, n in decodes)
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         meta.slot_mapping = torch.tensor(slots, device=dev)
-        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                torch.tensor(rows, device=dev, dtype=torch.long))
+        return (
+            torch.tensor(ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            torch.tensor(rows, device=dev, dtype=torch.long),
+        )
 
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None, all_positions: bool = False):
@@ -166,8 +192,9 @@ class ModelRunner:
         if (self.graphs is not None or self.compiled is not None) and not all_positions:
             tokens = sum(batch.counts)
             as_rows = all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts)) or (
-                self.prompt_rows and prompt_rows_fit(tokens, max(len(s.block_table) for s in batch.seqs),
-                                                     self.block_size))
+                self.prompt_rows
+                and prompt_rows_fit(tokens, max(len(s.block_table) for s in batch.seqs), self.block_size)
+            )
             graph = as_rows and self.graphs is not None and self.graphs.fits(tokens)
             rows_only = graph or (as_rows and self.compiled is not None)
         ids, positions, meta, last_rows = self.prepare(batch, rows_only=rows_only)

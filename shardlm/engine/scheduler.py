@@ -56,8 +56,10 @@ class Batch:
 
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (so a token is sampled)."""
-        return [s.num_computed + n - len(self.draft(i)) == s.num_tokens
-                for i, (s, n) in enumerate(zip(self.seqs, self.counts))]
+        return [
+            s.num_computed + n - len(self.draft(i)) == s.num_tokens
+            for i, (s, n) in enumerate(zip(self.seqs, self.counts))
+        ]
 
 
 class Scheduler:
@@ -162,8 +164,9 @@ class Scheduler:
         chunks = [(s, n) for s, n in chunks if not (n == 1 and s.is_decoding)]
         chunks += [(s, 1 + len(d)) for s, d in drafted.items()]
         seqs = [s for s, _ in chunks] + decodes
-        return Batch(seqs, [n for _, n in chunks] + [1] * len(decodes),
-                     [drafted.get(s, []) for s in seqs] if drafted else None)
+        return Batch(
+            seqs, [n for _, n in chunks] + [1] * len(decodes), [drafted.get(s, []) for s in seqs] if drafted else None
+        )
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for a decoding sequence that has its slot for the next token: as many as

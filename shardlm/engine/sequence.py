@@ -19,9 +19,16 @@ class Status(enum.Enum):
 class Sequence:
     """Prompt and generated tokens, the KV blocks that hold them, and timing."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, *,
-                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
-                 handoff: int | None = None):
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_ids: tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
+        handoff: int | None = None,
+    ):
         self.id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -52,8 +59,8 @@ class Sequence:
         if end <= p:
             return self.prompt_ids[start:end]
         if start >= p:
-            return self.output_ids[start - p:end - p]
-        return self.prompt_ids[start:] + self.output_ids[:end - p]
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     def append(self, token: int) -> None:
         """Record a sampled token and decide whether the sequence is done."""

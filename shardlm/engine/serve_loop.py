@@ -72,8 +72,9 @@ def serve(worker, link) -> None:
             engine.abort(rid)
         work, stop = engine.has_work(), news.stop
         if engine.lockstep is not None:  # replicas that share expert collectives move together
-            flags = comm.all_reduce(torch.tensor([int(work), int(stop)], device=engine.runner.device),
-                                    engine.lockstep, op="max").tolist()
+            flags = comm.all_reduce(
+                torch.tensor([int(work), int(stop)], device=engine.runner.device), engine.lockstep, op="max"
+            ).tolist()
             work, stop = bool(flags[0]), bool(flags[1])
         if stop:
             break

@@ -45,15 +45,19 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise UsageError(f"speculative method={self.method!r} is not supported; use one of {METHODS} "
-                             "(drafts looked up in the sequence's own history)")
+            raise UsageError(
+                f"speculative method={self.method!r} is not supported; use one of {METHODS} "
+                "(drafts looked up in the sequence's own history)"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"speculative {name}={v!r} must be a positive integer")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise UsageError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
-                             f"{self.prompt_lookup_max}; use min <= max, e.g. 1 and 4")
+            raise UsageError(
+                f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
+                f"{self.prompt_lookup_max}; use min <= max, e.g. 1 and 4"
+            )
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -61,12 +65,16 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise UsageError(f"speculative_config={value!r} must be a dict such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
+            raise UsageError(
+                f"speculative_config={value!r} must be a dict such as "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
         unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         if unknown:
-            raise UsageError(f"speculative_config has unknown keys {sorted(unknown)}; known: method, "
-                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
+            raise UsageError(
+                f"speculative_config has unknown keys {sorted(unknown)}; known: method, "
+                "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min"
+            )
         return cls(**value)
 
 
@@ -79,11 +87,11 @@ def propose(tokens: list[int], config: SpeculativeConfig, limit: int) -> list[in
     # search the history as bytes (4 per token): the C substring search instead of a Python loop
     history = array("i", tokens).tobytes()
     for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
-        suffix = history[-4 * n:]
+        suffix = history[-4 * n :]
         end = 4 * (len(tokens) - 1)  # within the tokens before the last: an earlier occurrence, a token after it
         while (at := history.rfind(suffix, 0, end)) >= 0:
             if at % 4 == 0:  # aligned to a token, not straddling two
-                return tokens[at // 4 + n:at // 4 + n + k]
+                return tokens[at // 4 + n : at // 4 + n + k]
             end = at + len(suffix) - 1  # the next occurrence to the left
     return []
 

@@ -124,8 +124,10 @@ class Tokenizer:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
         else:
             backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]  # fmt: skip
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]  # fmt: skip
             )
         backend.decoder = decoders.ByteLevel()
 

@@ -39,8 +39,9 @@ def replica_of(requests: list[Request], dp: int) -> list[int]:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, *, rank: int, world: int, local_rank: int, local_world: int,
-                 init_method: str | None):
+    def __init__(
+        self, config: EngineConfig, *, rank: int, world: int, local_rank: int, local_world: int, init_method: str | None
+    ):
         self.rank = rank
         device_type = resolve_device(config.device, local_world)
         if device_type == "cuda":
@@ -57,8 +58,14 @@ class Worker:
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
         self.layers = stage_layers(ckpt.config, config.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()
-        self.model = load_model(ckpt, self.dims, dtype=config.torch_dtype, device=self.device,
-                                max_positions=self.max_model_len, layers=self.layers)
+        self.model = load_model(
+            ckpt,
+            self.dims,
+            dtype=config.torch_dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+            layers=self.layers,
+        )
         if config.quantization == "int8":
             quantize_int8(self.model)
         self.load_s = time.perf_counter() - start
@@ -69,17 +76,34 @@ class Worker:
         self.moe = bool(moe_blocks(self.model))
         # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)
         graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == 1 and not self.moe
-        self.runner = ModelRunner(self.model, num_blocks=self.num_blocks, block_size=bs, device=self.device,
-                                  dtype=config.torch_dtype, kv_dtype=config.kv_torch_dtype, compile=config.compile,
-                                  cuda_graphs=graphs, max_num_seqs=config.max_num_seqs, announce=rank == 0)
-        self.engine = Engine(self.runner, BlockManager(self.num_blocks, bs), eos_ids=ckpt.config.eos_token_ids,
-                             config=SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                                    speculative=config.speculative_config),
-                             links=StageLinks(self.dims), micro_batches=config.micro_batches or config.pp,
-                             lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
-                             replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
-                             if config.prefill_replicas else None)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=self.num_blocks,
+            block_size=bs,
+            device=self.device,
+            dtype=config.torch_dtype,
+            kv_dtype=config.kv_torch_dtype,
+            compile=config.compile,
+            cuda_graphs=graphs,
+            max_num_seqs=config.max_num_seqs,
+            announce=rank == 0,
+        )
+        self.engine = Engine(
+            self.runner,
+            BlockManager(self.num_blocks, bs),
+            eos_ids=ckpt.config.eos_token_ids,
+            config=SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                speculative=config.speculative_config,
+            ),
+            links=StageLinks(self.dims),
+            micro_batches=config.micro_batches or config.pp,
+            lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
+            replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
+            if config.prefill_replicas
+            else None,
+        )
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: EngineConfig) -> Worker:
@@ -87,9 +111,14 @@ class Worker:
         return cls(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=init_method)
 
     def ready_info(self) -> dict:
-        return {"param_bytes": self.model.param_bytes(), "load_s": self.load_s, "kv_blocks": self.num_blocks,
-                "kv_block_bytes": self.kv_block_bytes,
-                "layers": (self.layers.start, self.layers.stop), "coords": self.dims.coords(self.dims.global_rank)}
+        return {
+            "param_bytes": self.model.param_bytes(),
+            "load_s": self.load_s,
+            "kv_blocks": self.num_blocks,
+            "kv_block_bytes": self.kv_block_bytes,
+            "layers": (self.layers.start, self.layers.stop),
+            "coords": self.dims.coords(self.dims.global_rank),
+        }
 
     def prompt_logits(self, prompt_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Logits [len(prompt_ids), vocab] at every position of one prompt (one-stage layouts;
@@ -116,8 +145,9 @@ class Worker:
 
     def generate(self, requests: list[Request], on_token=None) -> tuple[dict[int, Completion], RunStats]:
         """Serve this rank's replica's share of ``requests``: {request index: completion}."""
-        mine = {i: r for i, (r, d) in enumerate(zip(requests, replica_of(requests, self.dims.dp)))
-                if d == self.dims.dp_rank}
+        mine = {
+            i: r for i, (r, d) in enumerate(zip(requests, replica_of(requests, self.dims.dp))) if d == self.dims.dp_rank
+        }
         seqs, stats = self.engine.run(mine, on_token)
         if self.moe:  # every rank of the stage, after decoding: one collective over its tp and dp groups
             stats.expert_load = collect_load(self.model, self.dims).to_dict()

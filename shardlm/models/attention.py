@@ -53,8 +53,12 @@ def causal_metadata(lengths: list[int]) -> AttentionMetadata:
     """A step of whole sequences packed back to back with no KV cache (a training batch):
     each attends causally to itself only."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return AttentionMetadata(slot_mapping=None, block_size=0, num_prefill_tokens=sum(lengths),
-                             prefills=[PrefillSeq(s, n, n, None) for s, n in zip(starts, lengths)])
+    return AttentionMetadata(
+        slot_mapping=None,
+        block_size=0,
+        num_prefill_tokens=sum(lengths),
+        prefills=[PrefillSeq(s, n, n, None) for s, n in zip(starts, lengths)],
+    )
 
 
 class GroupedHeads:
@@ -70,8 +74,9 @@ class GroupedHeads:
         # index num_q points at an all-zero padding head
         padded = [g + [num_q] * (self.group - len(g)) for g in groups]
         self.to_grouped = torch.tensor([q for g in padded for q in g])
-        self.from_grouped = torch.tensor([j * self.group + g.index(q) for q in range(num_q)
-                                          for j, g in enumerate(groups) if q in g])
+        self.from_grouped = torch.tensor(
+            [j * self.group + g.index(q) for q in range(num_q) for j, g in enumerate(groups) if q in g]
+        )
 
     def group_q(self, q: torch.Tensor) -> torch.Tensor:
         """[..., num_q, d] -> [..., num_kv * group, d]."""
@@ -136,8 +141,9 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
     return got
 
 
-def _read_kv(cache: torch.Tensor, table: torch.Tensor, length: int,
-             dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_kv(
+    cache: torch.Tensor, table: torch.Tensor, length: int, dtype: torch.dtype, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the first ``length`` positions of one sequence: [kv_heads, length, d] each."""
     bs, h = cache.shape[2:4]
     blocks = table[: (length + bs - 1) // bs]
@@ -154,9 +160,16 @@ def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.T
     return mask
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                    meta: AttentionMetadata, heads: GroupedHeads, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    heads: GroupedHeads,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d]. Writes k and v to their cache
     slots, then attends. Returns [tokens, q_heads, d]. With no ``cache`` (training, see
     ``causal_metadata``) every sequence attends causally to its own fresh keys.
@@ -172,23 +185,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
     outputs = []
     for s in meta.prefills:
-        qs = heads.group_q(q[s.start:s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
+        qs = heads.group_q(q[s.start : s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
         if s.context_len == s.length:  # nothing cached before: attend to the fresh keys
-            ks = k[s.start:s.start + s.length].transpose(0, 1)  # [kv, L, d]
-            vs = v[s.start:s.start + s.length].transpose(0, 1)
+            ks = k[s.start : s.start + s.length].transpose(0, 1)  # [kv, L, d]
+            vs = v[s.start : s.start + s.length].transpose(0, 1)
         else:
             ks, vs = _read_kv(cache, s.block_table, s.context_len, q.dtype, q.shape[-1])  # [kv, S, d]
         if window is None and s.context_len == s.length:
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
-                                               scale=scale, enable_gqa=gqa)[0]
+            o = F.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], is_causal=True, scale=scale, enable_gqa=gqa
+            )[0]
         else:
             q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
             mask = _window_mask(q_pos, s.context_len, window)
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
-                                               scale=scale, enable_gqa=gqa)[0]
+            o = F.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=gqa
+            )[0]
         outputs.append(heads.ungroup(o.transpose(0, 1)))  # [L, q_heads, d]
     if meta.decode_block_tables is not None:
-        outputs.append(_decode(q[meta.num_prefill_tokens:], cache, meta, heads, scale, window))
+        outputs.append(_decode(q[meta.num_prefill_tokens :], cache, meta, heads, scale, window))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -198,8 +213,16 @@ def _same_length(prefills: list[PrefillSeq]) -> bool:
     return bool(prefills) and all(s.start == i * n and s.length == n == s.context_len for i, s in enumerate(prefills))
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                     max_context: int, scale: float, window: int | None, padded: bool = False) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_context: int,
+    scale: float,
+    window: int | None,
+    padded: bool = False,
+) -> torch.Tensor:
     """One new token per sequence: q [B, kv, group, d] (a KV head's query group folded into the
     query axis, so its keys are read once, never repeated) against the sequences' cached keys.
     Returns [B, kv, group, d].
@@ -226,18 +249,29 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :], scale=scale).contiguous()
 
 
-_LIB.define("decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, SymInt max_context, float scale, "
-            "int? window, bool padded=False) -> Tensor")
+_LIB.define(
+    "decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, SymInt max_context, float scale, "
+    "int? window, bool padded=False) -> Tensor"
+)
 _LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 # contiguous, as the op returns it: CUDA's SDPA kernels hand back a transposed layout, which the
 # compiled graph, planned from this fake, would misread
 torch.library.register_fake("shardlm::decode_attention")(lambda q, *args: q.new_empty(q.shape))
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads,
-            scale: float, window: int | None) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads, scale: float, window: int | None
+) -> torch.Tensor:
     n, d = q.shape[0], q.shape[-1]
     qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
-    o = torch.ops.shardlm.decode_attention(qg, cache, meta.decode_block_tables, meta.decode_context_lens,
-                                           meta.decode_max_context, scale, window, meta.decode_padded)
+    o = torch.ops.shardlm.decode_attention(
+        qg,
+        cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        meta.decode_max_context,
+        scale,
+        window,
+        meta.decode_padded,
+    )
     return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))  # [B, q_heads, d]

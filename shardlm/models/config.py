@@ -116,8 +116,12 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` has routed experts (else a dense MLP)."""
-        return (self.is_moe and index >= self.first_k_dense and index not in self.mlp_only_layers
-                and (index + 1) % max(self.decoder_sparse_step, 1) == 0)
+        return (
+            self.is_moe
+            and index >= self.first_k_dense
+            and index not in self.mlp_only_layers
+            and (index + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
 
     def check_supported(self) -> None:
         """Raise unless the runtime model can run this config."""
@@ -127,11 +131,14 @@ class ModelConfig:
                 f"{', '.join(RUNTIME_FAMILIES)} (the planner still accepts it)"
             )
         if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
-                              f"num_experts={self.num_experts}")
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
+            )
         if self.shared_expert_intermediate_size and self.family != "qwen2_moe":
-            raise ConfigError(f"a shared expert (shared_expert_intermediate_size="
-                              f"{self.shared_expert_intermediate_size}) is implemented for qwen2_moe only")
+            raise ConfigError(
+                f"a shared expert (shared_expert_intermediate_size="
+                f"{self.shared_expert_intermediate_size}) is implemented for qwen2_moe only"
+            )
         if self.hidden_act not in ("silu", "swish"):
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; shardlm runs SwiGLU (silu) MLPs")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -146,19 +153,31 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A HF ``config.json`` for this model (dense families; ``from_hf`` reads it back equal)."""
         if self.is_moe or self.family not in ("llama", "mistral", "qwen2", "qwen3"):
-            raise ConfigError(f"writing a HF config for family {self.family!r} is not supported; "
-                              f"dense llama, mistral, qwen2 and qwen3 are")
+            raise ConfigError(
+                f"writing a HF config for family {self.family!r} is not supported; "
+                f"dense llama, mistral, qwen2 and qwen3 are"
+            )
         arch = next(a for a, f in ARCHITECTURES.items() if f == self.family)
         eos = list(self.eos_token_ids)
-        cfg = {"architectures": [arch], "model_type": self.family, "vocab_size": self.vocab_size,
-               "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-               "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-               "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-               "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-               "max_position_embeddings": self.max_position_embeddings,
-               "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": self.hidden_act,
-               "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-               "torch_dtype": "float32"}
+        cfg = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.hidden_act,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "torch_dtype": "float32",
+        }
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
         if self.family == "llama":
@@ -176,9 +195,7 @@ class ModelConfig:
         family = family or MODEL_TYPES.get(cfg.get("model_type", ""))
         if family is None:
             known = ", ".join(sorted(ARCHITECTURES))
-            raise ConfigError(
-                f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm knows {known}"
-            )
+            raise ConfigError(f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm knows {known}")
         # transformers >= 5 writes rope settings into `rope_parameters` (theta included);
         # older files have `rope_theta` and `rope_scaling` side by side.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -219,7 +236,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             num_experts=experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size", 0) if experts else 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size")
+            or (cfg.get("intermediate_size", 0) if experts else 0),
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
             or (cfg.get("n_shared_experts", 0) or 0) * (cfg.get("moe_intermediate_size", 0) or 0),
             first_k_dense=cfg.get("first_k_dense_replace", 0) or 0,

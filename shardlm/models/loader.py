@@ -162,14 +162,28 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     )
 
 
-def load_model(ckpt: Checkpoint, dims, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               max_positions: int | None = None, layers: range | None = None, source=None,
-               sequence_parallel: bool = False):
+def load_model(
+    ckpt: Checkpoint,
+    dims,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    layers: range | None = None,
+    source=None,
+    sequence_parallel: bool = False,
+):
     """Build this rank's shard of the model and fill it from the checkpoint's slices."""
     from shardlm.models.transformer import Transformer
 
     with torch.device(device):
-        model = Transformer(ckpt.config, dims, dtype=dtype, max_positions=max_positions, layers=layers,
-                            sequence_parallel=sequence_parallel)
+        model = Transformer(
+            ckpt.config,
+            dims,
+            dtype=dtype,
+            max_positions=max_positions,
+            layers=layers,
+            sequence_parallel=sequence_parallel,
+        )
     model.load(source if source is not None else ckpt.source())
     return model.eval()

@@ -50,7 +50,7 @@ def expert_reader(cfg: ModelConfig, layer_prefix: str):
             return src.read(gate, rows=rows), src.read(up, rows=rows), src.read(down, cols=rows)
         fused = src.read(f"{p}.gate_up_proj", rows=slice(e, e + 1))[0]  # [2I, H]
         down = src.read(f"{p}.down_proj", rows=slice(e, e + 1))[0]  # [H, I]
-        return fused[rows], fused[width + rows.start: width + rows.stop], down[:, rows]
+        return fused[rows], fused[width + rows.start : width + rows.stop], down[:, rows]
 
     return read
 
@@ -86,10 +86,16 @@ class SharedExpert(nn.Module):
         self.prefix = prefix
         rows = shard_range(cfg.shared_expert_intermediate_size, dims.tp, dims.tp_rank)
         p = f"{prefix}.shared_expert"
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [(f"{p}.gate_proj", rows), (f"{p}.up_proj", rows)],
-                                            bias=False, group=dims.tp_group, dtype=dtype)
-        self.down = RowParallelLinear(f"{p}.down_proj", rows, cfg.hidden_size, bias=False,
-                                      group=dims.tp_group, dtype=dtype)
+        self.gate_up = ColumnParallelLinear(
+            cfg.hidden_size,
+            [(f"{p}.gate_proj", rows), (f"{p}.up_proj", rows)],
+            bias=False,
+            group=dims.tp_group,
+            dtype=dtype,
+        )
+        self.down = RowParallelLinear(
+            f"{p}.down_proj", rows, cfg.hidden_size, bias=False, group=dims.tp_group, dtype=dtype
+        )
         self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
     def load(self, src: TensorSource) -> None:  # the gate only; gate_up and down load themselves
@@ -104,15 +110,30 @@ class SharedExpert(nn.Module):
 class SparseMoE(nn.Module):
     """The MLP of an MoE decoder layer: routed experts (+ Qwen2-MoE's shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, layer_prefix: str, dtype: torch.dtype,
-                 placement: ExpertPlacement | None = None, dispatch: str = "auto"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dims: ParallelDims,
+        layer_prefix: str,
+        dtype: torch.dtype,
+        placement: ExpertPlacement | None = None,
+        dispatch: str = "auto",
+    ):
         super().__init__()
         self.router = Router(cfg, layer_prefix, dtype)
         self.experts = ExpertParallelSwiGLU(
-            num_experts=cfg.num_experts, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-            read=expert_reader(cfg, layer_prefix), dims=dims, dtype=dtype, placement=placement, dispatch=dispatch)
-        self.shared = (SharedExpert(cfg, dims, f"{layer_prefix}.mlp", dtype)
-                       if cfg.shared_expert_intermediate_size else None)
+            num_experts=cfg.num_experts,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.moe_intermediate_size,
+            read=expert_reader(cfg, layer_prefix),
+            dims=dims,
+            dtype=dtype,
+            placement=placement,
+            dispatch=dispatch,
+        )
+        self.shared = (
+            SharedExpert(cfg, dims, f"{layer_prefix}.mlp", dtype) if cfg.shared_expert_intermediate_size else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)  # [tokens, k] each
@@ -128,8 +149,10 @@ def check_expert_layout(cfg: ModelConfig, ep: int, etp: int) -> None:
         return
     ExpertPlacement.contiguous(cfg.num_experts, ep)  # ep <= experts, naming the valid ones
     if etp > cfg.moe_intermediate_size:
-        raise LayoutError(f"etp={etp} is larger than the expert width {cfg.moe_intermediate_size}; "
-                          f"use etp <= {cfg.moe_intermediate_size}")
+        raise LayoutError(
+            f"etp={etp} is larger than the expert width {cfg.moe_intermediate_size}; "
+            f"use etp <= {cfg.moe_intermediate_size}"
+        )
 
 
 def needs_lockstep(model: nn.Module) -> bool:

@@ -98,13 +98,14 @@ class QKNorm(nn.Module):
     def __init__(self, prefix: str, part, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.prefix, self.eps, self.num_q, self.num_kv = prefix, cfg.rms_norm_eps, part.num_q, part.num_kv
-        self.weight = nn.Parameter(torch.empty(part.num_q + part.num_kv, cfg.head_dim, dtype=dtype),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(part.num_q + part.num_kv, cfg.head_dim, dtype=dtype), requires_grad=False
+        )
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
             self.weight[: self.num_q] = src.read(f"{self.prefix}.q_norm.weight")
-            self.weight[self.num_q:] = src.read(f"{self.prefix}.k_norm.weight")
+            self.weight[self.num_q :] = src.read(f"{self.prefix}.k_norm.weight")
 
     def forward(self, qk: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(qk, qk.shape[-1:], None, self.eps) * self.weight  # [tokens, heads, d]
@@ -116,13 +117,26 @@ class Attention(nn.Module):
         part = partition_heads(cfg.num_heads, cfg.num_kv_heads, dims.tp, dims.tp_rank)
         self.num_q, self.num_kv, self.head_dim = part.num_q, part.num_kv, cfg.head_dim
         self.heads = GroupedHeads(part.local_kv_of_q())
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_window
         group = dims.tp_group
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, attention_sources(prefix, part, cfg.head_dim),
-                                        bias=cfg.qkv_bias, group=group, dtype=dtype, sequence_parallel=sp)
-        self.o = RowParallelLinear(f"{prefix}.o_proj", output_cols(part, cfg.head_dim), cfg.hidden_size,
-                                   bias=cfg.o_bias, group=group, dtype=dtype, sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            attention_sources(prefix, part, cfg.head_dim),
+            bias=cfg.qkv_bias,
+            group=group,
+            dtype=dtype,
+            sequence_parallel=sp,
+        )
+        self.o = RowParallelLinear(
+            f"{prefix}.o_proj",
+            output_cols(part, cfg.head_dim),
+            cfg.hidden_size,
+            bias=cfg.o_bias,
+            group=group,
+            dtype=dtype,
+            sequence_parallel=sp,
+        )
         self.qk_norm = QKNorm(prefix, part, cfg, dtype) if cfg.qk_norm else None
 
     def forward(self, x, rope, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # [tokens, (q_heads + 2 kv_heads) * d] (all tokens, also under sequence parallel)
         t = qkv.shape[0]
         qk = qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d)  # q heads, then k heads: rotated together
-        v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         if torch.is_grad_enabled():  # saved for backward as a view, v would keep all of qkv alive
             v = v.contiguous()
         if self.qk_norm is not None:
@@ -151,10 +165,18 @@ class MLP(nn.Module):
         super().__init__()
         rows = shard_range(cfg.intermediate_size, dims.tp, dims.tp_rank)
         sources = [(f"{prefix}.gate_proj", rows), (f"{prefix}.up_proj", rows)]
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, sources, bias=cfg.mlp_bias, group=dims.tp_group,
-                                            dtype=dtype, sequence_parallel=sp)
-        self.down = RowParallelLinear(f"{prefix}.down_proj", rows, cfg.hidden_size, bias=cfg.mlp_bias,
-                                      group=dims.tp_group, dtype=dtype, sequence_parallel=sp)
+        self.gate_up = ColumnParallelLinear(
+            cfg.hidden_size, sources, bias=cfg.mlp_bias, group=dims.tp_group, dtype=dtype, sequence_parallel=sp
+        )
+        self.down = RowParallelLinear(
+            f"{prefix}.down_proj",
+            rows,
+            cfg.hidden_size,
+            bias=cfg.mlp_bias,
+            group=dims.tp_group,
+            dtype=dtype,
+            sequence_parallel=sp,
+        )
 
     recompute_act = False
     """Training: keep only gate and up for backward and recompute silu(gate) * up there (set by
@@ -200,8 +222,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
         self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, sp)
         self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
-        self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else \
-            MLP(cfg, dims, f"{p}.mlp", dtype, sp)
+        self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else MLP(cfg, dims, f"{p}.mlp", dtype, sp)
 
     def forward(self, h, residual, rope, meta, cache):
         if residual is None:  # first layer of the model: the residual stream starts here
@@ -217,8 +238,16 @@ class Transformer(nn.Module):
     """The layers ``layers`` of the model on one rank; the embedding lives with layer 0
     and the final norm and LM head with the last layer (pipeline stages hold a run)."""
 
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, layers: range | None = None, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dims: ParallelDims,
+        *,
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+        layers: range | None = None,
+        sequence_parallel: bool = False,
+    ):
         """``sequence_parallel``: hidden states between the tp regions hold 1/tp of the tokens
         (see parallel/tensor.py); a step's token count must split evenly over tp."""
         super().__init__()
@@ -251,9 +280,15 @@ class Transformer(nn.Module):
         """Bytes of this rank's parameters (a tied head counted once)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[torch.Tensor | None], logits_indices: torch.Tensor | None = None,
-                local_logits: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[torch.Tensor | None],
+        logits_indices: torch.Tensor | None = None,
+        local_logits: bool = False,
+    ):
         """x: token ids [tokens] on the first stage, else hidden states [tokens, hidden].
 
         Returns logits [len(logits_indices), vocab] on the last stage (``local_logits``: only

@@ -27,8 +27,13 @@ from torch import Tensor
 from shardlm.parallel import compress, shm
 
 ProcessGroup = dist.ProcessGroup
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
 # torch 2.13 renamed the single-tensor collectives; older torch only has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -70,9 +75,7 @@ def _dim(x: Tensor, dim: int) -> int:
 
 def _root(root: int, n: int, name: str) -> int:
     if not 0 <= root < n:
-        raise ValueError(
-            f"{name}={root} is not a rank of this {n}-rank group; roots are group-local ranks 0..{n - 1}"
-        )
+        raise ValueError(f"{name}={root} is not a rank of this {n}-rank group; roots are group-local ranks 0..{n - 1}")
     return root
 
 
@@ -87,9 +90,7 @@ def _sizes(sizes: Sequence[int] | None, n: int, total: int, dim: int) -> list[in
         return [total // n] * n
     sizes = [int(s) for s in sizes]
     if len(sizes) != n or sum(sizes) != total or min(sizes) < 0:
-        raise ValueError(
-            f"sizes={sizes} must be {n} non-negative ints summing to {total}, the size along dim {dim}"
-        )
+        raise ValueError(f"sizes={sizes} must be {n} non-negative ints summing to {total}, the size along dim {dim}")
     return sizes
 
 
@@ -183,8 +184,9 @@ def reduce(x: Tensor, dst: int, group: ProcessGroup | None, op: str = "sum") -> 
     return buf if group_rank(group) == dst else None
 
 
-def scatter(x: Tensor, src: int, group: ProcessGroup | None, dim: int = 0,
-            sizes: Sequence[int] | None = None) -> Tensor:
+def scatter(
+    x: Tensor, src: int, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None
+) -> Tensor:
     """Rank i gets chunk i (sizes[i] along dim) of the root's x; every rank passes x's full shape."""
     n, d = group_size(group), _dim(x, dim)
     src, sizes = _root(src, n, "src"), _sizes(sizes, n, x.size(d), d)
@@ -198,8 +200,9 @@ def scatter(x: Tensor, src: int, group: ProcessGroup | None, dim: int = 0,
     return out[: sizes[rank]].movedim(0, d).contiguous()
 
 
-def gather(x: Tensor, dst: int, group: ProcessGroup | None, dim: int = 0,
-           sizes: Sequence[int] | None = None) -> Tensor | None:
+def gather(
+    x: Tensor, dst: int, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None
+) -> Tensor | None:
     """Root gets cat([x_0, ..., x_{n-1}], dim), others None; sizes=None exchanges the sizes first."""
     n, d, rank = group_size(group), _dim(x, dim), group_rank(group)
     dst = _root(dst, n, "dst")
@@ -218,8 +221,14 @@ def gather(x: Tensor, dst: int, group: ProcessGroup | None, dim: int = 0,
     return torch.cat([p[:s] for p, s in zip(parts, sizes)]).movedim(0, d).contiguous()
 
 
-def all_gather(x: Tensor, group: ProcessGroup | None, dim: int = 0,
-               sizes: Sequence[int] | None = None, *, payload: str | None = None) -> Tensor:
+def all_gather(
+    x: Tensor,
+    group: ProcessGroup | None,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    *,
+    payload: str | None = None,
+) -> Tensor:
     """Every rank gets cat([x_0, ..., x_{n-1}], dim); x_i has sizes[i] along dim (None: all equal).
 
     payload="bf16" | "int8" sends the shards in that encoding (see ``compress.py``)."""
@@ -243,12 +252,13 @@ def all_gather(x: Tensor, group: ProcessGroup | None, dim: int = 0,
     out = buf.new_empty((n * m, *buf.shape[1:]))  # [n * max chunk, ...]
     _all_gather_single(out, buf, group=group)
     if any(s != m for s in sizes):  # uneven: drop each rank's padding
-        out = torch.cat([out[r * m: r * m + s] for r, s in enumerate(sizes)])
+        out = torch.cat([out[r * m : r * m + s] for r, s in enumerate(sizes)])
     return out.movedim(0, d).contiguous()
 
 
-def reduce_scatter(x: Tensor, group: ProcessGroup | None, dim: int = 0,
-                   sizes: Sequence[int] | None = None, op: str = "sum") -> Tensor:
+def reduce_scatter(
+    x: Tensor, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None, op: str = "sum"
+) -> Tensor:
     """Rank i gets chunk i (sizes[i] along dim) of x_0 (op) x_1 (op) ...; every x has the full shape."""
     n, d, reduce_op = group_size(group), _dim(x, dim), _op(op)
     sizes = _sizes(sizes, n, x.size(d), d)
@@ -271,8 +281,13 @@ def reduce_scatter(x: Tensor, group: ProcessGroup | None, dim: int = 0,
     return out[: sizes[group_rank(group)]].movedim(0, d).contiguous()
 
 
-def all_to_all(x: Tensor, group: ProcessGroup | None, send_sizes: Sequence[int] | None = None,
-               recv_sizes: Sequence[int] | None = None, dim: int = 0) -> Tensor:
+def all_to_all(
+    x: Tensor,
+    group: ProcessGroup | None,
+    send_sizes: Sequence[int] | None = None,
+    recv_sizes: Sequence[int] | None = None,
+    dim: int = 0,
+) -> Tensor:
     """Rank i sends chunk j (send_sizes[j] along dim) of x to rank j; gets cat of what each rank sent it."""
     n, d = group_size(group), _dim(x, dim)
     send, recv = _a2a_sizes(x, group, send_sizes, recv_sizes, d)
@@ -315,8 +330,14 @@ def send(x: Tensor, dst: int, group: ProcessGroup | None, tag: int = 0) -> None:
     dist.send(x.contiguous(), group_dst=_peer(dst, group, "dst"), group=group, tag=tag)
 
 
-def recv(shape: Sequence[int], dtype: torch.dtype, src: int, group: ProcessGroup | None,
-         device: torch.device | str = "cpu", tag: int = 0) -> Tensor:
+def recv(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    src: int,
+    group: ProcessGroup | None,
+    device: torch.device | str = "cpu",
+    tag: int = 0,
+) -> Tensor:
     """A new tensor of shape/dtype/device holding what group rank src sent (blocking)."""
     buf = torch.empty(tuple(shape), dtype=dtype, device=device)
     dist.recv(buf, group_src=_peer(src, group, "src"), group=group, tag=tag)
@@ -346,7 +367,8 @@ def shift(x: Tensor, group: ProcessGroup | None, tag: int = 0) -> tuple[Tensor, 
     if n == 1:
         raise ValueError("shift in a one-rank group: there is no ring to pass x around")
     x, buf = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
-    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % n, tag=tag),
-           dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % n, tag=tag)]
+    ops = [
+        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % n, tag=tag),
+        dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % n, tag=tag),
+    ]
     return buf, dist.batch_isend_irecv(ops)
-

@@ -40,11 +40,30 @@ from shardlm.parallel.collectives import _a2a_sizes, _dim, _sizes  # shared argu
 
 __all__ = [
     # primitives (collectives.py)
-    "split_sizes", "group_size", "group_rank", "broadcast", "scatter", "gather", "reduce", "all_gather",
-    "all_reduce", "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv", "shift",
+    "split_sizes",
+    "group_size",
+    "group_rank",
+    "broadcast",
+    "scatter",
+    "gather",
+    "reduce",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "shift",
     # autograd duals
-    "copy_to_region", "reduce_from_region", "split_to_region", "gather_from_region",
-    "all_gather_region", "reduce_scatter_region", "all_to_all_region",
+    "copy_to_region",
+    "reduce_from_region",
+    "split_to_region",
+    "gather_from_region",
+    "all_gather_region",
+    "reduce_scatter_region",
+    "all_to_all_region",
 ]
 
 
@@ -87,8 +106,12 @@ _COMPILED_GROUPS: dict[str, ProcessGroup] = {}
 
 def _in_graph(group) -> bool:
     """True while torch.compile traces an inference forward whose group has an op name."""
-    return (torch.compiler.is_compiling() and not torch.is_grad_enabled() and group is not None
-            and group.group_name in _COMPILED_GROUPS)
+    return (
+        torch.compiler.is_compiling()
+        and not torch.is_grad_enabled()
+        and group is not None
+        and group.group_name in _COMPILED_GROUPS
+    )
 
 
 def _all_reduce_op(x: Tensor, group: str) -> Tensor:
@@ -147,8 +170,7 @@ def reduce_from_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return _region(x, lambda t: _summed(t, group), lambda g: g)
 
 
-def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
-                    sizes: Sequence[int] | None = None) -> Tensor:
+def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1, sizes: Sequence[int] | None = None) -> Tensor:
     """forward: keep this rank's chunk of the full x along dim; backward: all-gather."""
     if group_size(group) == 1:
         return x
@@ -157,8 +179,9 @@ def split_to_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
     return _region(x, lambda t: _own(t, group, d, sizes), lambda g: all_gather(g, group, d, sizes))
 
 
-def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
-                       sizes: Sequence[int] | None = None) -> Tensor:
+def gather_from_region(
+    x: Tensor, group: ProcessGroup | None, dim: int = -1, sizes: Sequence[int] | None = None
+) -> Tensor:
     """forward: all-gather the shards along dim; backward: split (keep this rank's chunk)."""
     if group_size(group) == 1:
         return x
@@ -168,32 +191,38 @@ def gather_from_region(x: Tensor, group: ProcessGroup | None, dim: int = -1,
     return _region(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
 
 
-def all_gather_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
-                      sizes: Sequence[int] | None = None) -> Tensor:
+def all_gather_region(
+    x: Tensor, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None
+) -> Tensor:
     """forward: all-gather along dim (sequence parallel's g); backward: reduce-scatter (sum)."""
     if group_size(group) == 1:
         return x
     d, sizes = _shard_sizes(x, group, dim, sizes)
-    return _region(x, lambda t: all_gather(t, group, d, sizes),
-                   lambda g: reduce_scatter(g, group, d, sizes))
+    return _region(x, lambda t: all_gather(t, group, d, sizes), lambda g: reduce_scatter(g, group, d, sizes))
 
 
-def reduce_scatter_region(x: Tensor, group: ProcessGroup | None, dim: int = 0,
-                          sizes: Sequence[int] | None = None) -> Tensor:
+def reduce_scatter_region(
+    x: Tensor, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None
+) -> Tensor:
     """forward: reduce-scatter (sum) along dim (sequence parallel's g-bar); backward: all-gather."""
     if group_size(group) == 1:
         return x
     d = _dim(x, dim)
     sizes = _sizes(sizes, group_size(group), x.size(d), d)
-    return _region(x, lambda t: reduce_scatter(t, group, d, sizes),
-                   lambda g: all_gather(g, group, d, sizes))
+    return _region(x, lambda t: reduce_scatter(t, group, d, sizes), lambda g: all_gather(g, group, d, sizes))
 
 
-def all_to_all_region(x: Tensor, group: ProcessGroup | None, send_sizes: Sequence[int] | None = None,
-                      recv_sizes: Sequence[int] | None = None, dim: int = 0) -> Tensor:
+def all_to_all_region(
+    x: Tensor,
+    group: ProcessGroup | None,
+    send_sizes: Sequence[int] | None = None,
+    recv_sizes: Sequence[int] | None = None,
+    dim: int = 0,
+) -> Tensor:
     """forward: all-to-all (send_sizes out, recv_sizes in); backward: the reverse all-to-all."""
     if group_size(group) == 1:
         return x
     send, recv = _a2a_sizes(x, group, send_sizes, recv_sizes, _dim(x, dim))
-    return _region(x, lambda t: all_to_all(t, group, send, recv, dim),
-                   lambda g: all_to_all(g, group, recv, send, dim))  # rows go back where they came from
+    return _region(
+        x, lambda t: all_to_all(t, group, send, recv, dim), lambda g: all_to_all(g, group, recv, send, dim)
+    )  # rows go back where they came from

@@ -31,8 +31,9 @@ def check_payload(payload: str, x: Tensor) -> None:
     if payload not in PAYLOADS:
         raise ValueError(f"payload={payload!r} is not a payload encoding; use one of {PAYLOADS} or None")
     if not x.dtype.is_floating_point:
-        raise ValueError(f"payload={payload!r} compresses floating-point tensors; this one is {x.dtype} "
-                         f"(pass payload=None)")
+        raise ValueError(
+            f"payload={payload!r} compresses floating-point tensors; this one is {x.dtype} (pass payload=None)"
+        )
 
 
 def encoded_bytes(numel: int, payload: str) -> int:
@@ -63,7 +64,7 @@ def decode(buf: Tensor, payload: str, numel: int) -> Tensor:
         return buf.view(torch.bfloat16).float()
     blocks = -(-numel // BLOCK)
     scale = buf[: 4 * blocks].view(torch.float32)  # [blocks]
-    q = buf[4 * blocks:].view(torch.int8).view(blocks, BLOCK)  # [blocks, 64]
+    q = buf[4 * blocks :].view(torch.int8).view(blocks, BLOCK)  # [blocks, 64]
     return (q.float() * scale[:, None]).view(-1)[:numel]
 
 
@@ -76,7 +77,7 @@ def all_reduce(x: Tensor, group, payload: str) -> Tensor:
     everyone = all_gather(encode(x, payload), group)  # [n * k] uint8
     acc = decode(everyone[:k], payload, x.numel()).clone()
     for j in range(1, n):
-        acc += decode(everyone[j * k: (j + 1) * k], payload, x.numel())
+        acc += decode(everyone[j * k : (j + 1) * k], payload, x.numel())
     return x.copy_(acc.view(x.shape))
 
 
@@ -92,6 +93,6 @@ def all_gather(x: Tensor, group, dim: int, sizes: Sequence[int], payload: str) -
     everyone = gather_bytes(encode(y, payload), group, sizes=counts)  # [sum(counts)] uint8
     parts, at = [], 0
     for s, c in zip(sizes, counts):
-        parts.append(decode(everyone[at: at + c], payload, s * row).view(s, *rest))
+        parts.append(decode(everyone[at : at + c], payload, s * row).view(s, *rest))
         at += c
     return torch.cat(parts).to(x.dtype).movedim(0, dim).contiguous()

@@ -34,8 +34,10 @@ from shardlm.parallel.dims import LayoutError
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> Tensor:
     """Positions of a sequence that cp rank ``rank`` holds: chunks rank and 2cp-1-rank of 2cp."""
     if seq_len % (2 * cp):
-        raise LayoutError(f"seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks (zig-zag context "
-                          f"parallelism); use a multiple of {2 * cp}, e.g. {seq_len // (2 * cp) * 2 * cp or 2 * cp}")
+        raise LayoutError(
+            f"seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks (zig-zag context "
+            f"parallelism); use a multiple of {2 * cp}, e.g. {seq_len // (2 * cp) * 2 * cp or 2 * cp}"
+        )
     c = seq_len // (2 * cp)
     mirror = 2 * cp - 1 - rank
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
@@ -59,15 +61,18 @@ class ContextBatch:
     @classmethod
     def build(cls, group, batch: int, seq_len: int, algorithm: str = "all-gather") -> ContextBatch:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"cp attention {algorithm!r} is not one of {ALGORITHMS}; 'ring' passes key/value "
-                             "blocks around the ring (less memory), 'all-gather' gathers them at once")
+            raise ValueError(
+                f"cp attention {algorithm!r} is not one of {ALGORITHMS}; 'ring' passes key/value "
+                "blocks around the ring (less memory), 'all-gather' gathers them at once"
+            )
         cp, rank = group_size(group), group_rank(group)
         keys = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
         return cls(group, batch, zigzag_positions(seq_len, cp, rank), keys, algorithm)
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads, scale: float,
-                      window: int | None) -> Tensor:
+def context_attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads, scale: float, window: int | None
+) -> Tensor:
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] of this rank's tokens. Returns
     [tokens, q_heads, d]: each local query attends to every earlier key of its sequence."""
     b, n, d = meta.batch, len(meta.positions), q.shape[-1]

@@ -75,8 +75,11 @@ class ParallelDims:
         n = self.dp * self.tp
         if n % (self.ep * self.etp):
             valid_etp = [e for e in range(1, n + 1) if n % e == 0]
-            hint = (f"valid ep for etp={self.etp}: {self.valid_ep()}" if n % self.etp == 0 else
-                    f"etp={self.etp} itself does not divide {n}; valid etp: {valid_etp}")
+            hint = (
+                f"valid ep for etp={self.etp}: {self.valid_ep()}"
+                if n % self.etp == 0
+                else f"etp={self.etp} itself does not divide {n}; valid etp: {valid_etp}"
+            )
             raise LayoutError(
                 f"ep={self.ep} x etp={self.etp} does not fold into dp x tp = {n} ranks: "
                 f"expert layers re-use the attention ranks of a stage, so ep*etp must divide dp*tp; {hint}"
@@ -114,8 +117,9 @@ class ParallelDims:
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (the inverse of the rank formula above)."""
         if not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank} is outside this layout's world of {self.world_size} ranks "
-                              f"(0..{self.world_size - 1})")
+            raise LayoutError(
+                f"rank {rank} is outside this layout's world of {self.world_size} ranks (0..{self.world_size - 1})"
+            )
         out = {}
         for axis in reversed(MESH_AXES):
             size = getattr(self, axis)
@@ -141,8 +145,9 @@ class ParallelDims:
                 c, e = self.coords(r), self.expert_coords(r)
                 return (c["pp"], c["cp"], *(v for a, v in e.items() if a not in vary))
         else:
-            raise KeyError(f"unknown group {kind!r}; mesh axes are {MESH_AXES} (and dp_cp), "
-                           f"expert groups {EXPERT_GROUPS}")
+            raise KeyError(
+                f"unknown group {kind!r}; mesh axes are {MESH_AXES} (and dp_cp), expert groups {EXPERT_GROUPS}"
+            )
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             groups.setdefault(key(r), []).append(r)

@@ -37,13 +37,16 @@ class ExpertPlacement:
     def __post_init__(self) -> None:
         held = {e for rank in self.slots for e in rank}
         if not self.slots or any(len(r) == 0 for r in self.slots):
-            raise LayoutError(f"every ep rank needs at least one expert slot; got slots per rank "
-                              f"{[len(r) for r in self.slots]}")
+            raise LayoutError(
+                f"every ep rank needs at least one expert slot; got slots per rank {[len(r) for r in self.slots]}"
+            )
         bad = sorted(e for e in held if not 0 <= e < self.num_experts)
         missing = sorted(set(range(self.num_experts)) - held)
         if bad or missing:
-            raise LayoutError(f"a placement must hold every expert 0..{self.num_experts - 1} at least once "
-                              f"and nothing else; missing {missing}, out of range {bad}")
+            raise LayoutError(
+                f"a placement must hold every expert 0..{self.num_experts - 1} at least once "
+                f"and nothing else; missing {missing}, out of range {bad}"
+            )
 
     @classmethod
     def contiguous(cls, num_experts: int, ep: int) -> ExpertPlacement:
@@ -52,7 +55,8 @@ class ExpertPlacement:
             valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
             raise LayoutError(
                 f"ep={ep} is larger than the model's {num_experts} experts: every expert-parallel rank "
-                f"needs at least one expert; use ep <= {num_experts} (even splits: {valid})")
+                f"needs at least one expert; use ep <= {num_experts} (even splits: {valid})"
+            )
         sizes, start, slots = split_sizes(num_experts, ep), 0, []
         for n in sizes:
             slots.append(tuple(range(start, start + n)))
@@ -93,9 +97,12 @@ class ExpertPlacement:
         width = max(len(r) for r in reps)
         local = [i for rank in self.slots for i in range(len(rank))]
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return {"replica_slots": as_long([r + [r[0]] * (width - len(r)) for r in reps]),
-                "num_replicas": as_long([len(r) for r in reps]),
-                "slot_rank": as_long(self.slot_rank), "slot_local": as_long(local)}
+        return {
+            "replica_slots": as_long([r + [r[0]] * (width - len(r)) for r in reps]),
+            "num_replicas": as_long([len(r) for r in reps]),
+            "slot_rank": as_long(self.slot_rank),
+            "slot_local": as_long(local),
+        }
 
     def rank_load(self, slot_load: Sequence[float]) -> list[float]:
         """Load of each ep rank given the load of each global slot."""
@@ -118,8 +125,10 @@ def rebalance(load: Sequence[float], ep: int, slots_per_rank: int) -> ExpertPlac
     total_slots = ep * slots_per_rank
     if total_slots < num_experts:
         need = -(-num_experts // ep)
-        raise LayoutError(f"slots_per_rank={slots_per_rank} x ep={ep} = {total_slots} slots cannot hold "
-                          f"{num_experts} experts; use slots_per_rank >= {need}")
+        raise LayoutError(
+            f"slots_per_rank={slots_per_rank} x ep={ep} = {total_slots} slots cannot hold "
+            f"{num_experts} experts; use slots_per_rank >= {need}"
+        )
     load = [float(x) for x in load]
     # 1. replicate: each spare slot goes to the expert with the most load per replica
     replicas = [1] * num_experts
@@ -127,8 +136,10 @@ def rebalance(load: Sequence[float], ep: int, slots_per_rank: int) -> ExpertPlac
         e = max(range(num_experts), key=lambda i: (load[i] / replicas[i], -i))
         replicas[e] += 1
     # 2. pack: heaviest replica first onto the least-loaded rank with room that lacks that expert
-    items = sorted(((load[e] / replicas[e], e) for e in range(num_experts) for _ in range(replicas[e])),
-                   key=lambda t: (-t[0], t[1]))
+    items = sorted(
+        ((load[e] / replicas[e], e) for e in range(num_experts) for _ in range(replicas[e])),
+        key=lambda t: (-t[0], t[1]),
+    )
     rank_load, slots = [0.0] * ep, [[] for _ in range(ep)]
     for w, e in items:
         free = [r for r in range(ep) if len(slots[r]) < slots_per_rank]

@@ -56,13 +56,23 @@ def experts_span_replicas(tp: int, ep: int, etp: int) -> bool:
 class ExpertParallelSwiGLU(nn.Module):
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e."""
 
-    def __init__(self, *, num_experts: int, hidden_size: int, intermediate_size: int, read: ExpertReader,
-                 dims: ParallelDims, dtype: torch.dtype, placement: ExpertPlacement | None = None,
-                 dispatch: str = "auto"):
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        read: ExpertReader,
+        dims: ParallelDims,
+        dtype: torch.dtype,
+        placement: ExpertPlacement | None = None,
+        dispatch: str = "auto",
+    ):
         super().__init__()
         if dims.etp > intermediate_size:
-            raise LayoutError(f"etp={dims.etp} is larger than the expert width {intermediate_size}; "
-                              f"use etp <= {intermediate_size}")
+            raise LayoutError(
+                f"etp={dims.etp} is larger than the expert width {intermediate_size}; use etp <= {intermediate_size}"
+            )
         self.read, self.hidden, self.dtype = read, hidden_size, dtype
         self.ep, self.etp, self.tp = dims.ep, dims.etp, dims.tp
         self.ep_rank, self.etp_rank, self.tp_rank = dims.ep_rank, dims.etp_rank, dims.tp_rank
@@ -76,8 +86,10 @@ class ExpertParallelSwiGLU(nn.Module):
         # tokens to ranks that have them. Otherwise they span dp replicas: all-to-all.
         inside_tp = not experts_span_replicas(dims.tp, dims.ep, dims.etp)
         if dispatch not in DISPATCH or (dispatch == "replicated" and not inside_tp):
-            raise LayoutError(f"dispatch={dispatch!r} cannot work here: 'replicated' needs ep*etp="
-                              f"{dims.ep * dims.etp} to divide tp={dims.tp}; use 'auto' or 'all_to_all'")
+            raise LayoutError(
+                f"dispatch={dispatch!r} cannot work here: 'replicated' needs ep*etp="
+                f"{dims.ep * dims.etp} to divide tp={dims.tp}; use 'auto' or 'all_to_all'"
+            )
         self.dispatch = ("replicated" if inside_tp else "all_to_all") if dispatch == "auto" else dispatch
         # Each (token, expert) pair is computed by etp ranks, and in the replicated path by every
         # ep x etp block of the tp group: one of those copies counts it, so sums over ranks are exact.
@@ -100,8 +112,7 @@ class ExpertParallelSwiGLU(nn.Module):
         for name, t in placement.tables(self.w13.device).items():
             self.register_buffer(name, t, persistent=False)
         self.max_replicas = int(self.num_replicas.max())
-        self.register_buffer("slot_tokens", torch.zeros(n, dtype=torch.long, device=self.w13.device),
-                             persistent=False)
+        self.register_buffer("slot_tokens", torch.zeros(n, dtype=torch.long, device=self.w13.device), persistent=False)
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
@@ -195,7 +206,7 @@ class ExpertParallelSwiGLU(nn.Module):
         start = 0
         for s, c in enumerate(counts.tolist()):
             if c:
-                idx = order[start:start + c]
+                idx = order[start : start + c]
                 gate, up = linear(rows[idx], self.w13[s]).chunk(2, dim=-1)  # [c, rows] each
                 out[idx] = linear(F.silu(gate) * up, self.w2[s])  # [c, H]
                 start += c

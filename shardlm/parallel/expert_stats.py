@@ -50,8 +50,12 @@ class ExpertLoad:
 
     def to_dict(self) -> dict:
         """For a JSON timing line or a metrics endpoint."""
-        return {"expert_tokens": self.expert_tokens, "rank_tokens": self.rank_tokens,
-                "imbalance": [round(x, 4) for x in self.imbalance], "comm_s": round(self.comm_s, 6)}
+        return {
+            "expert_tokens": self.expert_tokens,
+            "rank_tokens": self.rank_tokens,
+            "imbalance": [round(x, 4) for x in self.imbalance],
+            "comm_s": round(self.comm_s, 6),
+        }
 
 
 def local_load(model: nn.Module, reset: bool = True) -> tuple[list[list[int]], float]:
@@ -79,7 +83,7 @@ def collect_load(model: nn.Module, dims: ParallelDims, reset: bool = True, acros
     for i, layer in enumerate(layers):
         if layer.counts_once:  # the copies that saw the same pairs add nothing
             start = layer.placement.slot_offsets[layer.ep_rank]
-            glob[i, start:start + len(layer.local_experts)] = layer.slot_tokens
+            glob[i, start : start + len(layer.local_experts)] = layer.slot_tokens
     comm.all_reduce(glob, dims.tp_group)
     if across_dp:
         comm.all_reduce(glob, dims.dp_group)  # over the stage's dp x tp ranks

@@ -27,8 +27,9 @@ from shardlm.parallel import comm
 from shardlm.parallel.dims import LayoutError, ParallelDims
 
 
-def partition_layers(layer_costs: list[float], stages: int, *, first_extra: float = 0.0,
-                     last_extra: float = 0.0) -> list[range]:
+def partition_layers(
+    layer_costs: list[float], stages: int, *, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[range]:
     """Split layers into ``stages`` contiguous non-empty runs minimising the costliest stage.
 
     ``first_extra``/``last_extra`` are the embedding's and LM head's costs, charged to the
@@ -36,15 +37,13 @@ def partition_layers(layer_costs: list[float], stages: int, *, first_extra: floa
     """
     n = len(layer_costs)
     if not 1 <= stages <= n:
-        raise LayoutError(f"pp={stages} needs at least one layer per stage but the model has {n} layers; "
-                          f"use pp <= {n}")
+        raise LayoutError(f"pp={stages} needs at least one layer per stage but the model has {n} layers; use pp <= {n}")
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
 
     def cost(i: int, j: int, s: int) -> float:  # stage s holds layers [i, j)
-        return (prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0)
-                + (last_extra if s == stages - 1 else 0.0))
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == stages - 1 else 0.0)
 
     inf = float("inf")
     # best[s][j]: least max-cost of stages 0..s holding layers [0, j); cut[s][j]: where stage s starts

@@ -35,8 +35,14 @@ __all__ = ["ShmGroup", "CollectiveError", "route", "set_backend", "REDUCIBLE"]
 
 SEGMENT_BYTES = 16 << 20  # per group: slots of 4 MiB at 2 ranks, 2 MiB at 4, 1 MiB at 8 (min 256 KiB)
 SMALL_BYTES = 64 << 10  # all-reduce below this (or on 2 ranks) reads every slot in one round
-REDUCIBLE = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32,
-             torch.float16: torch.float32, torch.int32: torch.int32, torch.int64: torch.int64}
+REDUCIBLE = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+    torch.int32: torch.int32,
+    torch.int64: torch.int64,
+}
 """dtype -> accumulator dtype of the sums this path does (others go to gloo)."""
 
 
@@ -73,11 +79,14 @@ class ShmGroup:
     def _round(self, op: str) -> int:
         """Publish the next round and wait for every peer to reach it; returns its parity."""
         if self._pending:
-            raise CollectiveError(f"{op} while an all_reduce_start on this group is not yet waited on; "
-                                  f"call its wait() first (one outstanding call per group)")
+            raise CollectiveError(
+                f"{op} while an all_reduce_start on this group is not yet waited on; "
+                f"call its wait() first (one outstanding call per group)"
+            )
         if self.seg.broken:
-            raise CollectiveError(f"this group's shared-memory path failed earlier ({self.seg.broken}); "
-                                  f"the group cannot be used again")
+            raise CollectiveError(
+                f"this group's shared-memory path failed earlier ({self.seg.broken}); the group cannot be used again"
+            )
         s = self.seq = self.seq + 1
         self.seg.publish(s)
         self.seg.wait(s, op)
@@ -121,10 +130,10 @@ class ShmGroup:
             return x
         if n == 2 or total * x.element_size() <= SMALL_BYTES:
             for a in range(0, total, per):
-                self._small_all_reduce(flat[a: a + per])
+                self._small_all_reduce(flat[a : a + per])
             return x
         for a in range(0, total, per):  # reduce-scatter + all-gather per piece
-            piece = flat[a: a + per]
+            piece = flat[a : a + per]
             k = piece.numel()
             bounds = _bounds(k, n)
             self._mine(dt)[:k].copy_(piece)
@@ -133,7 +142,7 @@ class ShmGroup:
             self._sum(self._slot(self.rank, 1 - p, dt)[lo:hi], [self._slot(j, p, dt)[lo:hi] for j in range(n)])
             q = self._round("all_reduce")
             for j in range(n):
-                piece[bounds[j]: bounds[j + 1]].copy_(self._slot(j, q, dt)[bounds[j]: bounds[j + 1]])
+                piece[bounds[j] : bounds[j + 1]].copy_(self._slot(j, q, dt)[bounds[j] : bounds[j + 1]])
         return x
 
     def all_reduce_start(self, x: Tensor):
@@ -141,8 +150,10 @@ class ShmGroup:
         ``wait()`` waits for the peers and sums into x. Work done in between overlaps with
         the peers' arrival. One outstanding call per group: wait before the next collective."""
         if self._pending or x.numel() * x.element_size() > self.seg.slot_bytes:
-            raise CollectiveError("all_reduce_start: one outstanding call per group, of at most "
-                                  f"{self.seg.slot_bytes} bytes; wait() the previous one or use all_reduce")
+            raise CollectiveError(
+                "all_reduce_start: one outstanding call per group, of at most "
+                f"{self.seg.slot_bytes} bytes; wait() the previous one or use all_reduce"
+            )
         flat, dt = x.view(-1), x.dtype
         k = flat.numel()
         self._view(self.rank, (self.seq + 1) & 1, dt, k).copy_(flat)
@@ -171,30 +182,30 @@ class ShmGroup:
             p = self._round("reduce_scatter")
             s, e = max(lo, a), min(hi, b)
             if s < e:
-                self._sum(out.view(-1)[s - lo: e - lo], [self._slot(j, p, dt)[s - a: e - a] for j in range(self.n)])
+                self._sum(out.view(-1)[s - lo : e - lo], [self._slot(j, p, dt)[s - a : e - a] for j in range(self.n)])
         return out
 
     # ---- data movement (bytes) ---------------------------------------------------------
     def all_gather(self, src: Tensor, out: Tensor, counts: list[int]) -> Tensor:
         """out (uint8) = every rank's src (uint8, counts[j] bytes) back to back, in rank order."""
         offs = [sum(counts[:j]) for j in range(self.n)]
-        out[offs[self.rank]: offs[self.rank] + counts[self.rank]].copy_(src)
+        out[offs[self.rank] : offs[self.rank] + counts[self.rank]].copy_(src)
         C = self.seg.slot_bytes
         for a in range(0, max(max(counts), 1), C):
-            mine = src[a: a + C]
+            mine = src[a : a + C]
             self._mine(torch.uint8)[: mine.numel()].copy_(mine)
             p = self._round("all_gather")
             for j in range(self.n):
                 k = min(C, counts[j] - a)
                 if j != self.rank and k > 0:
-                    out[offs[j] + a: offs[j] + a + k].copy_(self._slot(j, p, torch.uint8)[:k])
+                    out[offs[j] + a : offs[j] + a + k].copy_(self._slot(j, p, torch.uint8)[:k])
         return out
 
     def broadcast(self, buf: Tensor, src: int) -> Tensor:
         """Every rank's buf (uint8) becomes rank src's."""
         C = self.seg.slot_bytes
         for a in range(0, max(buf.numel(), 1), C):
-            piece = buf[a: a + C]
+            piece = buf[a : a + C]
             if self.rank == src:
                 self._mine(torch.uint8)[: piece.numel()].copy_(piece)
             p = self._round("broadcast")
@@ -216,7 +227,7 @@ class ShmGroup:
         while more:
             mine = self._mine(torch.uint8)
             mine[:hdr].copy_(counts)
-            mine[hdr: hdr + max(0, min(C, src.numel() - a))].copy_(src[a: a + C])
+            mine[hdr : hdr + max(0, min(C, src.numel() - a))].copy_(src[a : a + C])
             p = self._round("all_to_all")
             more = False
             for j in range(n):
@@ -226,7 +237,7 @@ class ShmGroup:
                 lo = sum(theirs[:me])  # where rank j's bytes for this rank start in its src
                 s, e = max(lo, a), min(lo + theirs[me], a + C)
                 if s < e:
-                    out[roff[j] + s - lo: roff[j] + e - lo].copy_(slot[hdr + s - a: hdr + e - a])
+                    out[roff[j] + s - lo : roff[j] + e - lo].copy_(slot[hdr + s - a : hdr + e - a])
             a += C
         return out
 
@@ -289,6 +300,7 @@ def set_backend(group: dist.ProcessGroup, backend: str, *, slot: int | None = No
     _policy[group] = backend
     fast = _setup(group, backend, slot)
     if backend == "shm" and fast is None:
-        raise CollectiveError(f"backend='shm' is not possible for this group: {why_not.get(id(group))}; "
-                              f"use backend='auto' or 'gloo'")
+        raise CollectiveError(
+            f"backend='shm' is not possible for this group: {why_not.get(id(group))}; use backend='auto' or 'gloo'"
+        )
     return fast

@@ -72,7 +72,7 @@ def start_time(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # fields 3.. (the name may hold spaces)
+    fields = stat[stat.rindex(b")") + 2 :].split()  # fields 3.. (the name may hold spaces)
     return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
 
 
@@ -88,8 +88,18 @@ def wake_address(name: str, j: int) -> bytes:
 class Segment:
     """This rank's mapping of its group's segment, and the publish/wait of rounds."""
 
-    def __init__(self, mm: mmap.mmap, *, n: int, rank: int, slot_bytes: int, peers: list[tuple[int, int, int]],
-                 timeout_s: float, name: str, wake: socket.socket):
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        *,
+        n: int,
+        rank: int,
+        slot_bytes: int,
+        peers: list[tuple[int, int, int]],
+        timeout_s: float,
+        name: str,
+        wake: socket.socket,
+    ):
         self.n, self.rank, self.slot_bytes, self.name = n, rank, slot_bytes, name
         self.peers = peers  # per group rank: (global rank, pid, start time)
         self.timeout_s = timeout_s
@@ -101,8 +111,10 @@ class Segment:
         with torch.inference_mode(False):
             self.mem = torch.frombuffer(mm, dtype=torch.uint8)  # [bytes]
             hdr = header_bytes(n)
-            self.slots = [[self.mem[hdr + (2 * j + p) * slot_bytes: hdr + (2 * j + p + 1) * slot_bytes]
-                           for p in (0, 1)] for j in range(n)]
+            self.slots = [
+                [self.mem[hdr + (2 * j + p) * slot_bytes : hdr + (2 * j + p + 1) * slot_bytes] for p in (0, 1)]
+                for j in range(n)
+            ]
         self.others = [8 * j for j in range(n) if j != rank]
         cores = len(os.sched_getaffinity(0))
         self.spin_s = 30e-6 if n <= cores else 2e-6  # spinning steals a core a peer may need
@@ -167,17 +179,23 @@ class Segment:
         for i in pending:
             j = i // 8
             if start_time(self.peers[j][1]) != self.peers[j][2]:
-                self.fail(f"{op}: group rank {j} ({self._who(j)}) died while this rank waited for it "
-                          f"(call {seq} on this group, after {waited:.2f} s); the run cannot go on, stop it")
+                self.fail(
+                    f"{op}: group rank {j} ({self._who(j)}) died while this rank waited for it "
+                    f"(call {seq} on this group, after {waited:.2f} s); the run cannot go on, stop it"
+                )
         for j in range(self.n):
             if j != self.rank and self.ctl[8 * j + 1]:
-                self.fail(f"{op}: group rank {j} ({self._who(j)}) gave up on this group after an error of its "
-                          f"own; see that rank's error")
+                self.fail(
+                    f"{op}: group rank {j} ({self._who(j)}) gave up on this group after an error of its "
+                    f"own; see that rank's error"
+                )
         if waited > self.timeout_s:
             late = ", ".join(f"group rank {i // 8} ({self._who(i // 8)})" for i in pending)
-            self.fail(f"{op}: {late} did not reach call {seq} on this group within the group's timeout of "
-                      f"{self.timeout_s:.0f} s; it is alive but stuck or busy elsewhere (raise the timeout, "
-                      f"e.g. --timeout, if it is only slow)")
+            self.fail(
+                f"{op}: {late} did not reach call {seq} on this group within the group's timeout of "
+                f"{self.timeout_s:.0f} s; it is alive but stuck or busy elsewhere (raise the timeout, "
+                f"e.g. --timeout, if it is only slow)"
+            )
 
     def _who(self, j: int) -> str:
         rank, pid, _ = self.peers[j]

@@ -35,8 +35,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def why_not_here() -> str | None:
     """None when this host can run the shared-memory path, else the reason it cannot."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return (f"the shared-memory path relies on x86-64 store ordering (TSO); this host is "
-                f"{platform.machine()}, so collectives stay on gloo")
+        return (
+            f"the shared-memory path relies on x86-64 store ordering (TSO); this host is "
+            f"{platform.machine()}, so collectives stay on gloo"
+        )
     if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc/self"):
         return f"no {SHM_DIR} or /proc on this host (Linux only), so collectives stay on gloo"
     return None
@@ -151,8 +153,8 @@ def open_segment(group: dist.ProcessGroup, slot_bytes: int) -> tuple[Segment | N
         if wake is not None:
             wake.close()
         return None, why or why_not_here() or "another rank of the group cannot use shared memory"
-    seg = Segment(mm, n=n, rank=rank, slot_bytes=slot_bytes, peers=peers, timeout_s=_group_timeout(group),
-                  name=path, wake=wake)
+    seg = Segment(
+        mm, n=n, rank=rank, slot_bytes=slot_bytes, peers=peers, timeout_s=_group_timeout(group), name=path, wake=wake
+    )
     seg._drain()  # the test datagrams
     return seg, ""
-

@@ -91,8 +91,9 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> He
     return HeadPartition(q=q, kv=kv, q_per_kv=q_per_kv)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear, but one row of 16-bit weights on CPU goes to the matrix-vector kernel: for
     batch-1 decode torch's CPU GEMV reads bf16 weights ~1.4x faster than its GEMM path does
     at M=1, and under torch.compile inductor's own matrix-vector loop is faster still. For
@@ -170,8 +171,16 @@ class ColumnParallelLinear(Int8Weight, nn.Module):
     each with the rows this rank holds; the local weight is their row blocks stacked.
     """
 
-    def __init__(self, in_features: int, sources: list[tuple[str, slice]], *, bias: bool,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        sources: list[tuple[str, slice]],
+        *,
+        bias: bool,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.sources, self.sequence_parallel = sources, sequence_parallel
         self.out_sizes = [s.stop - s.start for _, s in sources]
@@ -225,8 +234,17 @@ class RowParallelLinear(Int8Weight, nn.Module):
     The bias is added once, after the reduction, not once per rank.
     """
 
-    def __init__(self, source: str, cols: slice, out_features: int, *, bias: bool,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        source: str,
+        cols: slice,
+        out_features: int,
+        *,
+        bias: bool,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.source, self.cols, self.group, self.sequence_parallel = source, cols, group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, cols.stop - cols.start, dtype=dtype), requires_grad=False)
@@ -259,8 +277,18 @@ class RowParallelLinear(Int8Weight, nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a run of vocabulary rows; ids outside it embed to zero, then all-reduce."""
 
-    def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        source: str,
+        vocab_size: int,
+        dim: int,
+        *,
+        tp: int,
+        tp_rank: int,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.source, self.group, self.sequence_parallel = source, group, sequence_parallel
         self.rows = shard_range(vocab_size, tp, tp_rank)
@@ -289,9 +317,19 @@ class ParallelLMHead(nn.Module):
     With tied embeddings the weight is the embedding's own parameter (same rows).
     """
 
-    def __init__(self, source: str, vocab_size: int, dim: int, *, tp: int, tp_rank: int,
-                 group: dist.ProcessGroup | None, dtype: torch.dtype, tied: nn.Parameter | None = None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        source: str,
+        vocab_size: int,
+        dim: int,
+        *,
+        tp: int,
+        tp_rank: int,
+        group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        tied: nn.Parameter | None = None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.source, self.group, self.sequence_parallel = source, group, sequence_parallel
         self.rows = shard_range(vocab_size, tp, tp_rank)

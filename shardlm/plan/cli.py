@@ -73,8 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
     g.add_argument("--batch", type=int, help="sequences per replica (default: as many as fit / 1 for latency)")
     g.add_argument(
-        "--kv-dtype", type=kv_dtype_arg, metavar="{" + ",".join(KV_DTYPES) + "}",
-        help="KV-cache dtype (default: --dtype); int8 counts its scale per token and head as shardlm stores it"
+        "--kv-dtype",
+        type=kv_dtype_arg,
+        metavar="{" + ",".join(KV_DTYPES) + "}",
+        help="KV-cache dtype (default: --dtype); int8 counts its scale per token and head as shardlm stores it",
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")

@@ -109,8 +109,9 @@ def layer_shape(costs: ModelCosts, moe: bool) -> LayerShape:
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     ffn = cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size
     # as shardlm trains: fused attention, the residual stream passed beside each layer's output
-    return LayerShape(hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn,
-                      flash=True, inputs=2)
+    return LayerShape(
+        hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn, flash=True, inputs=2
+    )
 
 
 def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:

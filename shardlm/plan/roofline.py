@@ -105,7 +105,15 @@ class Step:
 
 
 def layer_work(
-    cfg: ModelConfig, rl: RankLayer, step: Step, *, w_bytes: int, a_bytes: int, kv_bytes: float, ep: int, half_rows: float
+    cfg: ModelConfig,
+    rl: RankLayer,
+    step: Step,
+    *,
+    w_bytes: int,
+    a_bytes: int,
+    kv_bytes: float,
+    ep: int,
+    half_rows: float,
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
     the size-dependent GEMM efficiency of the device (``half_rows``)."""

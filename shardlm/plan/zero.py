@@ -34,8 +34,15 @@ class ModelStates:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_states(params: float, *, dp: int, stage: int, param_bytes: float = PARAM_BYTES,
-                 grad_bytes: float = GRAD_BYTES, state_bytes: float = ADAM_STATE_BYTES) -> ModelStates:
+def model_states(
+    params: float,
+    *,
+    dp: int,
+    stage: int,
+    param_bytes: float = PARAM_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+    state_bytes: float = ADAM_STATE_BYTES,
+) -> ModelStates:
     """Per-rank model states for ``params`` parameters (already split by TP/PP/EP) under ZeRO-``stage``
     (bytes per parameter: mixed-precision Adam by default; float32 Adam is 4, 4, 8)."""
     if stage not in ZERO_STAGES:

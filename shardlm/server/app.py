@@ -39,9 +39,20 @@ def build_app(engine, *, model_name: str) -> FastAPI:
 
 async def models(request: Request) -> JSONResponse:
     s = request.app.state
-    return JSONResponse({"object": "list", "data": [
-        {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "shardlm",
-         "max_model_len": s.engine.max_model_len}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": s.created,
+                    "owned_by": "shardlm",
+                    "max_model_len": s.engine.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def health(request: Request) -> JSONResponse:

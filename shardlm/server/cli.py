@@ -19,35 +19,70 @@ from shardlm.cli import add_layout_args, byte_size, layout_options, log
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the OpenAI API (chat/completions, completions) over ranks",
-                              description="An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
-                                          "/v1/models, /health, /metrics; the model split over tp x pp x dp ranks.")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients put in 'model' (default: --model as given)")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI API (chat/completions, completions) over ranks",
+        description="An OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics; the model split over tp x pp x dp ranks.",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients put in 'model' (default: --model as given)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
     add_layout_args(p)
-    p.add_argument("--eplb-interval", type=int, default=0, metavar="R",
-                   help="MoE: re-place experts from the observed load every R rounds (default 0: never)")
-    p.add_argument("--eplb-redundant", type=int, default=0, metavar="K",
-                   help="MoE: spare expert slots per layer for replicas of the hottest experts (default 0)")
-    p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
-                   help="prefill/decode disaggregation: the first P of the --dp replicas compute prompts, the "
-                        "others decode, receiving each prompt's KV cache (default 0: every replica does both)")
+    p.add_argument(
+        "--eplb-interval",
+        type=int,
+        default=0,
+        metavar="R",
+        help="MoE: re-place experts from the observed load every R rounds (default 0: never)",
+    )
+    p.add_argument(
+        "--eplb-redundant",
+        type=int,
+        default=0,
+        metavar="K",
+        help="MoE: spare expert slots per layer for replicas of the hottest experts (default 0)",
+    )
+    p.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="P",
+        help="prefill/decode disaggregation: the first P of the --dp replicas compute prompts, the "
+        "others decode, receiving each prompt's KV cache (default 0: every replica does both)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30, help="KV cache per rank (default 2GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together per replica")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="per-step token budget: longer prompts are prefilled in chunks")
-    p.add_argument("--max-queue", type=int, default=1024,
-                   help="requests in flight (queued or running) beyond which new ones get 429")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="per-step token budget: longer prompts are prefilled in chunks",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests in flight (queued or running) beyond which new ones get 429",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed for requests that give none")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
-    p.add_argument("--grace", type=float, default=3.0,
-                   help="seconds to keep answering 503 after a rank dies, before exiting (default 3)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="uvicorn's log level (info logs every request)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3.0,
+        help="seconds to keep answering 503 after a rank dies, before exiting (default 3)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level (info logs every request)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -73,8 +108,10 @@ def run(args) -> int:
 
         app = build_app(engine, model_name=args.served_model_name or args.model)
         host, port = sock.getsockname()[:2]
-        log(f"serving {args.served_model_name or args.model} on http://{_url_host(host)}:{port}/v1 "
-            f"(max_model_len {engine.max_model_len}, max_queue {args.max_queue})")
+        log(
+            f"serving {args.served_model_name or args.model} on http://{_url_host(host)}:{port}/v1 "
+            f"(max_model_len {engine.max_model_len}, max_queue {args.max_queue})"
+        )
         died = asyncio.run(_serve(app, engine, sock, args))
     except KeyboardInterrupt:  # SIGINT/SIGTERM, re-raised by uvicorn after its graceful shutdown
         died = False
@@ -97,8 +134,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
-                         f"(or --port 0 for a free one) or --host") from None
+        raise UsageError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (or --port 0 for a free one) or --host"
+        ) from None
     sock.listen(2048)
     return sock
 
@@ -108,25 +146,40 @@ def _start_engine(args):
     from shardlm.models.loader import open_checkpoint
 
     ckpt = open_checkpoint(args.model)
-    options = dict(layout_options(args), eplb_interval=args.eplb_interval, eplb_redundant=args.eplb_redundant,
-                   seed=args.seed, timeout_s=args.timeout, threads=args.threads, max_model_len=args.max_model_len,
-                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, prefill_replicas=args.prefill_replicas)
+    options = dict(
+        layout_options(args),
+        eplb_interval=args.eplb_interval,
+        eplb_redundant=args.eplb_redundant,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_replicas=args.prefill_replicas,
+    )
     world = args.tp * args.pp * args.dp
     axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
-    log(f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
-        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})")
+    log(
+        f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
+        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})"
+    )
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
     if args.prefill_replicas:
         span = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
-        log(f"disaggregated: replica {span(0, args.prefill_replicas - 1)} prefill, "
-            f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)")
+        log(
+            f"disaggregated: replica {span(0, args.prefill_replicas - 1)} prefill, "
+            f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)"
+        )
     bs = engine.config.block_size
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
-    log(f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
+    log(
+        f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
         f"(--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank, {engine.config.kv_torch_dtype} "
-        f"elements)")
+        f"elements)"
+    )
     return engine
 
 
@@ -134,8 +187,15 @@ async def _serve(app, engine, sock: socket.socket, args) -> bool:
     """Run until a signal (returns False) or a dead rank (returns True, after the grace period)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           lifespan="off", access_log=args.log_level in ("debug", "info")))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            lifespan="off",
+            access_log=args.log_level in ("debug", "info"),
+        )
+    )
     died = False
 
     async def watch() -> None:

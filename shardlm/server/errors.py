@@ -16,12 +16,28 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-         429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
+TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "service_unavailable",
+}
 EXAMPLES = {
-    "messages": '[{"role": "user", "content": "Hello"}]', "prompt": '"Once upon a time"',
-    "max_tokens": "64", "max_completion_tokens": "64", "temperature": "0.7", "top_p": "0.9", "top_k": "50",
-    "stop": '["\\n"]', "stop_token_ids": "[2]", "seed": "42", "n": "1", "stream": "true", "model": '"smollm2"',
+    "messages": '[{"role": "user", "content": "Hello"}]',
+    "prompt": '"Once upon a time"',
+    "max_tokens": "64",
+    "max_completion_tokens": "64",
+    "temperature": "0.7",
+    "top_p": "0.9",
+    "top_k": "50",
+    "stop": '["\\n"]',
+    "stop_token_ids": "[2]",
+    "seed": "42",
+    "n": "1",
+    "stream": "true",
+    "model": '"smollm2"',
     "stream_options": '{"include_usage": true}',
 }
 _UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
@@ -54,22 +70,29 @@ def from_validation(err: ValidationError, model: type) -> APIError:
     """The first problem of a request body, said as OpenAI would: which field, what it got."""
     first = err.errors()[0]
     if first["type"] == "json_invalid":
-        return bad_request(f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')}); "
-                           f"send a JSON object such as {{\"model\": ..., \"messages\": [...]}}", code="invalid_json")
+        return bad_request(
+            f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')}); "
+            f'send a JSON object such as {{"model": ..., "messages": [...]}}',
+            code="invalid_json",
+        )
     if not first["loc"]:
-        return bad_request(f"the request body must be a JSON object, not {_short(first.get('input'))}",
-                           code="invalid_type")
+        return bad_request(
+            f"the request body must be a JSON object, not {_short(first.get('input'))}", code="invalid_type"
+        )
     param = _param(first["loc"])
     field = model.model_fields.get(str(first["loc"][0]))
     got = _short(first.get("input"))
     if first["type"] == "missing":
         example = EXAMPLES.get(param, None)
-        return bad_request(f"'{param}' is required" + (f", e.g. \"{param}\": {example}" if example else ""),
-                           param=param, code="missing_field")
+        return bad_request(
+            f"'{param}' is required" + (f', e.g. "{param}": {example}' if example else ""),
+            param=param,
+            code="missing_field",
+        )
     expected = _type_name(field.annotation) if field is not None and param == first["loc"][0] else None
     msg = f"'{param}' must be {expected}, not {got}" if expected else f"'{param}': {first['msg']} (got {got})"
     if param in EXAMPLES:
-        msg += f"; e.g. \"{param}\": {EXAMPLES[param]}"
+        msg += f'; e.g. "{param}": {EXAMPLES[param]}'
     return bad_request(msg, param=param, code="invalid_type")
 
 
@@ -86,8 +109,11 @@ def _param(loc: tuple) -> str:
 
 def _type_name(annotation: Any) -> str:
     """int | None -> 'an integer'; str | list[str] | None -> 'a string or an array of strings'."""
-    args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in (Union, UnionType) \
+    args = (
+        [a for a in get_args(annotation) if a is not type(None)]
+        if get_origin(annotation) in (Union, UnionType)
         else [annotation]
+    )
     return " or ".join(_one_type(a) for a in args)
 
 
@@ -108,8 +134,10 @@ def _short(value: Any) -> str:
 # ---- handlers for what FastAPI/Starlette raise themselves (unknown routes, wrong methods) -------
 async def http_exception(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 404:
-        message = f"no route {request.url.path}; the server offers /v1/chat/completions, /v1/completions, " \
-                  f"/v1/models, /health and /metrics"
+        message = (
+            f"no route {request.url.path}; the server offers /v1/chat/completions, /v1/completions, "
+            f"/v1/models, /health and /metrics"
+        )
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}; use POST for completions, GET otherwise"
     else:

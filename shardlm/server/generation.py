@@ -42,8 +42,12 @@ class Generation:
 
     def usage(self) -> dict:
         prompt, done = len(self.prepared.prompt_ids), len(self.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done,
+            "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
@@ -83,15 +87,17 @@ class Generation:
             raise APIError(429, f"the server is at capacity ({e}); retry later") from None
         except EngineDead as e:
             outcome = "error"
-            raise APIError(503, f"the engine failed and this server is shutting down: {e}",
-                           code="engine_dead") from None
+            raise APIError(
+                503, f"the engine failed and this server is shutting down: {e}", code="engine_dead"
+            ) from None
         finally:
             await stream.aclose()  # no-op when it already finished; else aborts the request
             self.metrics.in_flight.dec()
             if outcome is not None:
                 self.metrics.cached_tokens.inc(self.cached_tokens)
-                self.metrics.observe(arrival=self.arrival, first=self.first, last=self.last,
-                                     tokens=len(self.token_ids), reason=outcome)
+                self.metrics.observe(
+                    arrival=self.arrival, first=self.first, last=self.last, tokens=len(self.token_ids), reason=outcome
+                )
 
 
 async def until_disconnect(work: Awaitable, receive):

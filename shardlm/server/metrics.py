@@ -22,23 +22,44 @@ class Metrics:
     def __init__(self, engine):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("shardlm_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("shardlm_requests_finished", "Generations ended, by finish reason "
-                                "(stop, length, abort = client gone, error = engine failed)",
-                                ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "shardlm_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "shardlm_requests_finished",
+            "Generations ended, by finish reason (stop, length, abort = client gone, error = engine failed)",
+            ["finish_reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("shardlm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("shardlm_generation_tokens", "Tokens generated", registry=r)
-        self.cached_tokens = Counter("shardlm_cached_prompt_tokens",
-                                     "Prompt tokens served from the prefix cache (as reported in usage)", registry=r)
-        self.in_flight = Gauge("shardlm_requests_in_flight", "Generations in progress (queued or running)",
-                               registry=r)
-        self.ttft = Histogram("shardlm_time_to_first_token_seconds", "From request arrival to its first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("shardlm_time_per_output_token_seconds",
-                              "Mean time between tokens after the first, per request", buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("shardlm_e2e_request_latency_seconds", "From request arrival to its last token",
-                             buckets=E2E_BUCKETS, registry=r)
+        self.cached_tokens = Counter(
+            "shardlm_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache (as reported in usage)",
+            registry=r,
+        )
+        self.in_flight = Gauge("shardlm_requests_in_flight", "Generations in progress (queued or running)", registry=r)
+        self.ttft = Histogram(
+            "shardlm_time_to_first_token_seconds",
+            "From request arrival to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "shardlm_time_per_output_token_seconds",
+            "Mean time between tokens after the first, per request",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shardlm_e2e_request_latency_seconds",
+            "From request arrival to its last token",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCollector(engine))
 
     def observe(self, *, arrival: float, first: float | None, last: float | None, tokens: int, reason: str) -> None:
@@ -74,8 +95,11 @@ class _EngineCollector:
         yield _gauge("shardlm_kv_blocks_used", "KV-cache blocks held by sequences (all replicas)", s["kv_blocks_used"])
         yield _gauge("shardlm_kv_blocks_total", "KV-cache blocks (all replicas)", s["kv_blocks_total"])
         total = s["kv_blocks_total"]
-        yield _gauge("shardlm_kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total",
-                     s["kv_blocks_used"] / total if total else 0.0)
+        yield _gauge(
+            "shardlm_kv_cache_usage_ratio",
+            "kv_blocks_used / kv_blocks_total",
+            s["kv_blocks_used"] / total if total else 0.0,
+        )
         hits = CounterMetricFamily("shardlm_prefix_cache_hits", "Prompt tokens found in the prefix cache at admission")
         hits.add_metric([], s["prefix_cache_hits"])
         yield hits
@@ -83,14 +107,21 @@ class _EngineCollector:
         queries.add_metric([], s["prefix_cache_queries"])
         yield queries
         q = s["prefix_cache_queries"]
-        yield _gauge("shardlm_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start",
-                     s["prefix_cache_hits"] / q if q else 0.0)
-        for key, doc in (("spec_draft_tokens", "Speculative decoding: draft tokens verified"),
-                         ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted"),
-                         ("kv_handoffs", "Disaggregated serving: prompts handed from a prefill to a decode replica"),
-                         ("kv_transfer_bytes", "Disaggregated serving: KV-cache bytes sent to decode replicas"),
-                         ("handoffs_recomputed", "Disaggregated serving: handoffs a decode replica had no free "
-                                                 "blocks for, recomputed there instead")):
+        yield _gauge(
+            "shardlm_prefix_cache_hit_rate",
+            "prefix_cache_hits / prefix_cache_queries since start",
+            s["prefix_cache_hits"] / q if q else 0.0,
+        )
+        for key, doc in (
+            ("spec_draft_tokens", "Speculative decoding: draft tokens verified"),
+            ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted"),
+            ("kv_handoffs", "Disaggregated serving: prompts handed from a prefill to a decode replica"),
+            ("kv_transfer_bytes", "Disaggregated serving: KV-cache bytes sent to decode replicas"),
+            (
+                "handoffs_recomputed",
+                "Disaggregated serving: handoffs a decode replica had no free blocks for, recomputed there instead",
+            ),
+        ):
             family = CounterMetricFamily(f"shardlm_{key}", doc)
             family.add_metric([], s[key])
             yield family

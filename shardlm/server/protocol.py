@@ -92,8 +92,11 @@ class Prepared:
 def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> Prepared:
     """Check a request against the served model and turn it into prompt ids and sampling params."""
     if req.model is not None and req.model != served_model:
-        raise bad_request(f"model {req.model!r} is not served here; this server serves {served_model!r} "
-                          f"(see /v1/models)", param="model", code="model_not_found")
+        raise bad_request(
+            f"model {req.model!r} is not served here; this server serves {served_model!r} (see /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
     ids = _chat_ids(req, engine.tokenizer) if chat else _completion_ids(req, engine)
@@ -102,13 +105,19 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         raise bad_request(f"the {where} encodes to no tokens; give at least one token", param=where)
     limit = engine.max_model_len
     if len(ids) >= limit:
-        raise bad_request(f"the {where} has {len(ids)} tokens but this model's context is {limit} tokens "
-                          f"(prompt + output); shorten it to at most {limit - 1}",
-                          param=where, code="context_length_exceeded")
+        raise bad_request(
+            f"the {where} has {len(ids)} tokens but this model's context is {limit} tokens "
+            f"(prompt + output); shorten it to at most {limit - 1}",
+            param=where,
+            code="context_length_exceeded",
+        )
     room, why = engine.room(len(ids))
     if room < 1:
-        raise bad_request(f"the {where} has {len(ids)} tokens but {why} leaves no room for an answer; shorten it",
-                          param=where, code="context_length_exceeded")
+        raise bad_request(
+            f"the {where} has {len(ids)} tokens but {why} leaves no room for an answer; shorten it",
+            param=where,
+            code="context_length_exceeded",
+        )
     name, max_tokens = ("max_tokens", req.max_tokens)
     if chat and req.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -117,63 +126,93 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     elif max_tokens < 1:
         raise bad_request(f"{name}={max_tokens} must be at least 1, e.g. 64", param=name)
     elif max_tokens > room:
-        raise bad_request(f"{name}={max_tokens} does not fit: the {where} has {len(ids)} tokens and {why}, "
-                          f"so at most {room} new tokens fit; lower {name} to {room} or less",
-                          param=name, code="context_length_exceeded")
+        raise bad_request(
+            f"{name}={max_tokens} does not fit: the {where} has {len(ids)} tokens and {why}, "
+            f"so at most {room} new tokens fit; lower {name} to {room} or less",
+            param=name,
+            code="context_length_exceeded",
+        )
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature < 0:
         raise bad_request(f"temperature={temperature} must be >= 0 (0 is greedy), e.g. 0.7", param="temperature")
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise bad_request(f"seed={req.seed} is out of range; torch seeds are 64-bit: use an integer in "
-                          f"[-2**63, 2**64), e.g. 42", param="seed")
+        raise bad_request(
+            f"seed={req.seed} is out of range; torch seeds are 64-bit: use an integer in [-2**63, 2**64), e.g. 42",
+            param="seed",
+        )
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
-            ignore_eos=bool(req.ignore_eos), stop_token_ids=tuple(req.stop_token_ids or ()))
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=req.seed,
+            ignore_eos=bool(req.ignore_eos),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
     except UsageError as e:  # its message names the value (top_p, top_k)
         raise bad_request(str(e), param=str(e).split("=", 1)[0]) from None
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     options = req.stream_options
-    return Prepared(prompt_ids=ids, params=params, stops=tuple(s for s in stops if s), stream=bool(req.stream),
-                    include_usage=bool(req.stream and options and options.include_usage),
-                    return_token_ids=bool(req.return_token_ids))
+    return Prepared(
+        prompt_ids=ids,
+        params=params,
+        stops=tuple(s for s in stops if s),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream and options and options.include_usage),
+        return_token_ids=bool(req.return_token_ids),
+    )
 
 
 def _refuse_unsupported(req) -> None:
     if req.n not in (None, 1):
-        raise bad_request(f"n={req.n} is not supported: shardlm returns one choice per request; send {req.n} "
-                          f"requests with n=1 (and different seeds) instead", param="n")
+        raise bad_request(
+            f"n={req.n} is not supported: shardlm returns one choice per request; send {req.n} "
+            f"requests with n=1 (and different seeds) instead",
+            param="n",
+        )
     unsupported = {
         "presence_penalty": req.presence_penalty not in (None, 0),
         "frequency_penalty": req.frequency_penalty not in (None, 0),
-        "logit_bias": bool(req.logit_bias), "logprobs": req.logprobs not in (None, False, 0),
-        "top_logprobs": getattr(req, "top_logprobs", None) not in (None, 0), "tools": bool(getattr(req, "tools", None)),
-        "echo": bool(getattr(req, "echo", None)), "suffix": bool(getattr(req, "suffix", None)),
+        "logit_bias": bool(req.logit_bias),
+        "logprobs": req.logprobs not in (None, False, 0),
+        "top_logprobs": getattr(req, "top_logprobs", None) not in (None, 0),
+        "tools": bool(getattr(req, "tools", None)),
+        "echo": bool(getattr(req, "echo", None)),
+        "suffix": bool(getattr(req, "suffix", None)),
         "best_of": getattr(req, "best_of", None) not in (None, 1),
     }
     for name, given in unsupported.items():
         if given:
-            raise bad_request(f"{name} is not supported by shardlm; leave it out (supported: temperature, top_p, "
-                              f"top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)", param=name)
+            raise bad_request(
+                f"{name} is not supported by shardlm; leave it out (supported: temperature, top_p, "
+                f"top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)",
+                param=name,
+            )
 
 
 def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
     if not req.messages:
-        raise bad_request("messages is empty; give at least one, e.g. [{\"role\": \"user\", \"content\": \"Hello\"}]",
-                          param="messages")
+        raise bad_request(
+            'messages is empty; give at least one, e.g. [{"role": "user", "content": "Hello"}]', param="messages"
+        )
     messages = []
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
-            raise bad_request(f"messages[{i}].role={m.role!r} is not a role; use one of {', '.join(sorted(ROLES))}",
-                              param=f"messages[{i}].role")
+            raise bad_request(
+                f"messages[{i}].role={m.role!r} is not a role; use one of {', '.join(sorted(ROLES))}",
+                param=f"messages[{i}].role",
+            )
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content[{j}] is of type {part.type!r}; this model reads text "
-                                      f"only: {{\"type\": \"text\", \"text\": ...}}", param=f"messages[{i}].content")
+                    raise bad_request(
+                        f"messages[{i}].content[{j}] is of type {part.type!r}; this model reads text "
+                        f'only: {{"type": "text", "text": ...}}',
+                        param=f"messages[{i}].content",
+                    )
             content = "".join(p.text for p in content)
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
@@ -192,8 +231,10 @@ def _completion_ids(req: CompletionRequest, engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise bad_request(f"prompt holds {len(prompt)} prompts; send one prompt per request (a string or a "
-                              f"list of token ids)", param="prompt")
+            raise bad_request(
+                f"prompt holds {len(prompt)} prompts; send one prompt per request (a string or a list of token ids)",
+                param="prompt",
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt)

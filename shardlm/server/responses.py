@@ -43,8 +43,11 @@ class Shape:
         return choice
 
     def full(self, text: str) -> dict:
-        return {**self._head(self.object), "choices": [self._choice(text, self.gen.finish_reason, self.gen.token_ids)],
-                "usage": self.gen.usage()}
+        return {
+            **self._head(self.object),
+            "choices": [self._choice(text, self.gen.finish_reason, self.gen.token_ids)],
+            "usage": self.gen.usage(),
+        }
 
     def opening(self) -> list[dict]:
         """Chunks sent before the first text."""
@@ -54,8 +57,10 @@ class Shape:
         """A chunk for this delta, or None when it has nothing to say."""
         if not delta.text and delta.finish_reason is None and not self.gen.prepared.return_token_ids:
             return None
-        body = {**self._head(self.chunk_object),
-                "choices": [self._chunk_choice(delta.text, delta.finish_reason, delta.token_ids)]}
+        body = {
+            **self._head(self.chunk_object),
+            "choices": [self._chunk_choice(delta.text, delta.finish_reason, delta.token_ids)],
+        }
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
@@ -71,13 +76,21 @@ class ChatShape(Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def _choice(self, content, finish_reason, token_ids):
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         return self._ids(choice, token_ids)
 
     def opening(self) -> list[dict]:
-        body = {**self._head(self.chunk_object), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        body = {
+            **self._head(self.chunk_object),
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
         if self.include_usage:
             body["usage"] = None
         return [body]

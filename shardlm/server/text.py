@@ -39,5 +39,5 @@ class StopText:
             end, self.stopped = min(found), True
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out

@@ -39,9 +39,9 @@ def pieces(model: nn.Module) -> list[Piece]:
         if isinstance(m, ColumnParallelLinear):
             start = 0
             for (name, rows), n in zip(m.sources, m.out_sizes):
-                out.append(Piece(f"{name}.weight", rows, None, m.weight[start:start + n]))
+                out.append(Piece(f"{name}.weight", rows, None, m.weight[start : start + n]))
                 if m.bias is not None:
-                    out.append(Piece(f"{name}.bias", rows, None, m.bias[start:start + n]))
+                    out.append(Piece(f"{name}.bias", rows, None, m.bias[start : start + n]))
                 start += n
         elif isinstance(m, RowParallelLinear):
             out.append(Piece(f"{m.source}.weight", None, m.cols, m.weight))

@@ -14,10 +14,12 @@ class Batches:
             raise UsageError(f"seq_len={seq_len} and batch_size={batch_size} must be positive")
         n = (len(ids) - 1) // seq_len
         if n < batch_size:
-            raise UsageError(f"{source} has {len(ids)} tokens: {n} windows of {seq_len} + 1, fewer than one batch of "
-                             f"{batch_size}; use a smaller --batch-size or --seq-len, or more text")
+            raise UsageError(
+                f"{source} has {len(ids)} tokens: {n} windows of {seq_len} + 1, fewer than one batch of "
+                f"{batch_size}; use a smaller --batch-size or --seq-len, or more text"
+            )
         ids_t = torch.tensor(ids[: n * seq_len + 1])
-        self.windows = torch.stack([ids_t[i * seq_len: (i + 1) * seq_len + 1] for i in range(n)])  # [n, seq_len+1]
+        self.windows = torch.stack([ids_t[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])  # [n, seq_len+1]
         self.batch_size, self.seed = batch_size, seed
         self.per_epoch = n // batch_size  # a partial last batch is dropped
 
@@ -25,4 +27,4 @@ class Batches:
         """The global batch of ``step`` (from 0): [batch_size, seq_len + 1] token ids."""
         epoch, i = divmod(step, self.per_epoch)
         order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.windows[order[i * self.batch_size: (i + 1) * self.batch_size]]
+        return self.windows[order[i * self.batch_size : (i + 1) * self.batch_size]]

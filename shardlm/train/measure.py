@@ -35,11 +35,14 @@ def layer_activations(trainer, batch: torch.Tensor, layer: int) -> int:
     in one ``trainer.step(batch)``, parameters left out, and tensors the next layer saves too
     (the rotary tables every layer shares)."""
     if trainer.zero.stage == 3:  # the innermost saved-tensor hook wins: this one would displace ZeRO-3's
-        raise ValueError("layer_activations measures ZeRO stages 0-2: under ZeRO-3 its hook would replace the "
-                         "one that drops gathered weights, and count (and keep) them")
+        raise ValueError(
+            "layer_activations measures ZeRO stages 0-2: under ZeRO-3 its hook would replace the "
+            "one that drops gathered weights, and count (and keep) them"
+        )
     params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     counts: list[dict[int, int]] = []
-    for module in trainer.model.layers[layer:layer + 2]:
+    for module in trainer.model.layers[layer : layer + 2]:
+
         def counted(*args, forward=module.forward, **kwargs):
             with saved_for_backward(params) as saved:
                 out = forward(*args, **kwargs)
@@ -50,7 +53,7 @@ def layer_activations(trainer, batch: torch.Tensor, layer: int) -> int:
     try:
         trainer.step(batch)
     finally:
-        for module in trainer.model.layers[layer:layer + 2]:
+        for module in trainer.model.layers[layer : layer + 2]:
             del module.forward  # the class's forward again
     mine, nxt = counts[0], counts[1]
     return sum(n for ptr, n in mine.items() if ptr not in nxt)

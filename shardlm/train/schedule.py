@@ -23,8 +23,9 @@ from shardlm.parallel.comm import recv
 from shardlm.parallel.pipeline import StageLinks
 
 
-def one_f_one_b(stage: int, stages: int, micro_batches: int, forward: Callable[[int], None],
-                backward: Callable[[int], None]) -> None:
+def one_f_one_b(
+    stage: int, stages: int, micro_batches: int, forward: Callable[[int], None], backward: Callable[[int], None]
+) -> None:
     """Call forward(i) and backward(i) for i in range(micro_batches) in 1F1B order for ``stage``."""
     warmup = min(stages - 1 - stage, micro_batches)
     for i in range(warmup):

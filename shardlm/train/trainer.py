@@ -65,7 +65,7 @@ class TrainConfig:
     """Weights, activations and gradients: float32, or bfloat16 / float16 with float32 master
     weights in the optimizer (mixed precision; gradients are summed over ranks in float32);
     float16 with dynamic loss scaling."""
-    loss_scale: float = 2.0 ** 16
+    loss_scale: float = 2.0**16
     """float16: the initial loss scale; halved and the step skipped whenever a gradient overflows,
     doubled after 2000 steps in a row without (PyTorch GradScaler's defaults)."""
     lr: float = 1e-4
@@ -91,8 +91,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.zero not in STAGES:
-            raise UsageError(f"zero={self.zero!r} is not a ZeRO stage; use one of {STAGES} (0: plain data "
-                             f"parallel, 1: optimizer state sharded, 2: + gradients, 3: + weights)")
+            raise UsageError(
+                f"zero={self.zero!r} is not a ZeRO stage; use one of {STAGES} (0: plain data "
+                f"parallel, 1: optimizer state sharded, 2: + gradients, 3: + weights)"
+            )
         if self.lr <= 0:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
@@ -116,17 +118,22 @@ class TrainConfig:
 def check_trainable(cfg, tp: int) -> None:
     """Refuse what training does not support yet, with the reason."""
     if cfg.qk_norm:
-        raise UsageError("training a model with per-head q/k norms (Qwen3) is not supported yet: shardlm stores "
-                         "that norm's weight once per head, so its gradients would not be summed")
+        raise UsageError(
+            "training a model with per-head q/k norms (Qwen3) is not supported yet: shardlm stores "
+            "that norm's weight once per head, so its gradients would not be summed"
+        )
     if cfg.is_moe:
-        raise UsageError("training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, "
-                         "SmolLM2) train")
+        raise UsageError(
+            "training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, SmolLM2) train"
+        )
     parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, tp, r) for r in range(tp)]
     if any(a.kv.stop > b.kv.start for a, b in zip(parts, parts[1:])):
         ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_kv_heads % t == 0]
-        raise LayoutError(f"tp={tp} splits a KV head's query group over two ranks ({cfg.num_heads} query heads, "
-                          f"{cfg.num_kv_heads} KV heads): inference holds that KV head on both, training would "
-                          f"have to sum its gradients across them, which it does not; use tp in {ok}")
+        raise LayoutError(
+            f"tp={tp} splits a KV head's query group over two ranks ({cfg.num_heads} query heads, "
+            f"{cfg.num_kv_heads} KV heads): inference holds that KV head on both, training would "
+            f"have to sum its gradients across them, which it does not; use tp in {ok}"
+        )
 
 
 def replicated_over_tp(model: torch.nn.Module) -> set[int]:
@@ -200,8 +207,9 @@ class Trainer:
         check_trainable(ckpt.config, dims.tp)
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
         self.dtype = getattr(torch, config.dtype)
-        self.model = model = load_model(ckpt, dims, dtype=self.dtype, layers=layers,
-                                        sequence_parallel=config.sequence_parallel)
+        self.model = model = load_model(
+            ckpt, dims, dtype=self.dtype, layers=layers, sequence_parallel=config.sequence_parallel
+        )
         model.train().requires_grad_(True)
         self.vocab_start = model.lm_head.rows.start if model.last else 0
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
@@ -215,8 +223,9 @@ class Trainer:
         if config.recompute == "full":  # around ZeRO-3's gathering wrapper: the recomputation gathers again
             for i, layer in enumerate(model.layers):
                 model.layers[i] = Recomputed(layer)
-        self.optimizer = torch.optim.AdamW(self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if config.dtype == "float16" else None
 
@@ -238,20 +247,27 @@ class Trainer:
         if batch.dim() != 2 or batch.shape[1] < 2:
             raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")
         if batch.shape[0] % (dp * self.config.grad_accum):
-            raise UsageError(f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
-                             f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
-                             f"{dp * self.config.grad_accum}")
+            raise UsageError(
+                f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
+                f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
+                f"{dp * self.config.grad_accum}"
+            )
         seq_len = batch.shape[1] - 1
         micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
         tokens = micros[0][0].numel()  # per micro-batch on this rank
         sp = self.config.sequence_parallel and self.dims.tp > 1
         if sp and tokens % self.dims.tp:
-            raise UsageError(f"sequence parallelism splits a micro-batch's {tokens} tokens over tp={self.dims.tp} "
-                             f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them")
+            raise UsageError(
+                f"sequence parallelism splits a micro-batch's {tokens} tokens over tp={self.dims.tp} "
+                f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them"
+            )
         group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
         count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
-        meta = causal_metadata([seq_len] * micros[0][0].shape[0]) if self.dims.cp == 1 else \
-            ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention)
+        meta = (
+            causal_metadata([seq_len] * micros[0][0].shape[0])
+            if self.dims.cp == 1
+            else ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention)
+        )
         io = StageIO(self.dims)
         scale = self.scaler.scale if self.scaler else 1.0
         hidden = self.checkpoint.config.hidden_size
@@ -263,8 +279,9 @@ class Trainer:
             b = inputs.shape[0]
             local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
             x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), self.dtype)
-            out = self.zero.forward(x, positions.repeat(b), meta, [None] * len(self.model.layers),
-                                    local_logits=True)  # last stage: [tokens, local vocab] logits
+            out = self.zero.forward(
+                x, positions.repeat(b), meta, [None] * len(self.model.layers), local_logits=True
+            )  # last stage: [tokens, local vocab] logits
             if io.last:
                 loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
                 total += loss.detach().sum().double()
@@ -294,12 +311,19 @@ class Trainer:
             self.zero.after_step()
         self.steps += 1
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
-            t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+            t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+        )
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
-        return {"loss": float(loss), "grad_norm": float(norm), "tokens": int(count), **extra,
-                "seconds": time.perf_counter() - start, "state_bytes": held,
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+        return {
+            "loss": float(loss),
+            "grad_norm": float(norm),
+            "tokens": int(count),
+            **extra,
+            "seconds": time.perf_counter() - start,
+            "state_bytes": held,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }  # Linux: KiB
 
     def save_state(self, directory: str) -> str:
         """Write what resuming needs after the steps taken so far (collective): each rank its
@@ -312,14 +336,17 @@ class Trainer:
         mine = folder / f"rank-{self.dims.global_rank}.pt"
         masters = [m.detach().clone() for m in self.zero.shards()]  # a view would save its whole buffer
         scaler = None if self.scaler is None else vars(self.scaler)
-        torch.save({"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict(),
-                    "loss_scaler": scaler}, mine.with_suffix(".tmp"))
+        torch.save(
+            {"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict(), "loss_scaler": scaler},
+            mine.with_suffix(".tmp"),
+        )
         mine.with_suffix(".tmp").replace(mine)
         _all_ranks_here()  # every rank's file is written before meta.json names the folder
         if self.dims.global_rank == 0:
             meta = root / "meta.json"
-            meta.with_suffix(".tmp").write_text(json.dumps({"step": self.steps, "folder": folder.name,
-                                                            "layout": self._state_layout()}))
+            meta.with_suffix(".tmp").write_text(
+                json.dumps({"step": self.steps, "folder": folder.name, "layout": self._state_layout()})
+            )
             meta.with_suffix(".tmp").replace(meta)
             for old in root.glob("step-*"):
                 if old != folder:
@@ -335,15 +362,20 @@ class Trainer:
         try:
             meta = json.loads((root / "meta.json").read_text())
         except FileNotFoundError:
-            raise UsageError(f"{directory!r} holds no training state (no state/meta.json); "
-                             "save one with save_state / --checkpoint") from None
+            raise UsageError(
+                f"{directory!r} holds no training state (no state/meta.json); save one with save_state / --checkpoint"
+            ) from None
         if meta["layout"] != self._state_layout():
-            raise UsageError(f"the training state in {directory!r} was saved with {meta['layout']}, this run is "
-                             f"{self._state_layout()}; resume with the layout it was saved with")
+            raise UsageError(
+                f"the training state in {directory!r} was saved with {meta['layout']}, this run is "
+                f"{self._state_layout()}; resume with the layout it was saved with"
+            )
         saved = torch.load(root / meta["folder"] / f"rank-{self.dims.global_rank}.pt", weights_only=True)
         if saved["step"] != meta["step"]:
-            raise UsageError(f"{root / meta['folder']} holds step {saved['step']} for rank "
-                             f"{self.dims.global_rank} but meta.json says {meta['step']}; the state is damaged")
+            raise UsageError(
+                f"{root / meta['folder']} holds step {saved['step']} for rank "
+                f"{self.dims.global_rank} but meta.json says {meta['step']}; the state is damaged"
+            )
         self.zero.load_masters(saved["masters"])
         self.optimizer.load_state_dict(saved["optimizer"])
         c = self.config
@@ -356,8 +388,7 @@ class Trainer:
 
     def _state_layout(self) -> dict:
         c = self.config
-        return {"model": str(c.model), "dp": c.dp, "pp": c.pp, "cp": c.cp, "tp": c.tp, "zero": c.zero,
-                "dtype": c.dtype}
+        return {"model": str(c.model), "dp": c.dp, "pp": c.pp, "cp": c.cp, "tp": c.tp, "zero": c.zero, "dtype": c.dtype}
 
     def save(self, directory: str) -> str:
         """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""
@@ -369,6 +400,7 @@ class Trainer:
         """This rank's (inputs [b, n], targets [b, n], positions [n]) of sequences [b, seq_len + 1]:
         every position, or under cp the zig-zag share of them (targets are the next tokens)."""
         seq_len = ids.shape[1] - 1
-        positions = torch.arange(seq_len) if self.dims.cp == 1 else \
-            zigzag_positions(seq_len, self.dims.cp, self.dims.cp_rank)
+        positions = (
+            torch.arange(seq_len) if self.dims.cp == 1 else zigzag_positions(seq_len, self.dims.cp, self.dims.cp_rank)
+        )
         return ids[:, positions], ids[:, positions + 1], positions

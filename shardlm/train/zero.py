@@ -63,7 +63,7 @@ class Unit:
         self.flat_grad: Tensor | None = None  # stages 0-1: the gradients' flat buffer during backward
         self.regathered: Tensor | None = None  # stage 3: weights gathered again for backward
         if stage == 3:
-            self.shard = nn.Parameter(flat[self.lo:self.hi].clone())
+            self.shard = nn.Parameter(flat[self.lo : self.hi].clone())
             for p in self.params:  # released: a stage-3 rank holds only its shard
                 p.data = p.data.new_empty(0)
                 p.requires_grad_(False)
@@ -71,7 +71,7 @@ class Unit:
             self.flat = flat
             for p, view in zip(self.params, self.views(flat)):
                 p.data = view  # the model's parameters live in the flat vector
-            self.shard = nn.Parameter(flat[self.lo:self.hi])  # a view: the optimizer updates the model
+            self.shard = nn.Parameter(flat[self.lo : self.hi])  # a view: the optimizer updates the model
         # what the optimizer steps on: the shard itself in float32; for 16-bit weights a float32
         # master copy of it (mixed precision, ZeRO §3: K = 12 bytes of state per parameter)
         wide = self.shard.dtype == torch.float32
@@ -82,7 +82,7 @@ class Unit:
         out, offset = [], 0
         for shape in self.shapes:
             n = shape.numel()
-            out.append(flat[offset:offset + n].view(shape))
+            out.append(flat[offset : offset + n].view(shape))
             offset += n
         return out
 
@@ -129,7 +129,7 @@ class Unit:
         for a, b, w in self.tp_weighted:
             a, b = max(a, self.lo), min(b, self.hi)
             if a < b:
-                total -= (1 - w) * torch.linalg.vector_norm(g[a - self.lo:b - self.lo]) ** 2
+                total -= (1 - w) * torch.linalg.vector_norm(g[a - self.lo : b - self.lo]) ** 2
         return total
 
     # ---- weights -------------------------------------------------------------------------
@@ -195,13 +195,16 @@ class Zero:
     ``start_backward``, the forward through ``forward`` and backward, ``finish_backward``, the
     optimizer over ``shards()``, ``after_step``."""
 
-    def __init__(self, model: nn.Module, group, tp: int, stage: int, replicated: set[int],
-                 tied: nn.Parameter | None = None):
+    def __init__(
+        self, model: nn.Module, group, tp: int, stage: int, replicated: set[int], tied: nn.Parameter | None = None
+    ):
         """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
         in a unit of its own, laid out alike on both stages, so its gradients can be summed across."""
         if stage not in STAGES:
-            raise ValueError(f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
-                             f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)")
+            raise ValueError(
+                f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
+                f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)"
+            )
         self.stage, self.model = stage, model
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
