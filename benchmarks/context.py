@@ -22,7 +22,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from common import load_note, spawn_ranks
 
 Q_HEADS, KV_HEADS, D = 9, 3, 64

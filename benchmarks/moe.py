@@ -19,7 +19,7 @@ output tokens/s of the whole batch (prefill + decode wall time, best of --repeat
 ratio to the ep1 peer, expert weight memory per rank, the share of a rank's time spent in
 expert collectives (all-to-all / all-reduce), and the load imbalance (max/mean tokens per
 ep rank, mean over layers). The ranks drive the model with the tests' minimal DP-attention
-loop (``tests/moe_rankfns.py``), so the engine's scheduler is not part of the measurement.
+loop (``tests/harness/moe_rankfns.py``), so the engine's scheduler is not part of the measurement.
 
     python benchmarks/moe.py [--prompts 16] [--new-tokens 16] [--repeats 3]
 """
@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import spawn_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -72,8 +71,8 @@ def run_ranks(rank: int, world: int, port: int, path: str, prompts, new_tokens: 
     """Every layout (and an EPLB copy of each ep2 one) built side by side on this rank, then
     timed interleaved, so a change in the machine's load hits every layout alike."""
     import torch.distributed as dist
+    from harness.moe_rankfns import MiniRunner, greedy
 
-    from moe_rankfns import MiniRunner, greedy
     from shardlm.models.loader import load_model, open_checkpoint
     from shardlm.models.moe import idle_forward, moe_blocks
     from shardlm.parallel.dims import ParallelDims

@@ -15,6 +15,7 @@ import argparse
 import time
 
 from common import chat_prompts, load_note
+
 from shardlm import LLM, SamplingParams
 
 

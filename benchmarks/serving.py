@@ -35,7 +35,6 @@ import threading
 import time
 
 import torch
-
 from common import QUESTIONS
 
 REQUEST_TIMEOUT_S = 600

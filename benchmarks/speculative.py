@@ -18,6 +18,7 @@ import argparse
 import statistics
 
 from common import load_note
+
 from shardlm import LLM, SamplingParams
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef neg(a):\n    return -a\n"

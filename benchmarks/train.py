@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-
 from common import load_note
 
 
@@ -50,7 +49,7 @@ def hf_step(model, opt, batch) -> float:
 
 
 def step_times(args) -> None:
-    from shardlm.train.trainer import Trainer, TrainConfig
+    from shardlm.train.trainer import TrainConfig, Trainer
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 49152, (args.batch, args.seq_len + 1), generator=g) for _ in range(args.repeats + 1)]
@@ -78,7 +77,7 @@ def step_times(args) -> None:
 
 def recompute_memory() -> None:
     from shardlm.launch import LocalRanks
-    from shardlm.train.trainer import Trainer, TrainConfig
+    from shardlm.train.trainer import TrainConfig, Trainer
 
     batch = torch.randint(0, 49152, (4, 513), generator=torch.Generator().manual_seed(2)).tolist()
     print("\nactivation recomputation, 1 rank, 4 x 512 tokens: peak RSS and the second step's time")
@@ -105,7 +104,7 @@ def activation_bytes() -> None:
     from shardlm.plan.memory import layer_shape
     from shardlm.plan.roofline import ModelCosts
     from shardlm.train.measure import layer_activations
-    from shardlm.train.trainer import Trainer, TrainConfig
+    from shardlm.train.trainer import TrainConfig, Trainer
 
     print("\nactivations a layer saves for backward, SmolLM2 bfloat16: measured / planner (MiB)")
     print(f"{'batch x seq':>12} {'recompute':>9} {'measured':>9} {'planner':>8} {'ratio':>6}")
@@ -125,7 +124,7 @@ def activation_bytes() -> None:
 def zero_memory(args) -> None:
     from shardlm.launch import LocalRanks
     from shardlm.plan.zero import model_states
-    from shardlm.train.trainer import Trainer, TrainConfig
+    from shardlm.train.trainer import TrainConfig, Trainer
 
     batch = torch.randint(0, 49152, (2, args.seq_len + 1), generator=torch.Generator().manual_seed(1)).tolist()
     print("\nZeRO at dp=2, SmolLM2 float32 + AdamW: MiB per rank, measured / formula")

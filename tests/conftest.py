@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import math
 
-from reference import SMOLLM2_QUESTIONS, build_tiny, load_hf_smollm2, smollm2_reference
+import pytest
+from harness.reference import SMOLLM2_QUESTIONS, build_tiny, load_hf_smollm2, smollm2_reference
 
 
 @pytest.fixture(scope="session")

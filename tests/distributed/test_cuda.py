@@ -1,0 +1,83 @@
+"""The CUDA path: the engine on a GPU inside an NCCL process group (world size 1) gives HF
+transformers' greedy tokens and logits, eager and compiled; and ``device`` picks and checks
+the GPU. Skipped where no GPU is present (CI has none); on a GPU host: ``pytest tests/distributed/test_cuda.py``.
+
+Tolerance: as on CPU (test_tp_models): float32 tokens identical to HF's (recorded on CPU) and
+logits within rtol = atol = 1e-4. CUDA sums in another order than the CPU kernels (float32
+matmuls, no TF32: torch's default), which moves logits by ~1e-5 at these sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness.multirank import run_ranks, run_ranks_on
+from harness.rankfns import compiled_runs, greedy_and_logits, worker_device
+from harness.reference import NEW_TOKENS, PROMPTS, TINY_MODELS, build_tiny
+
+from shardlm import LLM, SamplingParams
+from shardlm.engine.config import resolve_device
+from shardlm.errors import UsageError
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_tiny_models_on_cuda_match_hf(tiny, name):
+    ref = tiny(name)
+    [(tokens, logits, _)] = run_ranks_on(
+        "nccl", 1, greedy_and_logits, str(ref.path), 1, PROMPTS, NEW_TOKENS, device="cuda"
+    )
+    assert tokens == ref.tokens
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_smollm2_on_cuda_matches_hf(smollm2):
+    path, prompts, ref, _ = smollm2
+    [(tokens, logits, _)] = run_ranks_on("nccl", 1, greedy_and_logits, path, 1, prompts, NEW_TOKENS, device="cuda")
+    assert tokens == ref.tokens
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_compiled_decode_on_cuda_matches_hf(tmp_path):
+    """compile=True on the GPU (inductor's Triton kernels): one graph per shape class, never
+    recompiled over other batches, contexts and early finishes (as test_compile on CPU)."""
+    ref = build_tiny("mistral", tmp_path, num_hidden_layers=2)
+    [(runs, classes, graphs)] = run_ranks_on(
+        "nccl", 1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, device="cuda"
+    )
+    assert classes == {False, True} and graphs == 2
+    for indices, max_tokens, tokens in runs:
+        assert tokens == [ref.tokens[i][:n] for i, n in zip(indices, max_tokens)], f"prompts {indices}"
+
+
+@needs_cuda
+def test_llm_without_process_group_runs_on_cuda(tiny):
+    """The public API in one process: device='auto' picks the GPU and gives HF's tokens."""
+    ref = tiny("llama")
+    with LLM(str(ref.path)) as llm:
+        assert llm.worker.device.type == "cuda"
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in out] == ref.tokens
+
+
+def test_auto_device_gives_each_rank_a_gpu_or_uses_cpu():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert resolve_device("auto", 1) == ("cuda" if gpus >= 1 else "cpu")
+    assert resolve_device("auto", gpus + 1) == "cpu"  # more ranks than GPUs: CPU, not a crash in set_device
+    assert resolve_device("cpu", 1) == "cpu"
+    with pytest.raises(UsageError, match=f"needs as many GPUs, and it has {gpus}; use fewer ranks per host"):
+        resolve_device("cuda", gpus + 1)
+
+
+def test_cuda_refused_in_a_gloo_group(tiny):
+    """A caller's gloo group cannot carry CUDA tensors: 'auto' stays on CPU, 'cuda' says why."""
+    ref = tiny("llama")
+    [device] = run_ranks(1, worker_device, str(ref.path), "auto")
+    assert device == "cpu"
+    if torch.cuda.is_available():
+        with pytest.raises(AssertionError, match="none of them NCCL"):
+            run_ranks(1, worker_device, str(ref.path), "cuda")

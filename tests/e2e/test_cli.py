@@ -1,0 +1,177 @@
+"""`shardlm generate` end to end: its own ranks, torchrun, the JSON contract, bad input, faults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from harness.cli import BIN, main_exit, shardlm
+
+from shardlm import LLM, SamplingParams
+from shardlm.errors import RankFailure
+
+PROMPT = "The capital of France is"
+
+
+def rank_processes() -> list[str]:
+    """Rank processes of this checkout's shardlm (another checkout's runs on the host are not ours)."""
+    out = subprocess.run(["pgrep", "-f", "-a", "shardlm.launch"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line and str(BIN) in line]
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens():
+    """Greedy tokens of the one-process path (itself checked against HF in test_smollm2)."""
+    with LLM("smollm2", threads=1) as llm:
+        return llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].token_ids
+
+
+def test_json_contract_at_tp2(single_rank_tokens):
+    r = shardlm(
+        "generate", "--tp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1", PROMPT, "Hello"
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(lines) == 3  # one object per prompt, then timing; logs went to stderr
+    first = lines[0]
+    assert first["prompt"] == PROMPT and first["token_ids"] == single_rank_tokens
+    from shardlm.models.loader import open_checkpoint
+
+    assert first["prompt_tokens"] == len(open_checkpoint("smollm2").tokenizer().encode(PROMPT))
+    assert first["completion_tokens"] == len(first["token_ids"]) == 8
+    assert lines[1]["prompt"] == "Hello" and lines[1]["token_ids"] != first["token_ids"]
+    timing = lines[2]["timing"]
+    assert timing["load_s"] > 0 and timing["ttft_s"] > 0 and timing["decode_tok_s"] > 0
+    assert len(timing["param_bytes_per_rank"]) == 2
+    assert "loading smollm2" in r.stderr
+    assert not rank_processes()
+
+
+def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
+    r = shardlm("generate", "--no-chat", "--max-new-tokens", "8", "--threads", "1", PROMPT)
+    assert r.returncode == 0, r.stderr
+    from shardlm.models.loader import open_checkpoint
+
+    assert r.stdout.strip() == open_checkpoint("smollm2").tokenizer().decode(single_rank_tokens).strip()
+    assert "decode" in r.stderr and "decode" not in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "10", "x"], "tp=10 is larger than the model's 9 attention heads"),
+        (
+            ["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
+            "does not fit the context of 8 tokens",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    """The real command: exit status 2, one error line, no traceback, no rank left behind."""
+    r = shardlm("generate", *args, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert not rank_processes()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model", "x"], "not found"),
+        (["--max-new-tokens", "0", "x"], "--max-new-tokens 0"),
+        (["--temperature", "-1", "x"], "temperature=-1.0"),
+        (["--top-p", "0", "x"], "top_p=0.0"),
+        (["--dtype", "int8", "x"], "invalid choice"),
+        (["--speculative-config", "{ngram", "x"], "'{ngram' is not JSON"),
+        (["--speculative-config", '{"method": "eagle"}', "x"], "speculative method='eagle' is not supported"),
+        (["--speculative-config", '{"num_speculative_tokens": -1}', "x"], "num_speculative_tokens=-1"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys):
+    """Caught before any rank starts: checked in this process (``main_exit``)."""
+    code, err = main_exit(["generate", *args], capsys)
+    assert code == 2 and message in err, (code, err)
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+
+
+def test_world_size_mismatch_under_torchrun():
+    env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    r = shardlm("generate", "--tp", "2", "x", env=env, timeout=120)
+    assert r.returncode == 2 and "needs 2 ranks but the world has 3" in r.stderr
+    assert "tp=3" in r.stderr  # a valid alternative is named
+
+
+def test_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    r = shardlm("generate", "--model", str(tmp_path), "x", timeout=120)
+    assert r.returncode == 2 and "unknown architecture" in r.stderr and "LlamaForCausalLM" in r.stderr
+
+
+def test_a_killed_rank_ends_the_run_with_a_message():
+    """Rank 1 is killed mid-generation: the driver raises within seconds, no rank survives."""
+    llm = LLM("smollm2", tp=2, threads=1)
+    victim = llm._ranks.procs[1]
+    seen = []
+
+    def kill_after_two(i, token):
+        seen.append(token)
+        if len(seen) == 2:
+            victim.kill()
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank [01] (died|failed)"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), on_token=kill_after_two)
+    assert time.monotonic() - start < 60
+    assert len(seen) < 200
+    assert all(p.poll() is not None for p in llm._ranks.procs) if llm._ranks else True
+    assert not rank_processes()
+
+
+def test_python_api_needs_no_main_guard(tmp_path):
+    """Ranks are not spawned by re-running the caller's script, so a plain script works."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from shardlm import LLM, SamplingParams\n"
+        "llm = LLM('smollm2', tp=2, threads=1)\n"
+        f"print(llm.generate({PROMPT!r}, SamplingParams(max_tokens=4))[0].token_ids)\n"
+        "llm.close()\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout.strip().splitlines()[-1])) == 4
+
+
+def test_runs_unchanged_under_torchrun(single_rank_tokens):
+    r = subprocess.run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardlm.cli",
+            "generate",
+            "--tp",
+            "2",
+            "--no-chat",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2  # rank 0 alone prints: one result and the timing line
+    assert lines[0]["token_ids"] == single_rank_tokens

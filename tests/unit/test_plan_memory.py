@@ -1,0 +1,161 @@
+"""Planner memory model against published numbers (each test names its source)."""
+
+import pytest
+
+from shardlm.parallel.pipeline import stage_layers
+from shardlm.plan.activations import LayerShape, in_flight_microbatches, korthikanti_table2, layer_activation_bytes
+from shardlm.plan.catalog import load_model, model_names
+from shardlm.plan.shard import active_params, head_split, rank_layer, stage_params, total_params
+from shardlm.plan.zero import deepspeed_zero2_bytes, deepspeed_zero3_bytes, model_states
+
+GiB = 2**30
+
+
+def test_zero_paper_7_5b_on_64_gpus():
+    # Rajbhandari et al. 2019, Figure 1: Psi = 7.5B, N_d = 64, K = 12 -> 120 / 31.4 / 16.6 / 1.9 GB
+    got = [model_states(7.5e9, dp=64, stage=s).total / 1e9 for s in (0, 1, 2, 3)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_deepspeed_estimator_t5_3b():
+    # DeepSpeed's memory estimator for t5-3b (2851M params; largest layer = the 32128 x 1024
+    # shared embedding) on 1 node x 8 GPUs prints 15.93 GB (ZeRO-2) and 6.10 GB (ZeRO-3), binary GB
+    total, largest = 2851e6, 32128 * 1024
+    assert round(deepspeed_zero2_bytes(total, 8) / GiB, 2) == 15.93
+    assert round(deepspeed_zero3_bytes(total, largest, 8) / GiB, 2) == 6.10
+
+
+@pytest.mark.parametrize("sp,recompute,expected", [(False, "none", 66.84), (True, "selective", 12.35)])
+def test_korthikanti_175b_figure1(sp, recompute, expected):
+    # GPT-3 175B, s=2048, b=1, h=12288, a=96, L=96, t=8; the first stage of the interleaved
+    # schedule (p=8, 3 chunks) holds L (1 + (p-1)/(p m)) layers' worth (Korthikanti §4.2.3)
+    per_layer = layer_activation_bytes(
+        LayerShape.gpt(12288, 96), seq=2048, micro_batch=1, tp=8, sp=sp, recompute=recompute
+    )
+    assert per_layer == korthikanti_table2(s=2048, b=1, h=12288, a=96, t=8, sp=sp, selective=recompute == "selective")
+    layers_per_stage, p, v = 96 // 8, 8, 3
+    total = per_layer * layers_per_stage * in_flight_microbatches("interleaved", pp=p, num_micro=64, virtual=v)
+    assert round(total / GiB, 2) == expected
+
+
+def test_table2_rows_and_full_recompute():
+    s, b, h, a, t = 2048, 4, 4096, 32, 4
+    shape = LayerShape.gpt(h, a)
+    sbh = s * b * h
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b) == sbh * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=t, recompute="selective") == sbh * (10 + 24 / t)
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=t, recompute="full") == 2 * sbh
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=t, sp=True, recompute="full") == 2 * sbh / t
+
+
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("llama-3-8b", 8.03),
+        ("llama-3-70b", 70.55),
+        ("llama-3.1-405b", 405.85),
+        ("mixtral-8x7b", 46.70),
+        ("mixtral-8x22b", 140.63),
+        ("qwen2.5-72b", 72.71),
+        ("qwen3-235b-a22b", 235.09),
+        ("deepseek-v3", 671.03),
+        ("smollm2", 0.1345),
+    ],
+)
+def test_preset_parameter_counts(name, billions):
+    # published sizes: Meta (8.03B, 70.6B, 405B), Mistral (46.7B, 141B), Qwen (72.7B, 235B),
+    # DeepSeek-V3 report (671B without the MTP module), SmolLM2-135M (134.5M)
+    cfg, _ = load_model(name)
+    assert total_params(cfg) / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+def test_active_params_moe():
+    # Mixtral 8x7B: 12.9B active; Qwen3-235B-A22B: 22B; DeepSeek-V3: 37B (incl. the 0.9B head)
+    for name, active in (("mixtral-8x7b", 12.9), ("qwen3-235b-a22b", 22.2), ("deepseek-v3", 37.5)):
+        assert active_params(load_model(name)[0]) / 1e9 == pytest.approx(active, rel=0.01)
+
+
+def test_every_preset_parses_with_a_source():
+    import json
+
+    from shardlm.plan.catalog import _presets
+
+    for name in model_names():
+        assert json.loads(_presets()[name].read_text())["_source"].startswith("https://")
+
+
+def test_uneven_heads_replicate_kv():
+    # SmolLM2: 9 query heads, 3 KV heads (3 queries each). tp=4 splits queries 3,2,2,2:
+    # rank 2 holds queries 5-6, which read KV heads 1 and 2 -> both replicated there
+    assert head_split(9, 3, 4) == [(3, 1), (2, 1), (2, 2), (2, 1)]
+    assert head_split(9, 3, 2) == [(5, 2), (4, 2)]
+    assert head_split(64, 8, 8) == [(8, 1)] * 8
+
+
+def test_head_split_matches_the_runtime_partition():
+    tensor = pytest.importorskip("shardlm.parallel.tensor")
+    for heads, kv, tp in ((9, 3, 4), (9, 3, 2), (9, 3, 9), (32, 8, 3), (14, 2, 4)):
+        runtime = [tensor.partition_heads(heads, kv, tp, r) for r in range(tp)]
+        assert head_split(heads, kv, tp) == [(p.num_q, p.num_kv) for p in runtime]
+
+
+def test_largest_rank_is_reported_and_pp_splits_embeddings():
+    cfg, _ = load_model("smollm2")
+    # tp=4: rank 2 has fewer query heads than rank 0 but more KV heads; the largest total wins
+    rl = rank_layer(cfg, 0, tp=4)
+    h, d = cfg.hidden_size, cfg.head_dim
+
+    def attn(q, kv):
+        return 2 * h + h * d * (q + 2 * kv) + q * d * h
+
+    assert rl.attn + rl.dense == max(attn(q, kv) + 3 * h * r for (q, kv), r in zip(head_split(9, 3, 4), (384,) * 4))
+    # tied embeddings: one copy at pp=1, one per end stage at pp=2 (the head sits on the last)
+    one = stage_params(cfg, tp=1, pp=1)[0]
+    two = stage_params(cfg, tp=1, pp=2)
+    embed = cfg.vocab_size * h
+    assert sum(two) == one + embed
+    first, last = (len(r) for r in stage_layers(cfg, 2))  # the engine's split: 19 + 11 for SmolLM2
+    layer = rank_layer(cfg, 0, tp=1).total
+    assert two == [first * layer + embed, last * layer + h + embed]  # the last also holds the final norm
+
+
+def test_mla_kv_cache_and_gqa_kv_cache():
+    from shardlm.plan.roofline import kv_bytes_per_token
+
+    ds, _ = load_model("deepseek-v3")
+    rl = rank_layer(ds, 10, tp=8)
+    assert kv_bytes_per_token(ds, rl, 2) == (512 + 64) * 2  # latent + RoPE key, replicated over tp
+    llama, _ = load_model("llama-3-70b")
+    assert kv_bytes_per_token(llama, rank_layer(llama, 0, tp=8), 2) == 2 * 1 * 128 * 2  # one KV head per rank
+    assert kv_bytes_per_token(llama, rank_layer(llama, 0, tp=16), 2) == 2 * 1 * 128 * 2  # replicated, not halved
+
+
+def test_expert_parallel_divides_experts():
+    cfg, _ = load_model("deepseek-v3")
+    assert rank_layer(cfg, 60, tp=8, ep=8).experts == 32
+    assert rank_layer(cfg, 60, tp=8, ep=64).experts == 4
+    assert rank_layer(cfg, 0, tp=8, ep=64).experts == 0  # first_k_dense layers have no experts
+
+
+@pytest.mark.parametrize("kv_dtype,engine_dtype", [("bf16", "bfloat16"), ("int8", "int8"), ("fp8", "fp8")])
+def test_planner_kv_bytes_equal_the_engines_cache(kv_dtype, engine_dtype):
+    """KV bytes a token costs (SmolLM2, one rank): the planner's count against the block size the
+    engine allocates per token for --kv-cache-dtype (int8: head_dim + 4 bytes a row for its scale)."""
+    import torch
+
+    from shardlm.engine.config import DTYPES, KV_CACHE_DTYPES
+    from shardlm.engine.model_runner import ModelRunner
+    from shardlm.models.loader import load_model as load_shards
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.parallel.dims import ParallelDims
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import kv_bytes_per_seq_token
+    from shardlm.plan.roofline import ModelCosts, kv_element_bytes
+
+    ckpt = open_checkpoint("smollm2")
+    model = load_shards(ckpt, ParallelDims().build_mesh("cpu"), dtype=torch.bfloat16, layers=range(1))
+    per_layer = ModelRunner.kv_bytes_per_block(model, 16, {**DTYPES, **KV_CACHE_DTYPES}[engine_dtype]) / 16
+    costs = ModelCosts(ckpt.config)
+    planned = kv_bytes_per_seq_token(costs, Layout(), kv_element_bytes(ckpt.config, kv_dtype))
+    assert planned == pytest.approx(per_layer * ckpt.config.num_layers, rel=1e-12)
