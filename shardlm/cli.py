@@ -9,125 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
-UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def byte_size(text: str) -> int:
-    """'2GiB', '512M', '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB or 1000000000")
-    return int(float(m.group(1)) * UNITS[m.group(2)])
-
-
-def layer_counts(text: str) -> tuple[int, ...]:
-    """'10,10,10' -> (10, 10, 10)."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of layer counts; write e.g. 10,10,10") from None
-
-
-def json_object(text: str) -> dict:
-    """'{"method": "ngram"}' -> a dict."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f'{text!r} is not JSON ({e.msg}); write e.g. \'{{"method": "ngram", "num_speculative_tokens": 4}}\''
-        ) from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f'{text!r} is not a JSON object; write e.g. \'{{"method": "ngram"}}\'')
-    return value
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    """The model and its layout over ranks: shared by generate and serve."""
-    p.add_argument(
-        "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
-    )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
-    p.add_argument(
-        "--pp-layers",
-        type=layer_counts,
-        default=None,
-        metavar="N,N,...",
-        help="layers per pipeline stage, e.g. 10,10,10 (default: balanced by per-token work)",
-    )
-    p.add_argument(
-        "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
-    )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
-    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8"],
-        help="int8: weight-only int8 linear layers (a scale per output row); embedding and LM head stay",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-        help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head) or "
-        "fp8: 2-4x the tokens per GiB",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto: cuda when this host has a GPU per rank, else cpu",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="run decode steps through torch.compile: faster decoding after a one-time compile "
-        "(tens of seconds, cached on disk); dense models",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=json_object,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        "(drafts looked up in each sequence's history; greedy output unchanged)",
-    )
-
-
-def layout_options(args) -> dict:
-    """The EngineConfig fields that add_layout_args' flags set."""
-    return dict(
-        tp=args.tp,
-        pp=args.pp,
-        dp=args.dp,
-        ep=args.ep,
-        etp=args.etp,
-        pp_layers=args.pp_layers,
-        micro_batches=args.micro_batches,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-        compile=args.compile,
-        enforce_eager=args.enforce_eager,
-        speculative_config=args.speculative_config,
-    )
+from shardlm.args import add_layout_args, byte_size, layout_options, log
 
 
 def add_generate(sub) -> None:
@@ -161,9 +46,9 @@ def run_generate(args) -> int:
     from shardlm.engine.config import EngineConfig
     from shardlm.engine.llm import LLM, check_layout
     from shardlm.engine.sampling import SamplingParams
-    from shardlm.engine.tokenizer import IncrementalDecoder
     from shardlm.launch import torchrun_env
     from shardlm.models.loader import open_checkpoint
+    from shardlm.models.tokenizer import IncrementalDecoder
 
     speaker = (torchrun_env() or {"rank": 0})["rank"] == 0
     prompts = args.prompts or ([sys.stdin.read()] if not sys.stdin.isatty() else [])

@@ -10,11 +10,7 @@ import argparse
 import json
 import sys
 
-
-def _byte_size(text: str) -> int:
-    from shardlm.cli import byte_size
-
-    return byte_size(text)
+from shardlm.args import byte_size
 
 
 def _names(text: str) -> list[str]:
@@ -38,8 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     c.add_argument("--ranks", type=int, default=2, help="ranks to start on this host (default 2)")
     c.add_argument("--ops", type=_names, default=list(OPS), help=f"comma list from {','.join(OPS)} (default: all)")
-    c.add_argument("--min-bytes", type=_byte_size, default=8, help="smallest message, e.g. 8 (default)")
-    c.add_argument("--max-bytes", type=_byte_size, default=64 << 20, help="largest message, e.g. 64M (default)")
+    c.add_argument("--min-bytes", type=byte_size, default=8, help="smallest message, e.g. 8 (default)")
+    c.add_argument("--max-bytes", type=byte_size, default=64 << 20, help="largest message, e.g. 64M (default)")
     c.add_argument(
         "--backend",
         type=_names,

@@ -50,7 +50,8 @@ def payload_errors(
     prompt: str = "Explain tensor parallelism in one paragraph.",
     payloads=(None, "bf16", "int8"),
 ) -> list[dict]:
-    from shardlm import LLM, SamplingParams
+    from shardlm.engine.llm import LLM
+    from shardlm.engine.sampling import SamplingParams
 
     llm = LLM("smollm2", dtype="float32")
     ids = llm.encode(llm.chat_prompt([{"role": "user", "content": prompt}]))

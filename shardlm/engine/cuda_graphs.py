@@ -31,7 +31,6 @@ import torch
 
 from shardlm.models.attention import AttentionMetadata
 
-
 PROMPT_ROW_KEYS = 1 << 18
 """Most key slots (rows x padded context) a step with prompt tokens may read as decode rows: each
 row reads its sequence's whole table, so a prompt chunk late in a long context would read it

@@ -130,7 +130,7 @@ class Checkpoint:
         return GGUFSource(GGUFFile(self.path), self.config)
 
     def tokenizer(self):
-        from shardlm.engine.tokenizer import Tokenizer
+        from shardlm.models.tokenizer import Tokenizer
 
         if self.kind == "hf":
             return Tokenizer.from_pretrained(self.path)

@@ -155,7 +155,8 @@ def broadcast(x: Tensor, src: int, group: ProcessGroup | None) -> Tensor:
 def all_reduce(x: Tensor, group: ProcessGroup | None, op: str = "sum", *, payload: str | None = None) -> Tensor:
     """Every rank's x becomes x_0 (op) x_1 (op) ... (in place on x; returns x).
 
-    payload="bf16" | "int8" sends x in that encoding (sum only; see ``compress.py``)."""
+    payload="bf16" | "int8" sends x in that encoding (sum only; see ``compress.py``): every rank
+    all-gathers the encodings, decodes them and sums in float32 in rank order."""
     reduce_op = _op(op)
     if payload is not None:
         compress.check_payload(payload, x)
@@ -164,7 +165,7 @@ def all_reduce(x: Tensor, group: ProcessGroup | None, op: str = "sum", *, payloa
     if group_size(group) == 1:
         return x
     if payload is not None:
-        return compress.all_reduce(x, group, payload)
+        return _encoded_all_reduce(x, group, payload)
     buf = x.contiguous()
     if op == "sum" and x.dtype in shm.REDUCIBLE and (fast := _fast(group, x)) is not None:
         fast.all_reduce(buf)
@@ -240,7 +241,7 @@ def all_gather(
     if n == 1:
         return x
     if payload is not None:
-        return compress.all_gather(x, group, d, sizes, payload)
+        return _encoded_all_gather(x, group, d, sizes, payload)
     if (fast := _fast(group, x)) is not None:  # no padding: ranks write their own sizes
         y = x.movedim(d, 0).contiguous()  # [own, ...]
         out = y.new_empty((sum(sizes), *y.shape[1:]))  # [sum(sizes), ...]
@@ -372,3 +373,30 @@ def shift(x: Tensor, group: ProcessGroup | None, tag: int = 0) -> tuple[Tensor, 
         dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % n, tag=tag),
     ]
     return buf, dist.batch_isend_irecv(ops)
+
+
+# ---- lower-precision payloads (encodings in compress.py) ------------------------------------
+
+
+def _encoded_all_reduce(x: Tensor, group, payload: str) -> Tensor:
+    """x (in place) = sum over ranks of decode(encode(x_j)), float32 in rank order."""
+    n, k = group_size(group), compress.encoded_bytes(x.numel(), payload)
+    everyone = all_gather(compress.encode(x, payload), group)  # [n * k] uint8
+    acc = compress.decode(everyone[:k], payload, x.numel()).clone()
+    for j in range(1, n):
+        acc += compress.decode(everyone[j * k : (j + 1) * k], payload, x.numel())
+    return x.copy_(acc.view(x.shape))
+
+
+def _encoded_all_gather(x: Tensor, group, dim: int, sizes: Sequence[int], payload: str) -> Tensor:
+    """cat over ranks of decode(encode(x_j)) along dim, in x's dtype; sizes[j] = x_j's extent."""
+    y = x.movedim(dim, 0)  # [own, ...]
+    rest = y.shape[1:]
+    row = math.prod(rest)
+    counts = [compress.encoded_bytes(s * row, payload) for s in sizes]
+    everyone = all_gather(compress.encode(y, payload), group, sizes=counts)  # [sum(counts)] uint8
+    parts, at = [], 0
+    for s, c in zip(sizes, counts):
+        parts.append(compress.decode(everyone[at : at + c], payload, s * row).view(s, *rest))
+        at += c
+    return torch.cat(parts).to(x.dtype).movedim(0, dim).contiguous()

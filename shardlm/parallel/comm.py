@@ -17,8 +17,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shardlm.parallel.collectives import (
+from shardlm.parallel.collectives import (  # shared argument checks
     ProcessGroup,
+    _a2a_sizes,
+    _dim,
+    _sizes,
     all_gather,
     all_reduce,
     all_to_all,
@@ -36,7 +39,6 @@ from shardlm.parallel.collectives import (
     shift,
     split_sizes,
 )
-from shardlm.parallel.collectives import _a2a_sizes, _dim, _sizes  # shared argument checks
 
 __all__ = [
     # primitives (collectives.py)

@@ -1,8 +1,8 @@
-"""Lower-precision payloads: all-reduce and all-gather that send bf16 or int8 instead of float32.
+"""Lower-precision payloads: encode float tensors as bf16 or int8 bytes, and decode them back.
 
-``all_reduce(x, group, payload="bf16")`` (via ``collectives.all_reduce(..., payload=)``):
+``collectives.all_reduce(..., payload="bf16")`` and ``all_gather(..., payload=)`` use these:
 every rank encodes its x, the encodings are all-gathered (on the shared-memory path or
-gloo), and every rank decodes them and sums in float32 in rank order, so all ranks
+gloo), and every rank decodes them (and sums in float32 in rank order), so all ranks
 get bitwise the same result on any backend. The only error is each rank's encoding:
 
 * ``"bf16"``: round to bfloat16 (8 significant bits): relative error <= 2^-8 per
@@ -16,9 +16,6 @@ Measured errors on SmolLM2's real tensor-parallel partial sums: README "Fast col
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -66,33 +63,3 @@ def decode(buf: Tensor, payload: str, numel: int) -> Tensor:
     scale = buf[: 4 * blocks].view(torch.float32)  # [blocks]
     q = buf[4 * blocks :].view(torch.int8).view(blocks, BLOCK)  # [blocks, 64]
     return (q.float() * scale[:, None]).view(-1)[:numel]
-
-
-def all_reduce(x: Tensor, group, payload: str) -> Tensor:
-    """x (in place) = sum over ranks of decode(encode(x_j)), float32 in rank order."""
-    from shardlm.parallel.collectives import all_gather, group_size
-
-    check_payload(payload, x)
-    n, k = group_size(group), encoded_bytes(x.numel(), payload)
-    everyone = all_gather(encode(x, payload), group)  # [n * k] uint8
-    acc = decode(everyone[:k], payload, x.numel()).clone()
-    for j in range(1, n):
-        acc += decode(everyone[j * k : (j + 1) * k], payload, x.numel())
-    return x.copy_(acc.view(x.shape))
-
-
-def all_gather(x: Tensor, group, dim: int, sizes: Sequence[int], payload: str) -> Tensor:
-    """cat over ranks of decode(encode(x_j)) along dim, in x's dtype; sizes[j] = x_j's extent."""
-    from shardlm.parallel.collectives import all_gather as gather_bytes
-
-    check_payload(payload, x)
-    y = x.movedim(dim, 0)  # [own, ...]
-    rest = y.shape[1:]
-    row = math.prod(rest)
-    counts = [encoded_bytes(s * row, payload) for s in sizes]
-    everyone = gather_bytes(encode(y, payload), group, sizes=counts)  # [sum(counts)] uint8
-    parts, at = [], 0
-    for s, c in zip(sizes, counts):
-        parts.append(decode(everyone[at : at + c], payload, s * row).view(s, *rest))
-        at += c
-    return torch.cat(parts).to(x.dtype).movedim(0, dim).contiguous()

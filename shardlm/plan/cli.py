@@ -207,14 +207,12 @@ def build_request(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlm.plan.planner import plan
+    from shardlm.plan.planner import make_cluster, plan
     from shardlm.plan.report import print_table, to_json
 
     try:
         req = build_request(args)
-        from shardlm.plan.hardware import load_gpu
-
-        load_gpu(req.gpu).matmul_flops((req.training or req.inference).dtype)  # fp8 on a GPU without it
+        make_cluster(req).gpu.matmul_flops((req.training or req.inference).dtype)  # fp8 on a GPU without it
         result = plan(req)
     except UsageError as e:
         return _fail(str(e))

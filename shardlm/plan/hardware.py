@@ -84,11 +84,8 @@ def gpu_names(with_aliases: bool = False) -> list[str]:
 
 
 def load_gpu(name: str) -> GpuSpec:
-    """The catalog GPU called ``name`` (or one of its aliases), with efficiency applied."""
-    if name == THIS_MACHINE:
-        from shardlm.plan.calibrate import machine_spec  # measures once, then cached
-
-        return machine_spec()
+    """The catalog GPU called ``name`` (or one of its aliases), with efficiency applied.
+    ``this-machine`` is not in the catalog: ``plan.calibrate.machine_spec`` measures it."""
     raw = _raw_catalog()
     key = name.lower()
     if key not in raw or key.startswith("_"):

@@ -13,9 +13,8 @@ import argparse
 import asyncio
 import signal
 import socket
-import sys
 
-from shardlm.cli import add_layout_args, byte_size, layout_options, log
+from shardlm.args import add_layout_args, byte_size, layout_options, log
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -219,9 +218,3 @@ async def _serve(app, engine, sock: socket.socket, args) -> bool:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-if __name__ == "__main__":
-    from shardlm.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -8,7 +8,7 @@ ever taken back, and the concatenated deltas equal the non-streamed text.
 
 from __future__ import annotations
 
-from shardlm.engine.tokenizer import IncrementalDecoder
+from shardlm.models.tokenizer import IncrementalDecoder
 
 
 class StopText:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlm.engine.tokenizer import TokenizerError
+from shardlm.models.tokenizer import TokenizerError
 from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.tensor import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shardlm.cli import log
+from shardlm.args import log
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -116,7 +116,7 @@ def run(args) -> int:
     from shardlm.parallel.context import zigzag_positions
     from shardlm.parallel.pipeline import stage_layers
     from shardlm.train.data import Batches
-    from shardlm.train.trainer import Trainer, TrainConfig, check_trainable
+    from shardlm.train.trainer import TrainConfig, Trainer, check_trainable
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")

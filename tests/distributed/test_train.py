@@ -444,7 +444,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     assert other.returncode == 2 and "resume with the same --data, --seq-len, --batch-size and --seed" in other.stderr
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     # the saved GGUF model is a HF directory: config, weights, and the same tokenizer and chat template
-    from shardlm.engine.tokenizer import Tokenizer
+    from shardlm.models.tokenizer import Tokenizer
     from shardlm.models.loader import open_checkpoint
 
     saved, source = open_checkpoint(tmp_path / "trained"), open_checkpoint("smollm2")
