@@ -6,7 +6,7 @@ import contextlib
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from shardlm import LLM, SamplingParams
 

@@ -156,7 +156,7 @@ def main() -> None:
         )
         x = torch.tensor([ids], device=args.device)
 
-        def theirs(n: int) -> None:
+        def theirs(n: int, hf=hf, x=x) -> None:
             with torch.inference_mode():
                 hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n)
 

@@ -71,8 +71,8 @@ def run_ranks(rank: int, world: int, port: int, path: str, prompts, new_tokens: 
     """Every layout (and an EPLB copy of each ep2 one) built side by side on this rank, then
     timed interleaved, so a change in the machine's load hits every layout alike."""
     import torch.distributed as dist
-    from harness.moe_rankfns import MiniRunner, greedy
 
+    from harness.moe_rankfns import MiniRunner, greedy
     from shardlm.models.loader import load_model, open_checkpoint
     from shardlm.models.moe import idle_forward, moe_blocks
     from shardlm.parallel.dims import ParallelDims
@@ -104,7 +104,7 @@ def run_ranks(rank: int, world: int, port: int, path: str, prompts, new_tokens: 
         return sum((b.experts.w13.numel() + b.experts.w2.numel()) * 4 for b in moe_blocks(model))
 
     def run(name: str) -> tuple[float, float]:
-        model, dims, runner, mine = variants[name]
+        model, _dims, runner, mine = variants[name]
         local_load(model)  # reset the counters
         dist.barrier()
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -25,9 +26,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,7 +144,7 @@ def _rank_main(fd: int) -> None:
                 link.send("done", getattr(worker, name)(payload))
     except EOFError:
         code = 3  # the driver went away
-    except BaseException:  # noqa: BLE001 - reported to the driver, which stops the run
+    except BaseException:
         link.send("error", traceback.format_exc())
         code = 1
     os._exit(code)  # skip interpreter teardown: peers may already be gone
@@ -224,10 +226,8 @@ class LocalRanks:
     def close(self) -> None:
         """Stop every rank: ask politely, then kill what is left (nothing outlives the driver)."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 conn.send(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 5
         for p in self.procs:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from harness.reference import SMOLLM2_QUESTIONS, build_tiny, load_hf_smollm2, smollm2_reference
 
 

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     if args.json:
-        print(json.dumps({k: v for k, v in vars(report).items()}))
+        print(json.dumps(dict(vars(report).items())))
     else:
         print(report.table())
     if args.plot:

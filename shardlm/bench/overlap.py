@@ -26,7 +26,7 @@ HIDDEN, QKV, O_IN, GATE_UP, DOWN_IN, LAYERS = 576, 448, 320, 1536, 768, 30
 
 def _weights(seed: int) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
-    w = lambda o, i: torch.randn(o, i, generator=g) * i**-0.5  # noqa: E731
+    w = lambda o, i: torch.randn(o, i, generator=g) * i**-0.5
     return [(w(QKV, HIDDEN), w(HIDDEN, O_IN), w(GATE_UP, HIDDEN), w(HIDDEN, DOWN_IN)) for _ in range(LAYERS)]
 
 
@@ -89,7 +89,7 @@ def measure_overlap(batches=(1, 8, 64), repeats: int = 5, steps: int = 3) -> lis
         group = dist.new_group(list(range(dist.get_world_size())))
         fast = shm.set_backend(group, path)
         start = _starter(path, group, fast)
-        reduce = lambda t: comm.all_reduce(t, group)  # noqa: E731
+        reduce = lambda t: comm.all_reduce(t, group)
         for b in batches:
             x = torch.randn(b, HIDDEN) * 0.01
             variants = {

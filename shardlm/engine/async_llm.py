@@ -189,7 +189,7 @@ class AsyncLLM(EngineFront):
                         self._dispatch(self._replica_leaders.index(rank), *value)
         except (RankFailure, EngineDead) as e:
             self._fail(str(e))
-        except Exception as e:  # noqa: BLE001 - a dead reader would leave every request waiting
+        except Exception as e:
             self._fail(f"the driver's event reader failed: {e!r}")
             raise
 
@@ -257,7 +257,7 @@ def merge_expert_loads(loads: list[dict | None]) -> dict | None:
         return None
     if loads[0]["all_replicas"]:
         return loads[0]
-    add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in loads))]  # noqa: E731
+    add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in loads))]
     ranks = add("rank_tokens")
     return {
         "expert_tokens": add("expert_tokens"),

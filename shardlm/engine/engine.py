@@ -26,8 +26,8 @@ replica's engine, which ``adopt``s it and decodes the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

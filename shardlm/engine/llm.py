@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request, RunStats

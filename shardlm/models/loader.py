@@ -54,7 +54,7 @@ class SafetensorsSource:
             raise ConfigError(f"no *.safetensors files in {str(directory)!r}; shardlm loads safetensors or GGUF")
         self._handles = {f: safe_open(str(directory / f), framework="pt") for f in files}
         if weight_map is None:
-            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}  # noqa: SIM118 (safe_open is not iterable)
         self._where = weight_map
 
     def has(self, name: str) -> bool:

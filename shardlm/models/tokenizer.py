@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
@@ -127,7 +127,7 @@ class Tokenizer:
                 [
                     pre_tokenizers.Split(Regex(split), behavior="isolated"),
                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]  # fmt: skip
+                ]
             )
         backend.decoder = decoders.ByteLevel()
 
@@ -303,7 +303,7 @@ def _compile(template: str) -> Any:
     class Generation(Extension):
         """``{% generation %}…{% endgeneration %}`` marks assistant text; rendering keeps the body."""
 
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

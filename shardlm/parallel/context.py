@@ -150,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(meta.group), group_rank(meta.group)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        l = torch.zeros(q.shape[:-1], device=q.device)
+        l = torch.zeros(q.shape[:-1], device=q.device)  # noqa: E741 (the paper's m and l)
         kv = torch.stack([k, v])
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is attended

@@ -137,7 +137,7 @@ class ParallelDims:
         """Every group of a mesh axis or expert group kind, as ascending global ranks (pure)."""
         if kind in MESH_AXES or kind == "dp_cp":
             vary = ("dp", "cp") if kind == "dp_cp" else (kind,)
-            key = lambda r: tuple(v for a, v in self.coords(r).items() if a not in vary)  # noqa: E731
+            key = lambda r: tuple(v for a, v in self.coords(r).items() if a not in vary)
         elif kind in EXPERT_GROUPS:
             vary = ("ep", "etp") if kind == "ep_etp" else (kind,)
 

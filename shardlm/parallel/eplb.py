@@ -96,7 +96,7 @@ class ExpertPlacement:
         reps = [self.replicas(e) for e in range(self.num_experts)]
         width = max(len(r) for r in reps)
         local = [i for rank in self.slots for i in range(len(rank))]
-        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)
         return {
             "replica_slots": as_long([r + [r[0]] * (width - len(r)) for r in reps]),
             "num_replicas": as_long([len(r) for r in reps]),

@@ -31,7 +31,7 @@ the seconds spent in collectives (``comm_s``); ``expert_stats.py`` reads them.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -111,7 +111,7 @@ def _bind(path: str, rank: int) -> socket.socket | None:
 def _group_timeout(group: dist.ProcessGroup) -> float:
     try:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # noqa: BLE001 - a private API; shardlm's default timeout is a safe answer
+    except Exception:
         return 300.0
 
 

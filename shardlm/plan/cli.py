@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print_table(result)
     except BrokenPipeError:  # `shardlm plan ... | head`
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stays open: the interpreter flushes stdout at exit)
     if args.plot:
         from shardlm.plan.plot import write_plots
 

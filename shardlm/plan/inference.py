@@ -18,6 +18,7 @@ stages run one after another. DP multiplies throughput.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -173,7 +174,7 @@ def _sum(parts: list[StepTime]) -> StepTime:
 def boundary_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
     """Send/recv over every stage boundary, one after another."""
     pp_group = lay.group("pp")
-    return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in zip(pp_group, pp_group[1:]))
+    return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in itertools.pairwise(pp_group))
 
 
 def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_) -> tuple[float, StepTime]:

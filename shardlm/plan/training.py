@@ -18,6 +18,7 @@ overlaps with backward up to DP_OVERLAP_FRACTION; the optimizer step streams its
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     p2p = 0.0
     if p > 1:
         pg = lay.group("pp")
-        p2p = max(comm.send_recv(tokens * cfg.hidden_size * a, x, y, cluster) for x, y in zip(pg, pg[1:]))
+        p2p = max(comm.send_recv(tokens * cfg.hidden_size * a, x, y, cluster) for x, y in itertools.pairwise(pg))
     unit = fwd + bwd + 2 * p2p
     if p == 1:
         pipe = m * unit

@@ -166,7 +166,7 @@ def _start_engine(args):
     )
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
     if args.prefill_replicas:
-        span = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
+        span = lambda a, b: str(a) if a == b else f"{a}-{b}"
         log(
             f"disaggregated: replica {span(0, args.prefill_replicas - 1)} prefill, "
             f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)"

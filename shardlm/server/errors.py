@@ -83,7 +83,7 @@ def from_validation(err: ValidationError, model: type) -> APIError:
     field = model.model_fields.get(str(first["loc"][0]))
     got = _short(first.get("input"))
     if first["type"] == "missing":
-        example = EXAMPLES.get(param, None)
+        example = EXAMPLES.get(param)
         return bad_request(
             f"'{param}' is required" + (f', e.g. "{param}": {example}' if example else ""),
             param=param,

@@ -222,7 +222,7 @@ def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
+    except Exception as e:
         raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
     return tokenizer.encode(text)
 

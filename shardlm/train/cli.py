@@ -180,7 +180,7 @@ def run(args) -> int:
     if env is not None:  # under torchrun: this process is one rank
         trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
         step, save, save_state, load_state = trainer.step, trainer.save, trainer.save_state, trainer.load_state
-        close = lambda: None  # noqa: E731
+        close = lambda: None
     else:
         ranks = LocalRanks(world, Trainer.spawned, (config,), timeout_s=config.timeout_s)
         close = ranks.close
@@ -192,10 +192,10 @@ def run(args) -> int:
         if speaker:
             log(f"loaded; parameters per rank (before ZeRO): {', '.join(str(i['params']) for i in infos)}")
         # as lists: a tensor on a pipe would go by torch's shared-memory handles, which these ranks cannot open
-        step = lambda b: ranks.call("step", b.tolist())[0]  # noqa: E731
-        save = lambda d: ranks.call("save", d)[0]  # noqa: E731
-        save_state = lambda d: ranks.call("save_state", d)  # noqa: E731
-        load_state = lambda d: ranks.call("load_state", d)[0]  # noqa: E731
+        step = lambda b: ranks.call("step", b.tolist())[0]
+        save = lambda d: ranks.call("save", d)[0]
+        save_state = lambda d: ranks.call("save_state", d)
+        load_state = lambda d: ranks.call("load_state", d)[0]
     history = []
     try:
         first = 0

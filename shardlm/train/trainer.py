@@ -8,6 +8,7 @@ global number of target tokens), so any layout takes the same step as one proces
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import shutil
@@ -127,7 +128,7 @@ def check_trainable(cfg, tp: int) -> None:
             "training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, SmolLM2) train"
         )
     parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, tp, r) for r in range(tp)]
-    if any(a.kv.stop > b.kv.start for a, b in zip(parts, parts[1:])):
+    if any(a.kv.stop > b.kv.start for a, b in itertools.pairwise(parts)):
         ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_kv_heads % t == 0]
         raise LayoutError(
             f"tp={tp} splits a KV head's query group over two ranks ({cfg.num_heads} query heads, "

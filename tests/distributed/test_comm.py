@@ -14,8 +14,8 @@ from functools import reduce as fold
 import pytest
 import torch
 import torch.distributed as dist
-from harness.multirank import dims, run_ranks
 
+from harness.multirank import dims, run_ranks
 from shardlm.parallel import collectives, comm
 from shardlm.parallel.comm import group_rank, group_size, split_sizes
 
@@ -240,7 +240,7 @@ def check_duals(group) -> None:
     grads = [V(j, (sum(recv[j]), 2), 1) for j in range(n)]
     want_gx = torch.cat([torch.split(grads[j], recv[j])[r] for j in range(n)])
     for given in (recv[r], None):
-        fn = lambda t: comm.all_to_all_region(t, group, plan[r], given)  # noqa: E731
+        fn = lambda t: comm.all_to_all_region(t, group, plan[r], given)
         y, gx = run(fn, V(r, (sum(plan[r]), 2)), grads[r])
         eq(y, torch.cat([torch.split(V(j, (sum(plan[j]), 2)), plan[j])[r] for j in range(n)]))
         eq(gx, want_gx)

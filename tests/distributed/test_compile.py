@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 import pytest
+
 from harness.moe_reference import cached_tiny_moe
 from harness.multirank import run_ranks
 from harness.rankfns import compiled_runs, llm_greedy
 from harness.reference import NEW_TOKENS, PROMPTS, build_tiny
-
 from shardlm import LLM
 from shardlm.errors import UsageError
 

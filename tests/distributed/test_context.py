@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from harness.multirank import run_ranks
 from harness.rankfns import context_attention_grads
 

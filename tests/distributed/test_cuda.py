@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks, run_ranks_on
 from harness.rankfns import compiled_runs, greedy_and_logits, worker_device
 from harness.reference import NEW_TOKENS, PROMPTS, TINY_MODELS, build_tiny
-
 from shardlm import LLM, SamplingParams
 from shardlm.engine.config import resolve_device
 from shardlm.errors import UsageError

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks, run_ranks_on
 from harness.rankfns import graph_runs, llm_greedy
 from harness.reference import NEW_TOKENS, PROMPTS
-
 from shardlm import LLM, SamplingParams
 from shardlm.engine.cuda_graphs import DecodeGraphs, batch_class, blocks_class, prompt_rows_fit
 

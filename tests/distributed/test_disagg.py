@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harness.reference import _COMMON, PROMPTS, TINY_MODELS
 
+from harness.reference import _COMMON, PROMPTS, TINY_MODELS
 from shardlm import LLM, SamplingParams
 from shardlm.engine.async_llm import AsyncLLM
 from shardlm.errors import UsageError

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks
 from harness.rankfns import llm_greedy
 from harness.reference import NEW_TOKENS, PROMPTS
-
 from shardlm import LLM, SamplingParams
 
 

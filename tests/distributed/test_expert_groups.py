@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from harness.moe_reference import FOLDS
 from harness.multirank import run_ranks
-
 from shardlm.parallel.dims import EXPERT_GROUPS, ParallelDims
 
 
 def built_groups(layouts):
     """On a rank: for each layout, {kind: member ranks of this rank's group, or None}."""
     import torch.distributed as dist
+
     from harness.multirank import dims
 
     out = []

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_models import expert_elements
+
 from harness.moe_rankfns import block_outputs, eplb_round_trip, read_and_held
 from harness.moe_reference import cached_tiny_moe, routers
 from harness.multirank import run_ranks
 from harness.reference import TINY_MOE_MODELS
-from test_moe_models import expert_elements
 
 MOE_LAYER = {"qwen2_moe": 1}  # its layer 0 is dense (mlp_only_layers)
 # 4 ranks; counts[d] = tokens of dp rank d (0: idle). The comment names the path taken.
@@ -119,7 +120,9 @@ def test_eplb_keeps_outputs_and_evens_the_load(tiny_moe, spec):
     assert len({repr(r[4]) for r in results}) == 1  # every rank moved to the same placement
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 4, 1), (2, 2, 2, 2), (1, 4, 4, 1)], ids=lambda t: "tp%d-dp%d-ep%d-etp%d" % t)
+@pytest.mark.parametrize(
+    "layout", [(2, 2, 4, 1), (2, 2, 2, 2), (1, 4, 4, 1)], ids=lambda t: "tp{}-dp{}-ep{}-etp{}".format(*t)
+)
 def test_each_rank_reads_and_holds_only_its_experts(tiny_moe, layout):
     from shardlm.parallel.collectives import split_sizes
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.moe_rankfns import dp_greedy_and_logits
 from harness.moe_reference import cached_tiny_moe
 from harness.multirank import run_ranks
 from harness.rankfns import greedy_and_logits, llm_generate
 from harness.reference import NEW_TOKENS, PROMPTS, TINY_MOE_MODELS
-
 from shardlm.parallel.collectives import split_sizes
 
 # (tp, dp, ep) -> prompt indices of each dp rank: uneven shares, and at dp=4 an idle rank
@@ -55,7 +55,7 @@ def check_meaningful(ref) -> None:
 
 
 @pytest.mark.parametrize("name", list(TINY_MOE_MODELS))
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: "tp%d-dp%d-ep%d" % t)
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda t: "tp{}-dp{}-ep{}".format(*t))
 def test_moe_matches_hf(tiny_moe, layout, name):
     ref = tiny_moe(name)
     check_meaningful(ref)
@@ -83,7 +83,9 @@ def test_moe_matches_hf(tiny_moe, layout, name):
     assert held == [split_sizes(experts, ep)[r % ep] * (total // experts) for r in range(tp * dp)]
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 4), (1, 4, 4), (2, 2, 2)], ids=lambda t: "tp%d-dp%d-ep%d" % t)
+@pytest.mark.parametrize(
+    "layout", [(1, 2, 2), (2, 2, 4), (1, 4, 4), (2, 2, 2)], ids=lambda t: "tp{}-dp{}-ep{}".format(*t)
+)
 def test_moe_engine_dp_with_uneven_requests(tiny_moe, layout):
     """Through the public LLM API. Requests of different lengths make the replicas need
     different numbers of steps; with all-to-all dispatch they step in lockstep and an idle

@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from harness.multirank import run_ranks
 from harness.rankfns import llm_greedy
 from harness.reference import PROMPTS
-
 from shardlm.errors import UsageError
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.data import assign

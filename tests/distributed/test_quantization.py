@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks
 from harness.rankfns import greedy_and_logits, row_parallel_int8
 from harness.reference import NEW_TOKENS, PROMPTS
-
 from shardlm import LLM
 from shardlm.errors import UsageError
 from shardlm.parallel.tensor import int8_rows, linear

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from harness.moe_reference import cached_tiny_moe
 from harness.reference import PROMPTS
-
 from shardlm import SamplingParams
 from shardlm.engine.async_llm import AsyncLLM
 

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness.multirank import dims, run_ranks
 
+from harness.multirank import dims, run_ranks
 from shardlm.parallel import comm, shm
 from shardlm.parallel.collectives import _all_gather_single
 

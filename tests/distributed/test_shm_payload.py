@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness.multirank import run_ranks
 
+from harness.multirank import run_ranks
 from shardlm.parallel import comm, compress, shm
 
 

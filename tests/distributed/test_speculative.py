@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks
 from harness.rankfns import llm_generate
 from harness.reference import PROMPTS
-
 from shardlm import LLM, SamplingParams
 from shardlm.engine.speculative import SpeculativeConfig, propose, verify
 from shardlm.errors import UsageError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks
 from harness.rankfns import greedy_and_logits
 from harness.reference import NEW_TOKENS, PROMPTS, TINY_MODELS

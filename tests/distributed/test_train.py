@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+
 from harness.cli import main_exit, shardlm
 from harness.multirank import run_ranks
 from harness.rankfns import layer_activations_on_rank, train_and_save, train_resumed, train_steps
@@ -122,7 +123,7 @@ def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
     pp, cp = extra.get("pp", 1), extra.get("cp", 1)
     results = run_ranks(dp * pp * cp * tp, train_steps, path, batches, dp, tp, zero, **OPTIM, **extra)
     check_against_hf(results, hf_run)
-    for stats, _, held, (owned, numel) in results:
+    for _stats, _, held, (owned, numel) in results:
         # ZeRO's table (zero.py): what a rank keeps, in float32 elements; Adam keeps two per element
         assert held["weights"] == 4 * (owned if zero == 3 else numel)
         assert held["gradients"] == 4 * (owned if zero >= 2 else numel)
@@ -444,8 +445,8 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     assert other.returncode == 2 and "resume with the same --data, --seq-len, --batch-size and --seed" in other.stderr
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     # the saved GGUF model is a HF directory: config, weights, and the same tokenizer and chat template
-    from shardlm.models.tokenizer import Tokenizer
     from shardlm.models.loader import open_checkpoint
+    from shardlm.models.tokenizer import Tokenizer
 
     saved, source = open_checkpoint(tmp_path / "trained"), open_checkpoint("smollm2")
     assert saved.kind == "hf" and saved.config.to_hf() == source.config.to_hf()

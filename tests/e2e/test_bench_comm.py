@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from harness.multirank import run_ranks
 
+from harness.multirank import run_ranks
 from shardlm.bench.comm import OPS, bench_comm, busbw_factor, measure, sizes_between
 
 

@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-from harness.cli import BIN, main_exit, shardlm
 
+from harness.cli import BIN, main_exit, shardlm
 from shardlm import LLM, SamplingParams
 from shardlm.errors import RankFailure
 

@@ -181,7 +181,7 @@ def synthetic(tmp_path_factory):
     w.add_bool("t.bool", True)
     w.add_array("t.ints", [1, -2, 3])
     w.add_array("t.strs", ["a", "ü", ""])
-    for qtype, (block, nbytes) in ((t, (c.block_size, c.type_size)) for t, c in _type_traits.items()):
+    for qtype, (_block, nbytes) in ((t, (c.block_size, c.type_size)) for t, c in _type_traits.items()):
         w.add_tensor(qtype.name, rng.integers(0, 256, (6, 3 * nbytes), dtype=np.uint8), raw_dtype=qtype)
     w.add_tensor("F32", rng.standard_normal((5, 40), dtype=np.float32))
     w.add_tensor("F16", rng.standard_normal((5, 40)).astype(np.float16))

@@ -15,8 +15,8 @@ import uuid
 
 import openai
 import pytest
-from harness.server_harness import ServerProcess, alive, get, metrics, wait_for
 
+from harness.server_harness import ServerProcess, alive, get, metrics, wait_for
 from shardlm import LLM, SamplingParams
 
 QUESTIONS = [
@@ -138,7 +138,7 @@ def test_completion_streamed_and_not(client, reference):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_are_cut_like_openai(client, reference, stream):
-    ids, text, _ = reference[RAW]
+    _ids, text, _ = reference[RAW]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip() and stop in text
     expected = text[: text.find(stop)]

@@ -11,6 +11,7 @@ import time
 
 import openai
 import pytest
+
 from harness.server_harness import BIN, ServerProcess, alive, get, wait_for
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness.multirank import run_ranks
 from harness.rankfns import greedy_and_logits, shard_read_elements
 from harness.reference import NEW_TOKENS

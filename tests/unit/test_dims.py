@@ -6,6 +6,7 @@ so every comparison is exact.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -208,9 +209,9 @@ def test_multi_rank_layout_without_mesh_refuses_groups():
     assert not dist.is_initialized()
     dims = ParallelDims(tp=2)
     with pytest.raises(LayoutError, match="build_mesh"):
-        dims.tp_group
+        _ = dims.tp_group
     with pytest.raises(LayoutError, match="build_mesh"):
-        dims.dp_rank
+        _ = dims.dp_rank
     with pytest.raises(LayoutError, match="torch.distributed"):
         dims.build_mesh("cpu")
 
@@ -223,7 +224,7 @@ def test_unknown_axis_is_named():
 def test_frozen_and_compares_by_sizes():
     a, b = ParallelDims(dp=2, tp=2), ParallelDims(tp=2, dp=2)
     assert a == b and a != ParallelDims(dp=2, tp=1)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.tp = 4  # type: ignore[misc]
 
 

@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 import torch
-from harness.moe_reference import FOLDS, cached_tiny_moe, hf_model, routers
 
+from harness.moe_reference import FOLDS, cached_tiny_moe, hf_model, routers
 from shardlm.parallel.dims import EXPERT_GROUPS, LayoutError, ParallelDims
 from shardlm.parallel.eplb import ExpertPlacement, imbalance, rebalance
 
@@ -78,7 +78,7 @@ def test_contiguous_placement_and_its_tables():
 def test_rebalance_replicates_hot_experts_and_evens_rank_load():
     load = [900, 700, 30, 20, 10, 10, 5, 5]  # two hot experts on rank 0 of a contiguous ep=4 placement
     before = ExpertPlacement.contiguous(8, 4)
-    slot_load = lambda p: [load[e] / len(p.replicas(e)) for e in p.slot_expert]  # noqa: E731 (even split)
+    slot_load = lambda p: [load[e] / len(p.replicas(e)) for e in p.slot_expert]
     after = rebalance(load, ep=4, slots_per_rank=3)
     assert [len(s) for s in after.slots] == [3, 3, 3, 3]
     assert sorted(set(after.slot_expert)) == list(range(8))
@@ -156,7 +156,7 @@ def test_fused_expert_checkpoint_loads_the_same_weights(tiny_moe, tmp_path):
     ref = tiny_moe("mixtral")
     tensors = {}
     with safe_open(str(ref.path / "model.safetensors"), "pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             tensors[k.replace(".block_sparse_moe.", ".mlp.")] = f.get_tensor(k)
     for layer in range(2):
         p = f"model.layers.{layer}.mlp.experts"

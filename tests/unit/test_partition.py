@@ -142,7 +142,7 @@ def _check_grouping(local_kv_of_q: list[int], lead=(3,), d=4):
 @pytest.mark.parametrize("local", [[0, 0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 1, 2, 2, 2], [0, 1, 1, 2], [0, 0, 0]])
 def test_grouped_heads_roundtrip_irregular(local):
     heads = _check_grouping(local)
-    assert heads.uniform == (len(set(local.count(j) for j in set(local))) == 1)
+    assert heads.uniform == (len({local.count(j) for j in set(local)}) == 1)
 
 
 def test_grouped_heads_pads_with_zero_known_layout():

@@ -154,7 +154,7 @@ def test_training_search_speed():
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
-    code, out, err = run(argv, capsys)
+    code, _out, err = run(argv, capsys)
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err
     assert needle in err, err

@@ -91,7 +91,7 @@ def test_inverse_frequencies_equal_hf(name, head_dim):
 @pytest.mark.parametrize("name", ["linear", "llama3", "llama3_8k"])
 def test_scaling_changes_the_frequencies(name):
     # can-fail guard: scaled and unscaled differ, so the comparison above is not vacuous
-    hf, cfg = both(name, 128)
+    _hf, cfg = both(name, 128)
     base = {"rope_type": "default", "rope_theta": ROPES[name]["rope_theta"]}
     plain = inverse_frequencies(ModelConfig.from_hf(hf_config(base, 128).to_dict()))
     scaled = inverse_frequencies(cfg)

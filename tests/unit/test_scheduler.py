@@ -11,6 +11,7 @@ feeds each history straight to the model. Everything is integers; comparisons ar
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
@@ -389,7 +390,7 @@ def test_preemption_and_recompute_do_not_change_outputs(
     for v in set(d.s.preempted):
         events = [(what, n) for what, i, n in d.s.log if i == v]
         assert events[0] == ("admit", lengths[v])
-        for (what, n), (then, m) in zip(events, events[1:]):
+        for (what, n), (then, m) in itertools.pairwise(events):
             if what == "preempt":
                 assert (then, m) == ("admit", n)
         assert len(events) % 2 == 1

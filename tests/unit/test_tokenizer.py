@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import jinja2
 import pytest
 
-from shardlm.models.tokenizer import PRE_TOKENIZER_SPLITS, IncrementalDecoder, Tokenizer, TokenizerError
 from shardlm.models.gguf import GGUFFile
 from shardlm.models.registry import smollm2_gguf_path
+from shardlm.models.tokenizer import PRE_TOKENIZER_SPLITS, IncrementalDecoder, Tokenizer, TokenizerError
 
 PATH = smollm2_gguf_path()
 
