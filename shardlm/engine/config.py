@@ -60,7 +60,7 @@ class EngineConfig:
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,
     no scale, as vLLM's fp8 cache without calibrated scales). A one-byte cache holds 2-4x the tokens
-    in the same memory; attention widens what it reads back to the model's dtype. README: errors."""
+    in the same memory; attention widens what it reads back to the model's dtype (errors: docs/performance.md)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     max_num_seqs: int = 256

@@ -2,8 +2,8 @@
 Guide, "CUDA Graphs").
 
 A decode step of a small model on a GPU is bound by launching its kernels from Python, ~30 a
-layer, not by the GPU: SmolLM2 on an H100 took the same 28 ms a step at 8 and at 32 sequences.
-A graph records the step's kernels once and replays them with one launch.
+layer, not by the GPU (a step of SmolLM2 on an H100 cost the same at 8 and at 32 sequences;
+docs/performance.md, "On a GPU"). A graph records the step's kernels once and replays them with one launch.
 
 A graph fixes every shape and address, so a step is padded to a *shape class*: the batch to
 the next of 1, 2, 4, 8, 16, 24, 32, ... sequences (vLLM's capture sizes) and the block tables
@@ -34,8 +34,7 @@ from shardlm.models.attention import AttentionMetadata
 PROMPT_ROW_KEYS = 1 << 18
 """Most key slots (rows x padded context) a step with prompt tokens may read as decode rows: each
 row reads its sequence's whole table, so a prompt chunk late in a long context would read it
-once per token (256 tokens at 8192 of context: 2M slots, 1.5 GiB in bfloat16 for SmolLM2, per
-layer). Beyond this the step runs eagerly; decode-only steps read each context once anyway."""
+once per token (256 tokens at 8192 of context read 2M key slots a layer). Beyond this the step runs eagerly; decode-only steps read each context once anyway."""
 
 
 def prompt_rows_fit(tokens: int, blocks: int, block_size: int) -> bool:

@@ -96,7 +96,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     Called as ``torch.ops.shardlm.write_kv``, an op torch.compile cannot see into: traced,
     the in-place write into a view of the cache becomes a functional update that copies
     the whole cache every step. (``torch.library.Library`` rather than ``custom_op``,
-    whose Python wrapper costs ~40 us a call here.)"""
+    whose Python wrapper adds tens of microseconds to every call.)"""
     h, row = cache.shape[-2:]
     raw = _raw(cache)
     raw[0].view(-1, h, row).index_copy_(0, slots, _encode(k, cache.dtype))
@@ -229,7 +229,7 @@ def decode_attention(
 
     Called as ``torch.ops.shardlm.decode_attention``, opaque to torch.compile as vLLM's attention
     op is: traced, the gather and the masked softmax became a generated loop several times slower
-    than these kernels (5 ms a layer at 32 sequences), and slicing at the context length would
+    than these kernels, and slicing at the context length would
     specialise the graph on it. ``padded``: ``max_context`` only bounds ``lens`` (see
     ``AttentionMetadata.decode_padded``), so one sequence is masked as several are."""
     n, d = q.shape[0], q.shape[-1]

@@ -71,8 +71,8 @@ class RMSNorm(nn.Module):
 class _RMSNormFunction(torch.autograd.Function):
     """F.rms_norm's forward, keeping for backward only the input and 1/rms per token. Autograd
     through F.rms_norm keeps the input widened to float32 and the float32 normalised input as
-    well: 8 bytes an element where 2 (bfloat16) or 4 (float32) suffice; measured on a SmolLM2
-    layer in bfloat16 training, a third of its activations."""
+    well: 8 bytes an element where 2 (bfloat16) or 4 (float32) suffice (docs/train.md,
+    "Activations")."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

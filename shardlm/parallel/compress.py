@@ -12,7 +12,7 @@ get bitwise the same result on any backend. The only error is each rank's encodi
   https://arxiv.org/abs/2208.07339): absolute error <= absmax(block) / 254 per element
   per rank; ~0.27 of the bytes of float32.
 
-Measured errors on SmolLM2's real tensor-parallel partial sums: README "Fast collectives".
+Errors on SmolLM2's real tensor-parallel partial sums: docs/performance.md, "Lower-precision payloads".
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ https://arxiv.org/abs/1811.06965). Stages are balanced by the work of one token:
 layer's multiply-adds, which are also the weight bytes it reads per decode step. The LM
 head counts in full on the last stage (for SmolLM2 it is worth ~8 layers); the embedding
 costs the first stage nothing, since a lookup reads one row per token, though it holds the
-matrix. For SmolLM2 at pp=2 this gives 19 + 11 layers; the parameter-balanced 15 + 15 left
-the first stage idle 28% of the time behind the last one, and 2 micro-batches ran at 1.18x a
-single one against 1.35x with 19 + 11 (two runs of benchmarks/pipeline.py layouts, each timed
-in turns against the single micro-batch).
+matrix. For SmolLM2 at pp=2 this gives 19 + 11 layers; a parameter-balanced 15 + 15 leaves the
+first stage waiting behind the LM-head stage (benchmarks/pipeline.py; docs/performance.md,
+"Pipeline").
 
 The bubble: with p stages and m micro-batches in flight, a single pass leaves each
 stage idle for a fraction (p - 1) / (m + p - 1) of the time (the fill and drain of the

@@ -29,10 +29,9 @@ fence and checks the flags again; a publisher stores its flag, fences, and sends
 datagram to every peer whose ``sleeping`` word is set. With a fence on both sides
 (Dekker's pattern) one of them always sees the other: no wake-up is lost. The fence is
 an uncontended CPython lock acquire/release, a locked instruction on x86. So ranks that
-outnumber the cores block in the kernel instead of spinning against each other. (Measured
-here: a yield-spin phase of 2 ms between the two made a 576-float all-reduce 4x slower under
-load, since ``sched_yield`` hands the core to another process for a whole time slice, while
-a woken sleeper is scheduled at once.)
+outnumber the cores block in the kernel instead of spinning against each other. (No
+``sched_yield`` phase between the two: it hands the core to another process for a whole time
+slice, while a woken sleeper is scheduled at once; docs/performance.md, "Fast collectives".)
 
 Every 50 ms of waiting a rank checks that the ranks it waits for are alive
 (``/proc/PID/stat``: gone, zombie or a reused pid is dead), whether one gave up (its

@@ -95,10 +95,10 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """F.linear, but one row of 16-bit weights on CPU goes to the matrix-vector kernel: for
-    batch-1 decode torch's CPU GEMV reads bf16 weights ~1.4x faster than its GEMM path does
-    at M=1, and under torch.compile inductor's own matrix-vector loop is faster still. For
-    float32 the BLAS GEMM is as fast eagerly and ~6% faster than inductor's loop (see
-    benchmarks/decode.py). With ``scale``, ``weight`` is int8 (see ``int8_rows``)."""
+    batch-1 decode torch's CPU GEMV reads bf16 weights faster than its GEMM path does at M=1,
+    and under torch.compile inductor's own matrix-vector loop is faster still; for float32 the
+    BLAS GEMM is at least as fast (benchmarks/decode.py; docs/performance.md, "Decode, batch 1").
+    With ``scale``, ``weight`` is int8 (see ``int8_rows``)."""
     if scale is not None:
         y = torch.ops.shardlm.int8_linear(x, weight, scale)
         return y if bias is None else y + bias

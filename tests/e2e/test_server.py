@@ -30,7 +30,7 @@ QUESTIONS = [
 MAX_TOKENS = 8
 CONTEXT = 1024  # --max-model-len: small, so over-long prompts are cheap to build
 RAW = "The capital of France is"
-THREADS = 1  # on a shared 2-core machine two OpenMP threads per rank run ~10x slower than one (see README)
+THREADS = 1  # on a shared 2-core machine two OpenMP threads per rank run ~10x slower than one (docs/serve.md)
 
 
 @pytest.fixture(scope="module")
