@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ class DriverLink:
 
     def poll(self, timeout: float) -> list[Any]:
         """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
-        out = []
+        out: list[Any] = []
         while self.conn.poll(timeout if not out else 0):
             out.append(self.conn.recv())
         return out
@@ -150,6 +150,12 @@ def _rank_main(fd: int) -> None:
     os._exit(code)  # skip interpreter teardown: peers may already be gone
 
 
+def readable(conns: list[Connection], timeout: float | None = None) -> list[Connection]:
+    """The connections among ``conns`` with a message (or EOF) waiting, as ``multiprocessing``'s
+    ``wait`` returns them."""
+    return cast("list[Connection]", wait(conns, timeout))
+
+
 class LocalRanks:
     """All ranks of a run on this host, as child processes of a driver that never joins a
     collective: it talks to each rank over its own socket pair, so it always sees a rank fail.
@@ -192,7 +198,7 @@ class LocalRanks:
         last_news = time.monotonic()
         while len(got) < self.world:
             pending = [c for r, c in enumerate(self.conns) if r not in got]
-            ready = wait(pending, timeout=1.0)
+            ready = readable(pending, timeout=1.0)
             if not ready and time.monotonic() - last_news > self.timeout_s + 30:
                 missing = sorted(set(range(self.world)) - set(got))
                 raise RankFailure(f"ranks {missing} sent nothing for {self.timeout_s + 30:.0f}s; stopping all ranks")

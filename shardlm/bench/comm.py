@@ -70,7 +70,7 @@ def _case(op: str, group, count: int, dtype: torch.dtype, device, timing: bool):
     if op == "reduce_scatter":
         x = make(r, count)
         k = count // n
-        want = sum(_val(j, count, dtype) for j in range(n))[r * k : (r + 1) * k]
+        want = torch.stack([_val(j, count, dtype) for j in range(n)]).sum(0)[r * k : (r + 1) * k]
         return (*_keep(lambda: comm.reduce_scatter(x, group)), want)
     if op == "all_to_all":
         x, k = make(r, count), count // n
@@ -199,7 +199,7 @@ class BenchWorker:
     def measure(self, options: dict) -> dict:
         return measure(**options)
 
-    def overlap(self, options: dict) -> dict:
+    def overlap(self, options: dict) -> list[dict]:
         from shardlm.bench.overlap import measure_overlap
 
         return measure_overlap(**options)

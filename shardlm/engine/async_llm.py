@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from multiprocessing.connection import wait
 
 from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
 from shardlm.engine.llm import EngineFront
 from shardlm.engine.sampling import SamplingParams
 from shardlm.errors import RankFailure, UsageError
+from shardlm.launch import LocalRanks, readable
 from shardlm.models.loader import Checkpoint
 from shardlm.parallel.eplb import imbalance
 
@@ -51,6 +51,8 @@ class _Stream:
 
 
 class AsyncLLM(EngineFront):
+    _ranks: LocalRanks  # always its own, started by __init__
+
     def __init__(self, model: str | Checkpoint = "smollm2", *, max_queue: int = 1024, **options):
         super().__init__(model, options)
         self.max_queue = max_queue
@@ -175,7 +177,7 @@ class AsyncLLM(EngineFront):
         conns = self._ranks.conns
         try:
             while True:
-                for conn in wait(conns):
+                for conn in readable(conns):
                     rank = conns.index(conn)
                     try:
                         kind, value = conn.recv()
@@ -252,17 +254,17 @@ class AsyncLLM(EngineFront):
 def merge_expert_loads(loads: list[dict | None]) -> dict | None:
     """One MoE load report from the replicas' (each counts its own tokens unless it already
     covers all replicas): tokens per expert and per ep rank, and max/mean per layer."""
-    loads = [x for x in loads if x is not None]
-    if not loads:
+    given = [x for x in loads if x is not None]
+    if not given:
         return None
-    if loads[0]["all_replicas"]:
-        return loads[0]
-    add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in loads))]
+    if given[0]["all_replicas"]:
+        return given[0]
+    add = lambda key: [[sum(col) for col in zip(*layers)] for layers in zip(*(x[key] for x in given))]
     ranks = add("rank_tokens")
     return {
         "expert_tokens": add("expert_tokens"),
         "rank_tokens": ranks,
         "imbalance": [round(imbalance(r), 4) for r in ranks],
-        "comm_s": max(x["comm_s"] for x in loads),
+        "comm_s": max(x["comm_s"] for x in given),
         "all_replicas": True,
     }

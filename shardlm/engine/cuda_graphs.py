@@ -95,6 +95,7 @@ class DecodeGraphs:
     ):
         """The forward's output for this step (the real rows and tokens only)."""
         n = len(positions)
+        assert meta.decode_block_tables is not None  # every row of a graph step is a decode row
         key = (batch_class(n), blocks_class(meta.decode_block_tables.shape[1]))
         c = self.classes.get(key)
         if c is None:
@@ -104,7 +105,7 @@ class DecodeGraphs:
         if not self.capture:
             return _real(self.forward(*args), n, len(rows))
         if c.graph is None:
-            self._capture(c, args)
+            c.graph = self._capture(c, args)
         c.graph.replay()
         out = _real(self.out, n, len(rows))  # copied: the next replay overwrites the buffer
         return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
@@ -129,15 +130,18 @@ class DecodeGraphs:
 
     def _fill(self, c: _Class, n: int, first, positions, meta: AttentionMetadata, rows) -> None:
         """Copy the step into the class's inputs; the rows past ``n`` become padding."""
-        width, batch = meta.decode_block_tables.shape[1], len(c.positions)
+        tables, slots, lens = c.meta.decode_block_tables, c.meta.slot_mapping, c.meta.decode_context_lens
+        new_tables, new_slots, new_lens = meta.decode_block_tables, meta.slot_mapping, meta.decode_context_lens
+        assert tables is not None and slots is not None and lens is not None  # built by _new_class
+        assert new_tables is not None and new_slots is not None and new_lens is not None  # a decode step's
+        width, batch = new_tables.shape[1], len(c.positions)
         c.first.narrow(0 if c.first.dim() == 1 else 1, 0, n).copy_(first)  # ids, or hidden states
         c.positions[:n].copy_(positions)
         c.rows[: len(rows)].copy_(rows)  # the rest keep old rows (< batch), whose logits are dropped
-        tables, slots, lens = c.meta.decode_block_tables, c.meta.slot_mapping, c.meta.decode_context_lens
-        tables[:n, :width].copy_(meta.decode_block_tables)
+        tables[:n, :width].copy_(new_tables)
         tables[:n, width:].zero_()  # masked columns: any block with finite contents will do
-        slots[:n].copy_(meta.slot_mapping)
-        lens[:n].copy_(meta.decode_context_lens)
+        slots[:n].copy_(new_slots)
+        lens[:n].copy_(new_lens)
         if n < batch:
             c.positions[n:].zero_()
             tables[n:].zero_()
@@ -145,7 +149,9 @@ class DecodeGraphs:
             slots[n:] = self.scratch_block * self.block_size
             lens[n:] = 1
 
-    def _capture(self, c: _Class, args) -> None:
+    def _capture(self, c: _Class, args) -> torch.cuda.CUDAGraph:
+        """The class's graph, captured (set on the class only once captured: a failed capture leaves
+        the class to try again)."""
         # one eager run first, on a side stream as torch's docs do it: lazy initialisations
         # (cuBLAS handles, workspaces) must happen before capture, not inside it; the step's own
         # keys and values are written again, alike, by the replay that follows
@@ -169,7 +175,7 @@ class DecodeGraphs:
                 self.out[1, : len(out[1])].copy_(out[1])
             else:
                 self.out[: len(out)].copy_(out)
-        c.graph = graph  # only once captured: a failed capture leaves the class to try again
+        return graph
 
 
 def _real(out, n: int, rows: int):

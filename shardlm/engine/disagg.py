@@ -52,6 +52,7 @@ def hand_off(engine, sched: Scheduler, seq: Sequence) -> Handoff:
     """Send a just-prefilled sequence's KV shard to its decode replica and drop it here. The
     ranks that sample (the last stage's) also send the sampler's state after the first token,
     so seeded sampling goes on where it left off."""
+    assert seq.handoff is not None  # the decode replica chosen at arrival
     link = engine.replica_link
     blocks = seq.block_table[: -(-seq.num_computed // engine.blocks.block_size)]
     link.send(engine.runner.read_blocks(blocks), seq.handoff, tag=seq.id)  # a copy: the blocks are freed below

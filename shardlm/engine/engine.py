@@ -75,6 +75,8 @@ class RunStats:
 
 
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
+StepTokens = list[int | list[int] | None]
+"""A step's tokens per sequence: one token, a verified run (with drafts), or None (no sample)."""
 
 
 class Engine:
@@ -96,7 +98,7 @@ class Engine:
         self.links = links
         self.eos_ids = eos_ids
         self.scheds = [Scheduler(blocks, config) for _ in range(micro_batches)]
-        self.pending: list[tuple[Batch, list[int | None] | None] | None] = [None] * micro_batches
+        self.pending: list[tuple[Batch, StepTokens | None] | None] = [None] * micro_batches
         self.seqs: dict[int, Sequence] = {}  # unfinished, by request id
         self.aborted: set[int] = set()
         self.busy_s = 0.0
@@ -147,8 +149,8 @@ class Engine:
         done: list[Sequence] = []
         stepped = False
         for j, sched in enumerate(self.scheds):
-            if self.pending[j] is not None:  # this micro-batch's previous step: learn its tokens
-                done += self._finish_step(sched, *self.pending[j], on_token)
+            if (pending := self.pending[j]) is not None:  # this micro-batch's previous step: learn its tokens
+                done += self._finish_step(sched, *pending, on_token)
                 self.pending[j] = None
             for seq in [s for s in (*sched.waiting, *sched.running) if s.id in self.aborted]:
                 sched.abort(seq)
@@ -156,12 +158,13 @@ class Engine:
             batch = sched.schedule() if sched.has_work() else None
             runs = batch is not None and bool(batch.seqs)  # empty: waits for blocks another micro-batch holds
             if self.any_replica(runs):
-                if runs:
-                    self.pending[j] = (batch, self._step(batch))
+                if batch is not None and runs:
+                    tokens = self._step(batch)
                     stepped = True
                     if self.links.first and self.links.last:  # one stage: the tokens are here, out with them now
-                        done += self._finish_step(sched, *self.pending[j], on_token)
-                        self.pending[j] = None
+                        done += self._finish_step(sched, batch, tokens, on_token)
+                    else:
+                        self.pending[j] = (batch, tokens)
                 else:
                     idle_forward(self.runner.model)  # join the other replicas' expert collectives
         for seq in done:
@@ -188,7 +191,7 @@ class Engine:
                 del self.seqs[seq.id]
         return done
 
-    def _step(self, batch: Batch) -> list[int | None] | None:
+    def _step(self, batch: Batch) -> StepTokens | None:
         """Run this stage's part of one step; the last stage samples (and sends) the tokens."""
         hidden = None
         if not self.links.first:
@@ -202,6 +205,7 @@ class Engine:
             self.links.send_hidden(hidden)
             return None
         samples = batch.samples()
+        tokens: StepTokens
         if batch.drafts:
             tokens = self._verify(batch, out.cpu())
         else:
@@ -214,10 +218,11 @@ class Engine:
         return tokens
 
     @staticmethod
-    def _verify(batch: Batch, logits: torch.Tensor) -> list[int | list[int] | None]:
+    def _verify(batch: Batch, logits: torch.Tensor) -> StepTokens:
         """A step with drafts (one stage): each sampling sequence's logits rows are its last token's
         and its drafts'; sequences with drafts emit the verified run, the others one token."""
-        tokens, row = [], 0
+        tokens: StepTokens = []
+        row = 0
         for i, (seq, yes) in enumerate(zip(batch.seqs, batch.samples())):
             drafts = batch.draft(i)
             if not yes:
@@ -258,7 +263,7 @@ def _token_slots(batch: Batch) -> list[int]:
     return [(1 + len(batch.draft(i))) if yes else 0 for i, yes in enumerate(batch.samples())]
 
 
-def _pack(batch: Batch, tokens: list[int | list[int] | None]) -> list[int]:
+def _pack(batch: Batch, tokens: StepTokens) -> list[int]:
     """A step's emitted tokens in their slots, unused slots -1."""
     flat = []
     for n, token in zip(_token_slots(batch), tokens):
@@ -267,7 +272,7 @@ def _pack(batch: Batch, tokens: list[int | list[int] | None]) -> list[int]:
     return flat
 
 
-def _unpack(batch: Batch, flat: list[int]) -> list[int | list[int] | None]:
+def _unpack(batch: Batch, flat: list[int]) -> StepTokens:
     tokens, at = [], 0
     for i, n in enumerate(_token_slots(batch)):
         run = [t for t in flat[at : at + n] if t >= 0]

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request, RunStats
@@ -36,7 +37,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None  # "stop" or "length" once finished (vLLM: None while running)
 
 
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
@@ -64,6 +65,8 @@ class EngineFront:
     """What ``LLM`` and ``AsyncLLM`` share: the checkpoint, its checked layout, the context
     length, and the tokenizer (loaded on first use: token-id callers never need it)."""
 
+    _ranks: LocalRanks | None = None  # the rank processes this front started (None: it runs in them)
+
     def __init__(self, model: str | Checkpoint, options: dict, tokenizer=None):
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = EngineConfig(model=str(ckpt.path), **options)
@@ -80,13 +83,14 @@ class EngineFront:
 
     def _spawn_ranks(self) -> list[dict]:
         """Start every rank as a child process on this host; their ``ready`` infos, in rank order."""
-        self._ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
+        ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
         try:
-            return self._ranks.collect("ready")
+            infos = ranks.collect("ready")
         except BaseException:
-            self._ranks.close()
-            self._ranks = None
+            ranks.close()
             raise
+        self._ranks = ranks
+        return infos
 
     def _took_ready(self, infos: list[dict]) -> None:
         self.param_bytes = [i["param_bytes"] for i in infos]
@@ -103,7 +107,6 @@ class LLM(EngineFront):
                 f"prefill_replicas={self.config.prefill_replicas} is a serving layout (requests that "
                 "arrive over time); use AsyncLLM or `shardlm serve --prefill-replicas`, or 0 here"
             )
-        self._ranks: LocalRanks | None = None
         self.last_stats: RunStats | None = None
         self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives
         start = time.perf_counter()
@@ -161,7 +164,9 @@ class LLM(EngineFront):
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
-        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        param_list: list[SamplingParams] = (
+            list(params) if isinstance(params, (list, tuple)) else [cast(SamplingParams, params)] * len(prompts)
+        )
         if len(param_list) != len(prompts):
             raise UsageError(f"{len(param_list)} sampling params for {len(prompts)} prompts; give one or one each")
         requests = []
@@ -184,12 +189,15 @@ class LLM(EngineFront):
         ]
 
     def chat(self, conversations: list[dict] | list[list[dict]], params=None, **kw) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self.generate([self.chat_prompt(c) for c in conversations], params, **kw)
+        convs = cast(
+            "list[list[dict]]",
+            [conversations] if conversations and isinstance(conversations[0], dict) else conversations,
+        )
+        return self.generate([self.chat_prompt(c) for c in convs], params, **kw)
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once
+            assert self.worker is not None
             mine = self.worker.generate(requests, on_token)
             per_replica = gather_replicas(mine, self.worker.dims)
             self.last_rank_stats = [mine[1]]
@@ -239,8 +247,10 @@ def merge_stats(parts: list[RunStats]) -> RunStats:
     )  # already summed over the stage's dp x tp ranks
 
 
-def join_stages(loads: list[dict]) -> dict:
-    """Expert load of the whole model from its pipeline stages' (layer lists in pp order)."""
-    out = {k: [x for load in loads for x in load[k]] for k in ("expert_tokens", "rank_tokens", "imbalance")}
-    out["comm_s"] = max(load["comm_s"] for load in loads)
+def join_stages(loads: list[dict | None]) -> dict:
+    """Expert load of the whole model from its pipeline stages' (layer lists in pp order; a stage
+    without MoE layers reports None)."""
+    given = [load for load in loads if load is not None]
+    out: dict = {k: [x for load in given for x in load[k]] for k in ("expert_tokens", "rank_tokens", "imbalance")}
+    out["comm_s"] = max(load["comm_s"] for load in given)
     return out

@@ -25,6 +25,7 @@ import contextlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch.fx.experimental import _config as fx_config
@@ -54,7 +55,7 @@ class ModelRunner:
         announce: bool = False,
     ):
         self.model = model
-        self.compiled = None
+        self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
             self.compiled = torch.compile(model.forward, dynamic=True)
@@ -200,7 +201,8 @@ class ModelRunner:
         ids, positions, meta, last_rows = self.prepare(batch, rows_only=rows_only)
         args = (ids if hidden is None else hidden, positions, meta, self.caches, None if all_positions else last_rows)
         if graph:
-            out = self.graphs.run(*args)
+            assert self.graphs is not None and last_rows is not None  # graphs run decode rows only
+            out = self.graphs.run(args[0], positions, meta, self.caches, last_rows)
         elif not meta.prefills and not all_positions:
             out = self.decode_forward(*args)
         else:
@@ -218,12 +220,15 @@ class ModelRunner:
         # equal, and recompiles the first time they differ. Python floats (the attention scale,
         # norm epsilons) are the model's constants: traced as symbols, inductor's pass that turns
         # them into tensors gives up and dynamo traces the whole model again (~30 s here).
-        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+        assert self.compiled is not None
+        # torch's config modules gain patch() when they are installed, which mypy cannot see
+        with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):  # type: ignore[attr-defined]
             if several in self.compiled_classes:
                 return self.compiled(*args)
             return self._compile_class(args, several)
 
     def _compile_class(self, args, several: bool):
+        assert self.compiled is not None
         with announced(f"the decode step for {'several sequences' if several else 'one sequence'}", self.announce):
             out = self.compiled(*args)
         self.compiled_classes.add(several)

@@ -215,7 +215,7 @@ class Scheduler:
         """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a
         prompt chunk that did not reach the end; with drafts, the accepted drafts and the token
         after them). Returns the sequences that finished."""
-        done = []
+        done: list[Sequence] = []
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.counts, tokens)):
             if seq.status is Status.FINISHED:  # aborted while its step was in flight
                 continue

@@ -14,6 +14,7 @@ from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
+from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.launch import cpu_threads, init_distributed
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import moe_blocks, needs_lockstep
@@ -26,7 +27,7 @@ from shardlm.parallel.tensor import quantize_int8
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str | None  # set on every sequence a run returns (it finished or was aborted)
 
 
 def max_model_len(config: EngineConfig, max_positions: int) -> int:
@@ -51,6 +52,7 @@ class Worker:
             torch.set_num_threads(config.threads or cpu_threads(local_world))
             self.device = torch.device("cpu")
         if world > 1:
+            assert init_method is not None  # a multi-rank world was started with one
             init_distributed(rank, world, init_method, device_type, config.timeout_s)
         self.dims = config.dims().build_mesh(device_type)
         self.config = config
@@ -95,7 +97,7 @@ class Worker:
             config=SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                speculative=config.speculative_config,
+                speculative=SpeculativeConfig.of(config.speculative_config),
             ),
             links=StageLinks(self.dims),
             micro_batches=config.micro_batches or config.pp,

@@ -32,12 +32,12 @@ class PrefillSeq:
     start: int
     length: int
     context_len: int
-    block_table: torch.Tensor  # [blocks] long
+    block_table: torch.Tensor | None  # [blocks] long (None: no cache, training)
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [tokens] long: cache slot of each new token
+    slot_mapping: torch.Tensor | None  # [tokens] long: cache slot of each new token (None: no cache, training)
     block_size: int
     prefills: list[PrefillSeq] = field(default_factory=list)
     num_prefill_tokens: int = 0
@@ -190,6 +190,7 @@ def paged_attention(
             ks = k[s.start : s.start + s.length].transpose(0, 1)  # [kv, L, d]
             vs = v[s.start : s.start + s.length].transpose(0, 1)
         else:
+            assert s.block_table is not None  # a cached prefix lives in blocks
             ks, vs = _read_kv(cache, s.block_table, s.context_len, q.dtype, q.shape[-1])  # [kv, S, d]
         if window is None and s.context_len == s.length:
             o = F.scaled_dot_product_attention(

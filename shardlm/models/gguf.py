@@ -39,7 +39,7 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ _VERSIONS = (2, 3)
 # value type id -> struct format of one scalar (8 = string and 9 = array are handled apart)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 # plain element types gguf.quants does not dequantize: read as numpy and cast
-_PLAIN = {
+_PLAIN: dict[int, type[np.generic]] = {
     GGMLQuantizationType.I8: np.int8,
     GGMLQuantizationType.I16: np.int16,
     GGMLQuantizationType.I32: np.int32,
@@ -86,7 +86,7 @@ class TensorInfo:
                 f"tensor {self.name!r} has ggml type {int(self.ggml_type)}, unknown to gguf "
                 f"{_gguf_version()}; upgrade it with `pip install -U gguf`"
             )
-        return GGML_QUANT_SIZES[self.ggml_type]
+        return GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]  # known: checked above
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +205,7 @@ def _dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType | int) -> np.nd
     if ggml_type in _PLAIN:
         return raw.view(_PLAIN[ggml_type]).astype(np.float32)
     try:
-        return dequantize(raw, ggml_type)
+        return dequantize(raw, cast(GGMLQuantizationType, ggml_type))
     except NotImplementedError:
         raise GGUFError(
             f"gguf {_gguf_version()} cannot dequantize {GGMLQuantizationType(ggml_type).name}; "
@@ -251,7 +251,7 @@ def _parse(buf: mmap.mmap, where: str) -> tuple[int, dict[str, Any], list, int]:
                 pos += struct.calcsize(fmt)
                 return items
             if etype == 8:  # the tight loop: ~100k vocab and merge strings
-                out = []
+                out: list[str] = []
                 append, p = out.append, pos
                 for _ in range(count):
                     (n,) = unpack("<Q", buf, p)

@@ -49,8 +49,8 @@ def expert_reader(cfg: ModelConfig, layer_prefix: str):
         if src.has(gate):
             return src.read(gate, rows=rows), src.read(up, rows=rows), src.read(down, cols=rows)
         fused = src.read(f"{p}.gate_up_proj", rows=slice(e, e + 1))[0]  # [2I, H]
-        down = src.read(f"{p}.down_proj", rows=slice(e, e + 1))[0]  # [H, I]
-        return fused[rows], fused[width + rows.start : width + rows.stop], down[:, rows]
+        fused_down = src.read(f"{p}.down_proj", rows=slice(e, e + 1))[0]  # [H, I]
+        return fused[rows], fused[width + rows.start : width + rows.stop], fused_down[:, rows]
 
     return read
 

@@ -46,6 +46,9 @@ class Rotary(nn.Module):
     with that sign folded in and ``apply_rotary`` needs one roll instead of chunk/neg/cat.
     """
 
+    cos: torch.Tensor  # [max_positions, head_dim] (buffer)
+    sin_signed: torch.Tensor  # [max_positions, head_dim] (buffer)
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(cfg))

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
@@ -135,9 +135,9 @@ class Tokenizer:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-        named = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+        given = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                  "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}  # fmt: skip
-        named = {k: v for k, v in named.items() if v is not None}
+        named = {k: v for k, v in given.items() if v is not None}
         # Control tokens (and the named ones) stay whole and are skipped on decode; a control token
         # spelled outside the byte alphabet is a llama.cpp mislabel that transformers skips too.
         special = list(named.values()) + [
@@ -303,7 +303,7 @@ def _compile(template: str) -> Any:
     class Generation(Extension):
         """``{% generation %}…{% endgeneration %}`` marks assistant text; rendering keeps the body."""
 
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares tags so)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno

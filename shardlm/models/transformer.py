@@ -265,16 +265,20 @@ class Transformer(nn.Module):
         if self.first or (self.last and cfg.tie_word_embeddings):
             self.embed = VocabParallelEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, **tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, sp) for i in self.layer_ids)
-        self.norm = self.lm_head = None
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
         if self.last:
             self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, dtype, dims.tp_group if sp else None)
-            tied = self.embed.weight if cfg.tie_word_embeddings else None
+            tied = None
+            if cfg.tie_word_embeddings:
+                assert self.embed is not None  # built above for a tied last stage
+                tied = self.embed.weight
             self.lm_head = ParallelLMHead("lm_head", cfg.vocab_size, cfg.hidden_size, tied=tied, **tp)
 
     def load(self, src: TensorSource) -> None:
         for module in self.modules():
-            if module is not self and hasattr(module, "load"):
-                module.load(src)
+            if module is not self and callable(load := getattr(module, "load", None)):
+                load(src)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied head counted once)."""
@@ -295,13 +299,17 @@ class Transformer(nn.Module):
         this tp rank's vocabulary slice, for a vocab-parallel loss), else (hidden, residual)
         to send to the next stage.
         """
-        h = self.embed(x) if self.first else x[0]
-        residual = None if self.first else x[1]
+        if self.first:
+            assert self.embed is not None  # the first stage holds the embedding
+            h, residual = self.embed(x), None
+        else:
+            h, residual = x[0], x[1]
         rope = self.rotary.at(positions, h.dtype)
         for layer, cache in zip(self.layers, caches):
             h, residual = layer(h, residual, rope, meta, cache)
         if not self.last:
             return h, residual
+        assert self.norm is not None and self.lm_head is not None  # the last stage holds them
         h, _ = self.norm(h, residual)
         if logits_indices is not None:
             h = h[logits_indices]

@@ -61,7 +61,7 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _op(op: str) -> dist.ReduceOp:
+def _op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in _OPS:
         raise ValueError(f"op={op!r} is not a reduction; use one of {sorted(_OPS)} ('avg' floats only)")
     return _OPS[op]
@@ -103,9 +103,10 @@ def _pad0(x: Tensor, m: int) -> Tensor:
     return out
 
 
-def _fast(group: ProcessGroup, x: Tensor) -> shm.ShmGroup | None:
-    """The group's shared-memory path for x (CPU tensors only), or None for torch.distributed."""
-    return shm.route(group) if x.device.type == "cpu" else None
+def _fast(group: ProcessGroup | None, x: Tensor) -> shm.ShmGroup | None:
+    """The group's shared-memory path for x (CPU tensors only), or None for torch.distributed
+    (callers have returned already for a one-rank group, None)."""
+    return shm.route(group) if group is not None and x.device.type == "cpu" else None
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -122,7 +123,7 @@ def _peer(peer: int, group: ProcessGroup | None, name: str) -> int:
     return peer
 
 
-def _exchange_sizes(own: int, device: torch.device, group: ProcessGroup) -> list[int]:
+def _exchange_sizes(own: int, device: torch.device, group: ProcessGroup | None) -> list[int]:
     """Every rank's size along the gathered dim (one small all-gather)."""
     mine = torch.tensor([own], dtype=torch.int64, device=device)
     out = mine.new_empty(group_size(group))
@@ -217,7 +218,7 @@ def gather(
     buf = _pad0(x.movedim(d, 0), m)  # [max chunk, ...]
     parts = [torch.empty_like(buf) for _ in range(n)] if rank == dst else None
     dist.gather(buf, parts, group_dst=dst, group=group)
-    if rank != dst:
+    if parts is None:  # not the root
         return None
     return torch.cat([p[:s] for p, s in zip(parts, sizes)]).movedim(0, d).contiguous()
 
@@ -349,14 +350,18 @@ def isend(x: Tensor, dst: int, group: ProcessGroup | None, tag: int = 0) -> dist
     """Start sending x (contiguous, unchanged until wait()) to group rank dst; returns the work handle."""
     if not x.is_contiguous():
         raise ValueError("isend needs a contiguous tensor: a temporary copy could be freed before the send ends")
-    return dist.isend(x, group_dst=_peer(dst, group, "dst"), group=group, tag=tag)
+    work = dist.isend(x, group_dst=_peer(dst, group, "dst"), group=group, tag=tag)
+    assert work is not None  # torch returns None only to ranks outside the group
+    return work
 
 
 def irecv(buf: Tensor, src: int, group: ProcessGroup | None) -> dist.Work:
     """Start receiving from group rank src into contiguous buf; buf is valid after wait()."""
     if not buf.is_contiguous():
         raise ValueError("irecv needs a contiguous buffer to receive into")
-    return dist.irecv(buf, group_src=_peer(src, group, "src"), group=group)
+    work = dist.irecv(buf, group_src=_peer(src, group, "src"), group=group)
+    assert work is not None  # torch returns None only to ranks outside the group
+    return work
 
 
 def shift(x: Tensor, group: ProcessGroup | None, tag: int = 0) -> tuple[Tensor, list[dist.Work]]:

@@ -12,7 +12,7 @@ one-rank group and reads "forward: X; backward: Y", where Y is the adjoint of X.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -87,7 +87,7 @@ def _region(x: Tensor, fwd, bwd) -> Tensor:
     return _Dual.apply(x, fwd, bwd)
 
 
-def prepare_compile(groups: Sequence[ProcessGroup]) -> None:
+def prepare_compile(groups: Iterable[ProcessGroup]) -> None:
     """Prepare the duals for torch.compile (called by the code that compiles, not at import:
     importing torch._dynamo costs a rank ~1.6 s of start-up it needs only to compile).
 
@@ -95,15 +95,16 @@ def prepare_compile(groups: Sequence[ProcessGroup]) -> None:
     in the graph, ``torch.ops.shardlm.all_reduce`` / ``all_gather`` (as vLLM registers its
     collectives), so a tp step is one graph; every other dual is a graph break, since the
     shared-memory path is Python that dynamo should not trace."""
-    global _region
+    global _region, _region_opaque
     for group in groups:
         _COMPILED_GROUPS[group.group_name] = group
-    if not getattr(_region, "opaque", False):
+    if not _region_opaque:
         _region = torch.compiler.disable(_region)
-        _region.opaque = True
+        _region_opaque = True
 
 
 _COMPILED_GROUPS: dict[str, ProcessGroup] = {}
+_region_opaque = False  # whether _region is wrapped in torch.compiler.disable yet
 
 
 def _in_graph(group) -> bool:
@@ -167,7 +168,7 @@ def reduce_from_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """forward: all-reduce (sum, out of place) over group; backward: identity (Megatron's g)."""
     if group_size(group) == 1:
         return x
-    if _in_graph(group):
+    if group is not None and _in_graph(group):
         return torch.ops.shardlm.all_reduce(x, group.group_name)
     return _region(x, lambda t: _summed(t, group), lambda g: g)
 
@@ -188,7 +189,7 @@ def gather_from_region(
     if group_size(group) == 1:
         return x
     d, sizes = _shard_sizes(x, group, dim, sizes)
-    if _in_graph(group):
+    if group is not None and _in_graph(group):
         return torch.ops.shardlm.all_gather(x, group.group_name, d, sizes)
     return _region(x, lambda t: all_gather(t, group, d, sizes), lambda g: _own(g, group, d, sizes))
 

@@ -24,6 +24,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -51,7 +52,7 @@ class ContextBatch:
     """A training step's attention layout under cp: ``batch`` sequences of ``seq_len`` tokens, each
     holding ``positions`` on this rank (its tokens are laid out sequence by sequence)."""
 
-    group: object
+    group: dist.ProcessGroup | None  # the cp group
     batch: int
     positions: Tensor  # [local tokens of one sequence]
     key_positions: Tensor  # [seq_len]: positions of the all-gathered keys, rank by rank
@@ -185,7 +186,8 @@ class _RingAttention(torch.autograd.Function):
         grad = grad.contiguous()
         delta = (grad.float() * out.float()).sum(-1)  # [b, kv, g, n]: rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv, arriving = torch.stack([k, v]), None
+        kv = torch.stack([k, v])
+        arriving: tuple[Tensor, list] | None = None  # (the block's gradient so far, its receive handles)
         for step in range(cp):
             if step < cp - 1:
                 nxt, works = shift(kv, meta.group, tag=0)
@@ -211,6 +213,7 @@ class _RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = nxt
+        assert arriving is not None  # cp >= 1 steps ran
         for w in arriving[1]:
             w.wait()
         dkv = arriving[0]  # after cp hops: every rank's gradient of this rank's own block

@@ -11,6 +11,8 @@ to a decode replica, point to point (``ReplicaLink``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -42,7 +44,7 @@ def replica_group(dims: ParallelDims) -> dist.ProcessGroup | None:
     return mine
 
 
-def gather_replicas(local: list, dims: ParallelDims) -> list[list]:
+def gather_replicas(local: Any, dims: ParallelDims) -> list:
     """Every replica's results, indexed by dp rank (one collective over dp, after decoding)."""
     if dims.dp == 1:
         return [local]

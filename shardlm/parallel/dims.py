@@ -170,27 +170,29 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_AXES)
         object.__setattr__(self, "_mesh", mesh)
-        object.__setattr__(self, "_expert_groups", self._build_expert_groups())
-        object.__setattr__(self, "_dp_cp_group", self._build_dp_cp_group())
+        object.__setattr__(self, "_expert_groups", self._build_expert_groups(mesh))
+        object.__setattr__(self, "_dp_cp_group", self._build_dp_cp_group(mesh))
         return self
 
-    def _build_dp_cp_group(self) -> dist.ProcessGroup | None:
+    def _build_dp_cp_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
         """The ranks that hold the same weights in training (every dp and cp coordinate of one pp,
         tp position): gradients are summed over them. Collective, like the expert groups."""
         if self.cp == 1 or self.dp == 1:
-            return self._mesh.get_group("cp" if self.dp == 1 else "dp")
+            return mesh.get_group("cp" if self.dp == 1 else "dp")
         mine = None
         for ranks in self.group_ranks("dp_cp"):
             g = dist.new_group(ranks)
             mine = g if dist.get_rank() in ranks else mine
         return mine
 
-    def _build_expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
+    def _build_expert_groups(self, mesh: DeviceMesh) -> dict[str, dist.ProcessGroup | None]:
         """One process group per expert group kind (collective: every rank creates every group,
         in the same order). A kind whose groups are one rank is None; one whose groups are
         exactly the tp or dp groups (or an earlier kind's) reuses them instead of new sockets."""
         me = dist.get_rank()
-        known = {tuple(map(tuple, self.group_ranks(a))): self._mesh.get_group(a) for a in ("tp", "dp")}
+        known: dict[tuple, dist.ProcessGroup | None] = {
+            tuple(map(tuple, self.group_ranks(a))): mesh.get_group(a) for a in ("tp", "dp")
+        }
         out: dict[str, dist.ProcessGroup | None] = {}
         for kind in EXPERT_GROUPS:
             groups = self.group_ranks(kind)
@@ -210,26 +212,27 @@ class ParallelDims:
     def mesh(self) -> DeviceMesh | None:
         return self._mesh
 
-    def _need_mesh(self) -> bool:
-        """Whether this layout's mesh is built; a multi-rank layout without one is an error."""
+    def _need_mesh(self) -> DeviceMesh | None:
+        """This layout's mesh (None: a one-rank layout without one); a multi-rank layout without
+        one is an error."""
         if self._mesh is None and self.world_size > 1:
             raise LayoutError("call build_mesh() before asking for groups or ranks of a multi-rank layout")
-        return self._mesh is not None
+        return self._mesh
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if axis not in MESH_AXES:
             raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
-        return self._mesh.get_group(axis) if self._need_mesh() else None
+        return mesh.get_group(axis) if (mesh := self._need_mesh()) is not None else None
 
     def rank(self, axis: str) -> int:
         if axis not in MESH_AXES:
             raise KeyError(f"unknown mesh axis {axis!r}; axes are {MESH_AXES}")
-        return self._mesh.get_local_rank(axis) if self._need_mesh() else 0
+        return mesh.get_local_rank(axis) if (mesh := self._need_mesh()) is not None else 0
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup | None:
         """dp x cp ranks of this rank's pp and tp position (training's gradient group)."""
-        return self._dp_cp_group if self._need_mesh() else None
+        return self._dp_cp_group if self._need_mesh() is not None else None
 
     def expert_group(self, kind: str) -> dist.ProcessGroup | None:
         """The ep, etp, edp or ep_etp group of this rank (None when it has one rank)."""

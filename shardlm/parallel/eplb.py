@@ -140,7 +140,8 @@ def rebalance(load: Sequence[float], ep: int, slots_per_rank: int) -> ExpertPlac
         ((load[e] / replicas[e], e) for e in range(num_experts) for _ in range(replicas[e])),
         key=lambda t: (-t[0], t[1]),
     )
-    rank_load, slots = [0.0] * ep, [[] for _ in range(ep)]
+    rank_load = [0.0] * ep
+    slots: list[list[int]] = [[] for _ in range(ep)]
     for w, e in items:
         free = [r for r in range(ep) if len(slots[r]) < slots_per_rank]
         fresh = [r for r in free if e not in slots[r]] or free  # a replica on the same rank is useless

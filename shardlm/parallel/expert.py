@@ -56,6 +56,13 @@ def experts_span_replicas(tp: int, ep: int, etp: int) -> bool:
 class ExpertParallelSwiGLU(nn.Module):
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's top-k experts e."""
 
+    # buffers registered by _alloc (the placement's tables, ExpertPlacement.tables, and the counter)
+    replica_slots: torch.Tensor  # [experts, max replicas] long
+    num_replicas: torch.Tensor  # [experts] long
+    slot_rank: torch.Tensor  # [slots] long
+    slot_local: torch.Tensor  # [slots] long
+    slot_tokens: torch.Tensor  # [local slots] long: (token, choice) pairs computed per slot
+
     def __init__(
         self,
         *,

@@ -142,6 +142,7 @@ def open_segment(group: dist.ProcessGroup, slot_bytes: int) -> tuple[Segment | N
     elif any(start_time(pid) != started for _, pid, started in peers):
         why = "the group's ranks do not share a pid namespace, so a dead peer could not be detected"
     else:
+        assert wake is not None  # this rank mapped the segment and bound its socket (rows[rank][0])
         try:
             for j in range(n):
                 wake.sendto(b"", socket.MSG_DONTWAIT, wake_address(path, j))
@@ -153,6 +154,7 @@ def open_segment(group: dist.ProcessGroup, slot_bytes: int) -> tuple[Segment | N
         if wake is not None:
             wake.close()
         return None, why or why_not_here() or "another rank of the group cannot use shared memory"
+    assert mm is not None and wake is not None  # every rank mapped and bound (the verdict)
     seg = Segment(
         mm, n=n, rank=rank, slot_bytes=slot_bytes, peers=peers, timeout_s=_group_timeout(group), name=path, wake=wake
     )

@@ -141,6 +141,8 @@ class Int8Weight:
     """For a linear layer: ``quantize_int8`` swaps its weight for int8 rows and their scales,
     the same on every layout (a row split over ranks takes the whole row's scale)."""
 
+    weight: nn.Parameter
+
     def quantize_int8(self) -> None:
         w = self.weight.detach()
         q, scale = int8_rows(w, self.row_absmax(w))
@@ -316,6 +318,8 @@ class ParallelLMHead(nn.Module):
 
     With tied embeddings the weight is the embedding's own parameter (same rows).
     """
+
+    source: str | None  # the checkpoint tensor it reads (None: tied, loaded with the embedding)
 
     def __init__(
         self,
