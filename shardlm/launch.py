@@ -60,7 +60,9 @@ def cpu_threads(local_world: int) -> int:
     return max(1, cores // local_world)
 
 
-def init_distributed(rank: int, world: int, init_method: str, device_type: str, timeout_s: float) -> None:
+def init_distributed(rank: int, world: int, init_method: str | None, device_type: str, timeout_s: float) -> None:
+    """Join the world's process group, unless this process already belongs to one (a caller that
+    started it, as the test harness does); ``init_method`` None means torch's default (env://)."""
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"

@@ -52,7 +52,6 @@ class Worker:
             torch.set_num_threads(config.threads or cpu_threads(local_world))
             self.device = torch.device("cpu")
         if world > 1:
-            assert init_method is not None  # a multi-rank world was started with one
             init_distributed(rank, world, init_method, device_type, config.timeout_s)
         self.dims = config.dims().build_mesh(device_type)
         self.config = config

@@ -88,7 +88,7 @@ def explain(results: list, ctx: dict) -> list[str]:
         )
         comm = {k: v for k, v in (win.comm_s or {}).items() if v > 0}
         if comm:
-            top = max(comm, key=comm.get)
+            top = max(comm, key=lambda k: comm[k])
             lines.append(f"Its largest communication cost is {top} ({comm[top] / win.step_s * 100:.0f}% of the step).")
     else:
         parts = win.decode_parts
@@ -100,7 +100,7 @@ def explain(results: list, ctx: dict) -> list[str]:
             "CP merges": parts.cp_comm,
             "LM head and logits": parts.head,
         }
-        top = max(shares, key=shares.get)
+        top = max(shares, key=lambda k: shares[k])
         lead = (
             f"{win.latency_s * 1e3:,.0f} ms per request ({win.throughput:,.0f} output tokens/s)"
             if ctx["objective"] == "latency"

@@ -89,9 +89,10 @@ def load_gpu(name: str) -> GpuSpec:
     raw = _raw_catalog()
     key = name.lower()
     if key not in raw or key.startswith("_"):
-        key = next((k for k in gpu_names() if key in raw[k].get("_aliases", [])), None)
-    if key is None:
-        raise unknown("gpu", name, gpu_names() + [THIS_MACHINE])
+        alias_of = next((k for k in gpu_names() if key in raw[k].get("_aliases", [])), None)
+        if alias_of is None:
+            raise unknown("gpu", name, gpu_names() + [THIS_MACHINE])
+        key = alias_of
     g = raw[key]
     return GpuSpec(
         name=key,

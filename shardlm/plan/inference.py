@@ -229,7 +229,7 @@ def evaluate(
         return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=0, shortfall_bytes=mem.total - cap)
     b = min(batch or wl.batch or max_batch, max_batch)
     if (batch or wl.batch or 0) > max_batch:
-        mem = MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * (batch or wl.batch)})
+        mem = MemoryBreakdown(**{**vars(fixed), "kv_cache": per_seq * (batch or wl.batch or 0)})
         return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=max_batch, shortfall_bytes=mem.total - cap)
     # TTFT: one prompt's prefill (chunked); a round's prefill work: all b prompts
     chunk = min(C.PREFILL_CHUNK_TOKENS, wl.prompt_len)

@@ -76,7 +76,7 @@ def prefill_working_set(costs: ModelCosts, lay: Layout, chunk_tokens: float, a_b
     """Transient activations of one prefill chunk in one layer, plus the last-token logits."""
     cfg = costs.cfg
     rl = costs.rank_layer(cfg.is_moe and cfg.first_k_dense == 0, lay.tp, lay.ep, lay.etp)
-    width = 4 * cfg.hidden_size + (rl.q_heads + 2 * max(rl.kv_heads, 1)) * cfg.head_dim
+    width: float = 4 * cfg.hidden_size + (rl.q_heads + 2 * max(rl.kv_heads, 1)) * cfg.head_dim
     ffn = max(costs.cfg.intermediate_size, costs.cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
     width += 3 * ffn / lay.tp
     return chunk_tokens / lay.cp * width * a_bytes
@@ -120,11 +120,16 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float
     s = seq // lay.cp
     total = 0.0
     n_dense, n_moe = costs.stage_kinds(lay.pp)[0]
-    kw = dict(seq=s, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute)
+
+    def per_layer(moe: bool) -> float:
+        return layer_activation_bytes(
+            layer_shape(costs, moe), seq=s, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute
+        )
+
     if n_dense:
-        total += n_dense * layer_activation_bytes(layer_shape(costs, False), **kw)
+        total += n_dense * per_layer(False)
     if n_moe:
-        per = layer_activation_bytes(layer_shape(costs, True), **kw)
+        per = per_layer(True)
         if lay.recompute != "full":  # routed experts: gate, up, silu, product for k copies of each token
             rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
             per += s * lay.micro_batch * cfg.num_experts_per_tok * (8 * rows + 4 * cfg.hidden_size)

@@ -83,7 +83,9 @@ def make_cluster(req: PlanRequest) -> Cluster:
 
 def _search(costs, cluster, req: PlanRequest, fixed: dict) -> SearchResult:
     if req.train:
+        assert req.training is not None  # a training request carries its workload
         return search_training(costs, cluster, req.training, objective=req.objective, fixed=fixed)
+    assert req.inference is not None
     return search_inference(costs, cluster, req.inference, objective=req.objective, fixed=fixed)
 
 
@@ -93,7 +95,11 @@ def plan(req: PlanRequest) -> Plan:
     cluster = make_cluster(req)
     costs = ModelCosts(cfg)
     found = _search(costs, cluster, req, req.fixed)
-    context_len = req.training.seq_len if req.train else req.inference.prompt_len + req.inference.output_len
+    if req.training is not None and req.train:
+        context_len = req.training.seq_len
+    else:
+        assert req.inference is not None
+        context_len = req.inference.prompt_len + req.inference.output_len
     ctx = {"cluster": cluster, "cfg": cfg, "objective": req.objective, "train": req.train, "context_len": context_len}
     if not found.results:
         raise _nothing_fits(costs, cluster, req, name, found)
@@ -177,7 +183,7 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
             if _search(costs, c, req, {}).results:
                 hints.append(f"{req.gpus} x {other}")
                 break
-    if not req.train and req.inference.dtype != "fp8" and "fp8" in gpu.flops:
+    if not req.train and req.inference is not None and req.inference.dtype != "fp8" and "fp8" in gpu.flops:
         fp8 = replace(req, inference=replace(req.inference, dtype="fp8", kv_dtype="fp8"))
         if _search(costs, cluster, fp8, {}).results:
             hints.append(f"{req.gpus} x {gpu.name} with --dtype fp8")

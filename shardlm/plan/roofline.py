@@ -120,7 +120,7 @@ def layer_work(
     h = cfg.hidden_size
     dense = rl.attn + rl.dense + rl.router
     flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)
-    wbytes = dense * w_bytes
+    wbytes: float = dense * w_bytes
     if rl.experts:
         k = cfg.num_experts_per_tok
         touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)

@@ -158,7 +158,7 @@ def simulate(
                 if dep is not None and dep not in done:
                     break
                 ready = 0.0 if dep is None else done[dep] + (p2p_s if dep[2] != vs else 0.0)
-                if kind == "B" and vs == last_vs:
+                if kind == "B" and vs == last_vs and dep is not None:  # its own forward: no hop
                     ready = done[dep]
                 start = max(free[s], ready)
                 end = start + dur[kind]

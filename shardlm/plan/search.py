@@ -75,7 +75,9 @@ def search_inference(
     costs: ModelCosts, cluster: Cluster, wl: inference.InferenceWorkload, *, objective: str, fixed: dict[str, int]
 ) -> SearchResult:
     t0 = time.perf_counter()
-    ok, bad, n = [], [], 0
+    ok: list[inference.InferenceResult] = []
+    bad: list[inference.InferenceResult] = []
+    n = 0
     for lay in shapes(costs.cfg, cluster, fixed):
         if objective == "latency":
             res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or 1)
@@ -141,7 +143,9 @@ def search_training(
     costs: ModelCosts, cluster: Cluster, wl: training.TrainWorkload, *, objective: str, fixed: dict
 ) -> SearchResult:
     t0 = time.perf_counter()
-    ok, bad, n = [], [], 0
+    ok: list[training.TrainResult] = []
+    bad: list[training.TrainResult] = []
+    n = 0
     recomputes = [fixed["recompute"]] if "recompute" in fixed else ["none", "selective", "full"]
     for shape in shapes(costs.cfg, cluster, fixed):
         for lay in training_variants(costs.cfg, shape, wl, fixed):
@@ -151,6 +155,7 @@ def search_training(
                 n += 1
                 if last.fits:
                     break
+            assert last is not None  # recomputes is never empty
             (ok if last.fits else bad).append(last)
     ok.sort(key=lambda r: -r.tokens_per_s)
     bad.sort(key=lambda r: r.shortfall_bytes)

@@ -106,6 +106,7 @@ def rank_layer(cfg: ModelConfig, layer: int, *, tp: int, ep: int = 1, etp: int =
         dense = _mlp_params(cfg, r) if r else 0
         if best is None or attn + dense > best[0] + best[1]:
             best = (attn, dense, q, 0 if cfg.is_mla else kv)
+    assert best is not None  # the loop saw at least one tp rank
     attn, dense, q, kv = best
     if not moe:
         return RankLayer(attn=attn, dense=dense, router=0, experts=0, expert_params=0, q_heads=q, kv_heads=kv)

@@ -24,9 +24,10 @@ def build_app(engine, *, model_name: str) -> FastAPI:
     app.state.model_name = model_name
     app.state.metrics = metrics = Metrics(engine)
     app.state.created = int(time.time())
-    app.add_exception_handler(errors.APIError, errors.api_error)
-    app.add_exception_handler(HTTPException, errors.http_exception)
-    app.add_exception_handler(RequestValidationError, _validation)
+    # Starlette types a handler as taking any Exception; each of these takes the class it is registered for
+    app.add_exception_handler(errors.APIError, errors.api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, errors.http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, errors.unexpected)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

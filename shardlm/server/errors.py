@@ -66,7 +66,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_validation(err: ValidationError, model: type) -> APIError:
+def from_validation(err: ValidationError, model: type[BaseModel]) -> APIError:
     """The first problem of a request body, said as OpenAI would: which field, what it got."""
     first = err.errors()[0]
     if first["type"] == "json_invalid":

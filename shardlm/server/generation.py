@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 
 from shardlm.engine.async_llm import EngineDead, QueueFull
@@ -49,12 +49,12 @@ class Generation:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
         p = self.prepared
         stream = self.engine.generate(p.prompt_ids, p.params)
         text = StopText(self.engine.tokenizer, p.stops)
-        outcome = "abort"  # until it finishes; None when the engine refused it
+        outcome: str | None = "abort"  # until it finishes; None when the engine refused it
         started = False
         self.metrics.in_flight.inc()
         try:

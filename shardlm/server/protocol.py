@@ -9,7 +9,7 @@ implement are refused with a 400 only when set to something other than their def
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -99,8 +99,10 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         )
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
-    ids = _chat_ids(req, engine.tokenizer) if chat else _completion_ids(req, engine)
-    where = "messages" if chat else "prompt"
+    if isinstance(req, ChatRequest):
+        ids, where = _chat_ids(req, engine.tokenizer), "messages"
+    else:
+        ids, where = _completion_ids(req, engine), "prompt"
     if not ids:
         raise bad_request(f"the {where} encodes to no tokens; give at least one token", param=where)
     limit = engine.max_model_len
@@ -119,7 +121,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             code="context_length_exceeded",
         )
     name, max_tokens = ("max_tokens", req.max_tokens)
-    if chat and req.max_completion_tokens is not None:
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None:
         max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
@@ -213,7 +215,7 @@ def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
                         f'only: {{"type": "text", "text": ...}}',
                         param=f"messages[{i}].content",
                     )
-            content = "".join(p.text for p in content)
+            content = "".join(p.text or "" for p in content)  # each checked above
         message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
@@ -238,8 +240,9 @@ def _completion_ids(req: CompletionRequest, engine) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt)
+    ids = cast("list[int]", prompt)  # one list of token ids (strict types: ints only)
     vocab = engine.checkpoint.config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
-    return list(prompt)
+    return list(ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
@@ -115,7 +115,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncGenerator[str, None]):
         self.events = events
         self.status_code = 200
         self.background = None

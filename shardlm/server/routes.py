@@ -9,7 +9,7 @@ holding an error body, as OpenAI and vLLM do; an unstreamed one as a 503.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +31,9 @@ async def completions(request: Request) -> Response:
     return await _complete(request, CompletionRequest, Shape)
 
 
-async def _complete(request: Request, schema: type, shape_type: type[Shape]) -> Response:
+async def _complete(
+    request: Request, schema: type[ChatRequest] | type[CompletionRequest], shape_type: type[Shape]
+) -> Response:
     arrival = time.perf_counter()
     state = request.app.state
     try:
@@ -55,18 +57,18 @@ async def _complete(request: Request, schema: type, shape_type: type[Shape]) -> 
     return EventStream(_events(shape, first, deltas))
 
 
-async def _rest(deltas: AsyncIterator) -> str:
+async def _rest(deltas: AsyncGenerator) -> str:
     return "".join([d.text async for d in deltas])
 
 
-async def _events(shape: Shape, first, deltas: AsyncIterator) -> AsyncIterator[str]:
+async def _events(shape: Shape, first, deltas: AsyncGenerator) -> AsyncGenerator[str, None]:
     try:
         for body in shape.opening():
             yield dumps(body)
         delta = first
         while True:
-            if (body := shape.chunk(delta)) is not None:
-                yield dumps(body)
+            if (chunk := shape.chunk(delta)) is not None:
+                yield dumps(chunk)
             if delta.finish_reason is not None:
                 break
             delta = await anext(deltas)

@@ -59,16 +59,16 @@ def pieces(model: nn.Module) -> list[Piece]:
 def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
     """Whole tensors from the pieces of every tp rank (and stage: a tied embedding comes twice)."""
     by_name: dict[str, dict[tuple, Piece]] = {}
+    key_of = lambda p: (p.rows.start if p.rows else 0, p.cols.start if p.cols else 0)
     for p in all_pieces:
-        key = (p.rows.start if p.rows else None, p.cols.start if p.cols else None)
-        by_name.setdefault(p.name, {})[key] = p
+        by_name.setdefault(p.name, {})[key_of(p)] = p
     out = {}
     for name, unique in by_name.items():
         parts = list(unique.values())
         if parts[0].rows is not None:
-            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: p.rows.start)])
+            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: key_of(p)[0])])
         elif parts[0].cols is not None:
-            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: p.cols.start)], dim=1)
+            out[name] = torch.cat([p.tensor for p in sorted(parts, key=lambda p: key_of(p)[1])], dim=1)
         else:  # replicated on every tp rank
             out[name] = parts[0].tensor
     return out
@@ -81,12 +81,13 @@ def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
     from safetensors.torch import save_file
 
     mine = pieces(model) if dims.dp_rank == 0 and dims.cp_rank == 0 else []
-    everything = [mine]
+    everything: list | None = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, everything, dst=0)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    assert everything is not None  # rank 0 gathered every rank's pieces
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in assemble([p for part in everything for p in part]).items()}

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shardlm.args import log
 
@@ -177,6 +179,11 @@ def run(args) -> int:
             f"{len(ids)} tokens of {data.name}: {len(batches.windows)} windows of {args.seq_len}, "
             f"{batches.per_epoch} steps an epoch"
         )
+    # the same four calls, on this rank (torchrun) or on every rank this process started
+    step: Callable[[Any], dict]
+    save: Callable[[str], Any]
+    save_state: Callable[[str], Any]
+    load_state: Callable[[str], int]
     if env is not None:  # under torchrun: this process is one rank
         trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
         step, save, save_state, load_state = trainer.step, trainer.save, trainer.save_state, trainer.load_state

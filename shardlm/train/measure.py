@@ -9,13 +9,13 @@ one tensor count once and a tensor's whole storage counts even where only a view
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 
 import torch
 
 
 @contextlib.contextmanager
-def saved_for_backward(exclude: set[int] = frozenset()) -> Iterator[dict[int, int]]:
+def saved_for_backward(exclude: Set[int] = frozenset()) -> Iterator[dict[int, int]]:
     """Yields {storage address: bytes} of the tensors saved for backward inside the block, less
     the storages in ``exclude`` (e.g. the parameters')."""
     saved: dict[int, int] = {}

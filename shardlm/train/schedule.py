@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from shardlm.parallel.comm import recv
+from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.pipeline import StageLinks
 
 
@@ -41,16 +42,16 @@ class StageIO(StageLinks):
     """A stage's activations in flight: what it received (to send back its gradient) and what it
     produced (to run backward from)."""
 
-    def __init__(self, dims):
+    def __init__(self, dims: ParallelDims) -> None:
         super().__init__(dims)
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
         self.outputs: dict[int, tuple[Tensor, ...] | Tensor] = {}
 
     def receive(self, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Micro-batch i's (hidden, residual) from the previous stage, as leaves that keep their gradient."""
-        got = tuple(recv(shape, dtype, self.stage - 1, self.group).requires_grad_() for _ in range(2))
-        self.inputs[i] = got
-        return got
+        hidden, residual = (recv(shape, dtype, self.stage - 1, self.group).requires_grad_() for _ in range(2))
+        self.inputs[i] = (hidden, residual)
+        return hidden, residual
 
     def produced(self, i: int, out) -> None:
         """Micro-batch i's output: the loss on the last stage, else (hidden, residual), sent on."""
@@ -62,11 +63,12 @@ class StageIO(StageLinks):
     def backward(self, i: int) -> None:
         """Micro-batch i's backward: from the loss, or from the gradients the next stage sends."""
         out = self.outputs.pop(i)
-        if self.last:
+        if isinstance(out, Tensor):  # the last stage's loss
             out.backward()
         else:
             grads = [recv(t.shape, t.dtype, self.stage + 1, self.group) for t in out]
             torch.autograd.backward(list(out), grads)
         if not self.first:
             for t in self.inputs.pop(i):
+                assert t.grad is not None  # backward reached this stage's inputs
                 self._send(t.grad.contiguous(), self.stage - 1)

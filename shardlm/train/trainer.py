@@ -263,7 +263,7 @@ class Trainer:
                 f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them"
             )
         group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
-        count = all_reduce(sum((t != IGNORE_INDEX).sum() for _, t, _ in micros).double(), group)
+        count = all_reduce(torch.stack([(t != IGNORE_INDEX).sum() for _, t, _ in micros]).sum().double(), group)
         meta = (
             causal_metadata([seq_len] * micros[0][0].shape[0])
             if self.dims.cp == 1
@@ -295,6 +295,7 @@ class Trainer:
         held = self.zero.state_bytes()
         self.zero.finish_backward()
         if self.zero.tied is not None:
+            assert self.zero.tied.master.grad is not None  # finish_backward reduced it (both stages call this)
             all_reduce(self.zero.tied.master.grad, self.embedding_group)
         if self.scaler:
             self.zero.scale_grads(1 / scale)

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.weak import WeakTensorKeyDictionary
+
+if TYPE_CHECKING:
+    from shardlm.models.transformer import Transformer
 
 from shardlm.parallel.comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter, split_sizes
 
@@ -92,6 +96,7 @@ class Unit:
         (autograd then accumulates in place, as DDP's gradient_as_bucket_view does), so the
         reduction needs no copy."""
         if self.stage < 2 and self.flat_grad is None:
+            assert self.flat is not None  # stages 0-2 keep the full flat weights
             self.flat_grad = torch.zeros_like(self.flat)
             for p, view in zip(self.params, self.views(self.flat_grad)):
                 p.grad = view
@@ -125,6 +130,7 @@ class Unit:
     def grad_sq(self) -> Tensor:
         """Sum of squares of the gradient elements this rank owns (tp-replicated ones weighted)."""
         g = self.master.grad
+        assert g is not None  # after reduce_grads
         total = torch.linalg.vector_norm(g) ** 2
         for a, b, w in self.tp_weighted:
             a, b = max(a, self.lo), min(b, self.hi)
@@ -145,6 +151,7 @@ class Unit:
             self.shard.data.copy_(self.master.detach())
         self.master.grad = self.shard.grad = None
         if self.stage in (1, 2) and group_size(self.group) > 1:
+            assert self.flat is not None
             self.flat.copy_(all_gather(self.shard.detach(), self.group, sizes=self.sizes))
 
 
@@ -196,7 +203,7 @@ class Zero:
     optimizer over ``shards()``, ``after_step``."""
 
     def __init__(
-        self, model: nn.Module, group, tp: int, stage: int, replicated: set[int], tied: nn.Parameter | None = None
+        self, model: Transformer, group, tp: int, stage: int, replicated: set[int], tied: nn.Parameter | None = None
     ):
         """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
         in a unit of its own, laid out alike on both stages, so its gradients can be summed across."""
@@ -250,7 +257,7 @@ class Zero:
         unit = self._owner.get(t._base) if t._base is not None else None
         if unit is None:
             return t
-        return _SavedWeight(unit, t.size(), t.stride(), t.storage_offset())
+        return _SavedWeight(unit, t.size(), t.stride(), int(t.storage_offset()))
 
     @staticmethod
     def _unpack(saved):
@@ -285,6 +292,7 @@ class Zero:
         torch.nn.utils.clip_grad_norm_ does."""
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for unit in self.units:
+            assert unit.master.grad is not None  # after reduce_grads
             unit.master.grad.mul_(coef)
 
     def after_step(self) -> None:
@@ -332,7 +340,7 @@ class Zero:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of weights, gradients and float32 masters (mixed precision) this rank holds now
         (call right after backward, before ``finish_backward``, to see the gradients at their peak)."""
-        weights = sum((u.shard if self.stage == 3 else u.flat).nbytes for u in self.units)
+        weights = sum(u.shard.nbytes if self.stage == 3 or u.flat is None else u.flat.nbytes for u in self.units)
         grads = sum(p.grad.nbytes for u in self.units for p in u.params if p.grad is not None)
         grads += sum(u.master.grad.nbytes for u in self.units if u.master.grad is not None)
         grads += sum(u.shard.grad.nbytes for u in self.units if u.master is not u.shard and u.shard.grad is not None)
