@@ -29,7 +29,7 @@ QUESTION = "Explain tensor parallelism in one paragraph."
 
 
 def worker(**options) -> Worker:
-    config = EngineConfig(model="smollm2", device="cpu", **options)
+    config = EngineConfig.of(model="smollm2", device="cpu", **options)
     return Worker(config, rank=0, world=1, local_rank=0, local_world=1, init_method=None)
 
 

@@ -130,7 +130,7 @@ def zero_memory(args) -> None:
     print("\nZeRO at dp=2, SmolLM2 float32 + AdamW: MiB per rank, measured / formula")
     print(f"{'stage':>5} {'weights':>17} {'gradients':>17} {'Adam state':>17} {'total':>17} {'ratio':>6}")
     for stage in (0, 1, 2, 3):
-        ranks = LocalRanks(2, Trainer.spawned, (TrainConfig(model="smollm2", dp=2, zero=stage),), timeout_s=300)
+        ranks = LocalRanks(2, Trainer.spawned, (TrainConfig.of(model="smollm2", dp=2, zero=stage),), timeout_s=300)
         try:
             params = ranks.collect("ready")[0]["params"]
             held = ranks.call("step", batch)[0]["state_bytes"]

@@ -1,7 +1,7 @@
 """Command-line pieces shared by the sub-commands (generate, serve, train, plan, bench): argument
 types, the model-and-layout flags, and the stderr log line.
 
-It sits at the bottom of the import layers (beside ``errors`` and ``launch``) so that every
+It sits low in the import layers (above ``parallel``, whose ParallelDims names the axis flags) so that every
 sub-command's ``cli`` module can use it without importing ``shardlm.cli``, the top of the stack.
 """
 
@@ -11,6 +11,8 @@ import argparse
 import json
 import re
 import sys
+
+from shardlm.parallel.dims import axes, axis_help
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -48,13 +50,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    """The model and its layout over ranks: shared by generate and serve."""
+def add_axis_args(p: argparse.ArgumentParser, offered: tuple[str, ...], default: int | None = 1) -> None:
+    """A ``--AXIS`` flag for each parallel axis the command ``offered`` (its help from ParallelDims)."""
+    for axis in offered:
+        p.add_argument(f"--{axis}", type=int, default=default, help=axis_help(axis))
+
+
+def axis_options(args: argparse.Namespace) -> dict[str, int]:
+    """{axis: size} of the axis flags this command's parser has."""
+    return {a: getattr(args, a) for a in axes() if hasattr(args, a)}
+
+
+def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> None:
+    """The model and its layout over ranks (the ``offered`` axes): shared by generate and serve."""
     p.add_argument(
         "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1..number of attention heads")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds a run of layers)")
+    add_axis_args(p, offered)
     p.add_argument(
         "--pp-layers",
         type=layer_counts,
@@ -65,9 +77,6 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
     )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each a full tp x pp model)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks for MoE layers (folded over dp x tp)")
-    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel ranks (each expert split this many ways)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--quantization",
@@ -110,13 +119,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def layout_options(args) -> dict:
-    """The EngineConfig fields that add_layout_args' flags set."""
+    """The EngineConfig fields (flat: ``EngineConfig.of``) that add_layout_args' flags set."""
     return dict(
-        tp=args.tp,
-        pp=args.pp,
-        dp=args.dp,
-        ep=args.ep,
-        etp=args.etp,
+        **axis_options(args),
         pp_layers=args.pp_layers,
         micro_batches=args.micro_batches,
         dtype=args.dtype,

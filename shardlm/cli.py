@@ -13,6 +13,7 @@ import sys
 import time
 
 from shardlm.args import add_layout_args, byte_size, layout_options, log
+from shardlm.engine.config import AXES as ENGINE_AXES
 
 
 def add_generate(sub) -> None:
@@ -23,7 +24,7 @@ def add_generate(sub) -> None:
         "tp ranks (started on this host, or by torchrun).",
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
-    add_layout_args(p)
+    add_layout_args(p, ENGINE_AXES)
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
@@ -76,7 +77,7 @@ def run_generate(args) -> int:
     )
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
-    layout = check_layout(EngineConfig(model=str(ckpt.path), **options), ckpt)
+    layout = check_layout(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
     if speaker:
         world = layout.world_size
         axes = ", ".join(f"{a}={getattr(layout, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(layout, a) > 1)

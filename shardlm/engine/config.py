@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,27 +20,22 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
+AXES = ("dp", "pp", "tp", "ep", "etp")
+"""The parallel axes the engine runs (context parallelism at inference is not built yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str = "smollm2"
     """'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a HF directory, or a .gguf file."""
-    tp: int = 1
-    """Tensor-parallel ranks: any value from 1 to the number of attention heads."""
-    pp: int = 1
-    """Pipeline stages."""
-    dp: int = 1
-    """Data-parallel replicas."""
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    """The layout over ranks (dp x pp x tp, experts folded as ep x etp; ``AXES``); tp may be any
+    value from 1 to the number of attention heads."""
     pp_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by per-token work (the LM head
     counts, the embedding lookup does not)."""
     micro_batches: int | None = None
     """Batches in flight through the pipeline; default pp (enough to keep every stage busy)."""
-    ep: int = 1
-    """Expert-parallel ranks for MoE layers, folded over dp x tp (ep * etp must divide dp * tp)."""
-    etp: int = 1
-    """Expert-tensor-parallel ranks: each expert's weights split this many ways."""
     eplb_interval: int = 0
     """Serving, MoE: re-place experts from the observed load every this many rounds (0: never)."""
     eplb_redundant: int = 0
@@ -95,7 +90,15 @@ class EngineConfig:
     timeout_s: float = 300.0
     """A collective that waits longer than this ends the run with an error."""
 
+    @classmethod
+    def of(cls, **options) -> EngineConfig:
+        """From the flat keywords ``LLM`` and the CLI take: the axis sizes (tp=2, ...) become ``parallel``."""
+        return cls(parallel=ParallelDims.take(options), **options)
+
     def __post_init__(self) -> None:
+        if not isinstance(self.parallel, ParallelDims):
+            raise UsageError(f"parallel={self.parallel!r} must be a ParallelDims, e.g. ParallelDims(tp=2)")
+        self.parallel.refuse_beyond(AXES, "the inference engine")
         if self.dtype not in DTYPES:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if self.quantization not in (None, "int8"):
@@ -111,19 +114,21 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise UsageError(f"{name}={getattr(self, name)!r} must be a non-negative integer (0 turns it off)")
         if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
-            raise UsageError(f"micro_batches={self.micro_batches!r} must be a positive integer, e.g. {self.pp}")
+            raise UsageError(
+                f"micro_batches={self.micro_batches!r} must be a positive integer, e.g. {self.parallel.pp}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"max_model_len={self.max_model_len!r} must be at least 2 tokens")
-        split = self.prefill_replicas
-        if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split < max(self.dp, 1):
-            fits = f"0 to {self.dp - 1}" if self.dp > 1 else "0 (no split)"
+        split, dp = self.prefill_replicas, self.parallel.dp
+        if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split < dp:
+            fits = f"0 to {dp - 1}" if dp > 1 else "0 (no split)"
             more = f", or raise dp to {split + 1}" if isinstance(split, int) and split > 0 else ""
             raise UsageError(
-                f"prefill_replicas={split!r} must leave at least one of the dp={self.dp} "
+                f"prefill_replicas={split!r} must leave at least one of the dp={dp} "
                 f"replicas to decode; use {fits}{more}"
             )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
@@ -131,8 +136,8 @@ class EngineConfig:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
 
     def dims(self) -> ParallelDims:
-        """The layout (validated; the mesh is built by each rank)."""
-        return ParallelDims(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, etp=self.etp)
+        """The layout, without a mesh: each rank builds its own on a copy."""
+        return self.parallel.unbuilt()
 
     @property
     def torch_dtype(self) -> torch.dtype:

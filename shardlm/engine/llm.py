@@ -44,13 +44,13 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     """Reject a layout the model cannot take, before any rank starts."""
     dims = config.dims()
     ckpt.config.check_supported()
-    partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, config.tp, 0)
-    check_expert_layout(ckpt.config, config.ep, config.etp)
-    stage_layers(ckpt.config, config.pp, config.pp_layers)
-    if config.prefill_replicas and ckpt.config.is_moe and experts_span_replicas(config.tp, config.ep, config.etp):
+    partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, dims.tp, 0)
+    check_expert_layout(ckpt.config, dims.ep, dims.etp)
+    stage_layers(ckpt.config, dims.pp, config.pp_layers)
+    if config.prefill_replicas and ckpt.config.is_moe and experts_span_replicas(dims.tp, dims.ep, dims.etp):
         raise UsageError(
             f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "
-            f"experts over ep*etp={config.ep * config.etp} ranks (not dividing tp={config.tp}) keep "
+            f"experts over ep*etp={dims.ep * dims.etp} ranks (not dividing tp={dims.tp}) keep "
             f"the replicas in lockstep; use ep*etp dividing tp, or no prefill replicas"
         )
     if config.compile and ckpt.config.is_moe:
@@ -69,7 +69,7 @@ class EngineFront:
 
     def __init__(self, model: str | Checkpoint, options: dict, tokenizer=None):
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-        self.config = EngineConfig(model=str(ckpt.path), **options)
+        self.config = EngineConfig.of(model=str(ckpt.path), **options)
         self.checkpoint = ckpt
         self.dims = check_layout(self.config, ckpt)
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
 from shardlm.parallel import comm
-from shardlm.parallel.data import replica_group
 from shardlm.parallel.expert_stats import collect_load, rebalance_experts
 
 IDLE_S = 1.0
@@ -44,7 +43,7 @@ class News:
 def serve(worker, link) -> None:
     """Run until the driver says stop. ``link`` is this rank's DriverLink."""
     engine, dims = worker.engine, worker.dims
-    group = replica_group(dims)
+    group = dims.replica_group()
     leader = dims.pp_rank == 0 and dims.tp_rank == 0
     rounds = 0
     load = None

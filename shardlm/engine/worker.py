@@ -57,7 +57,7 @@ class Worker:
         self.config = config
         self.checkpoint = ckpt = open_checkpoint(config.model)
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
-        self.layers = stage_layers(ckpt.config, config.pp, config.pp_layers)[self.dims.pp_rank]
+        self.layers = stage_layers(ckpt.config, self.dims.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()
         self.model = load_model(
             ckpt,
@@ -99,7 +99,7 @@ class Worker:
                 speculative=SpeculativeConfig.of(config.speculative_config),
             ),
             links=StageLinks(self.dims),
-            micro_batches=config.micro_batches or config.pp,
+            micro_batches=config.micro_batches or self.dims.pp,
             lockstep=self.dims.dp_group if self.dims.dp > 1 and needs_lockstep(self.model) else None,
             replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
             if config.prefill_replicas

@@ -31,19 +31,6 @@ def assign(work: list[int], buckets: int) -> list[int]:
     return out
 
 
-def replica_group(dims: ParallelDims) -> dist.ProcessGroup | None:
-    """The group of every rank of this rank's replica (all its stages and tp ranks).
-
-    Creating groups is collective over the world: every rank calls this, in the same order.
-    Ranks of one replica are consecutive (dp is the outermost mesh axis).
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    n = dist.get_world_size() // dims.dp
-    mine, _ = dist.new_subgroups_by_enumeration([list(range(d * n, (d + 1) * n)) for d in range(dims.dp)])
-    return mine
-
-
 def gather_replicas(local: Any, dims: ParallelDims) -> list:
     """Every replica's results, indexed by dp rank (one collective over dp, after decoding)."""
     if dims.dp == 1:

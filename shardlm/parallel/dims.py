@@ -47,31 +47,43 @@ def factorisations(world_size: int, n: int) -> list[tuple[int, ...]]:
     ]
 
 
+def axes() -> tuple[str, ...]:
+    """The layout's axes, as ParallelDims declares them: dp, pp, cp, tp, ep, etp."""
+    return tuple(f.name for f in fields(ParallelDims) if f.metadata.get("help"))
+
+
+def axis_help(axis: str) -> str:
+    """The one-line description of an axis (what its CLI flag says)."""
+    return next(f.metadata["help"] for f in fields(ParallelDims) if f.name == axis)
+
+
+def _axis(help: str):
+    """An axis of the layout: a size (1 turns it off) and the one line its flag's help shows."""
+    return field(default=1, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    dp: int = 1
-    """Data-parallel replicas; each one a full pp x cp x tp model."""
-    pp: int = 1
-    """Pipeline stages; each holds a contiguous run of layers."""
-    cp: int = 1
-    """Context-parallel ranks; each holds a slice of the sequence."""
-    tp: int = 1
-    """Tensor-parallel ranks; each holds a slice of every weight matrix."""
-    ep: int = 1
-    """Expert-parallel ranks (folded over dp x tp); each holds a share of the experts."""
-    etp: int = 1
-    """Expert-tensor-parallel ranks (folded over dp x tp); each expert split this many ways."""
+    """The one declaration of the parallel axes: the engine's and the trainer's configs hold one,
+    the planner's Layout extends it, and the CLI's axis flags are made from its fields (a new axis
+    is a field here; each command then says whether it offers it)."""
+
+    dp: int = _axis("data-parallel replicas, each a full pp x cp x tp model")
+    pp: int = _axis("pipeline stages, each a contiguous run of layers")
+    cp: int = _axis("context-parallel ranks, each a slice of every sequence")
+    tp: int = _axis("tensor-parallel ranks, each a slice of every weight matrix (1..attention heads)")
+    ep: int = _axis("expert-parallel ranks for MoE layers, folded over dp x tp")
+    etp: int = _axis("expert-tensor-parallel ranks: each expert's weights split this many ways")
     _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     _expert_groups: dict | None = field(default=None, compare=False, repr=False)
     _dp_cp_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    _built: dict = field(default_factory=dict, compare=False, repr=False)  # groups made on first use
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name.startswith("_"):
-                continue
-            v = getattr(self, f.name)
+        for name in axes():
+            v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise LayoutError(f"{f.name}={v!r} must be a positive integer (1 turns the axis off)")
+                raise LayoutError(f"{name}={v!r} must be a positive integer (1 turns the axis off)")
         n = self.dp * self.tp
         if n % (self.ep * self.etp):
             valid_etp = [e for e in range(1, n + 1) if n % e == 0]
@@ -84,6 +96,28 @@ class ParallelDims:
                 f"ep={self.ep} x etp={self.etp} does not fold into dp x tp = {n} ranks: "
                 f"expert layers re-use the attention ranks of a stage, so ep*etp must divide dp*tp; {hint}"
             )
+
+    @classmethod
+    def take(cls, options: dict) -> ParallelDims:
+        """The layout among keyword ``options`` (``LLM(tp=2, ...)``, a config's flat form): its axis
+        sizes are removed from the dict, the rest stay for the caller."""
+        return cls(**{a: options.pop(a) for a in axes() if a in options})
+
+    def sizes(self) -> dict[str, int]:
+        """{axis: size} of every axis."""
+        return {a: getattr(self, a) for a in axes()}
+
+    def unbuilt(self) -> ParallelDims:
+        """The same layout without a mesh or groups: what a rank builds its own mesh on."""
+        return ParallelDims.take(self.sizes())
+
+    def refuse_beyond(self, offered: tuple[str, ...], what: str) -> None:
+        """Raise for any axis outside ``offered`` whose size is not 1 (``what`` cannot run it)."""
+        for a in axes():
+            if a not in offered and getattr(self, a) != 1:
+                raise LayoutError(
+                    f"{a}={getattr(self, a)}: {what} does not split over {a}; use {a}=1 (it offers {', '.join(offered)})"
+                )
 
     # ---- sizes (pure) --------------------------------------------------------------
     @property
@@ -113,6 +147,10 @@ class ParallelDims:
                 f"layout {got} needs {self.world_size} ranks but the world has {world_size}; "
                 f"dp*pp*cp*tp must equal the world size, e.g. {options}"
             )
+
+    def rank_of(self, *, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at these mesh coordinates (the rank formula above)."""
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (the inverse of the rank formula above)."""
@@ -207,6 +245,32 @@ class ParallelDims:
                 known[key] = mine
             out.setdefault(kind, known.get(key))
         return out
+
+    def _made(self, name: str, groups: list[list[int]]) -> dist.ProcessGroup | None:
+        """This rank's group among ``groups`` (made once, then cached under ``name``). Collective:
+        every rank makes every group, in the same order, so every rank calls this alike."""
+        if name not in self._built:
+            me, mine = dist.get_rank(), None
+            for ranks in groups:
+                g = dist.new_group(ranks)
+                mine = g if me in ranks else mine
+            self._built[name] = mine
+        return self._built[name]
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Every rank of this rank's replica (all its pp, cp and tp positions); None when a replica
+        is one rank. Collective on first use (the serving loop's news goes over it)."""
+        if not self._need_mesh() or self.world_size == self.dp:
+            return None
+        n = self.world_size // self.dp  # ranks of a replica: consecutive, dp being the outermost axis
+        return self._made("replica", [list(range(d * n, (d + 1) * n)) for d in range(self.dp)])
+
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """The first and the last pipeline stage of this rank's (dp, cp, tp) position, the two
+        holders of a tied embedding; None without pipeline stages. Collective on first use."""
+        if not self._need_mesh() or self.pp == 1:
+            return None
+        return self._made("embedding", [[r[0], r[-1]] for r in self.group_ranks("pp")])
 
     @property
     def mesh(self) -> DeviceMesh | None:

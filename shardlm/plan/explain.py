@@ -22,7 +22,7 @@ def departures(res, ctx) -> list[str]:
     """The rules a result's layout breaks, each as one short phrase."""
     lay, cluster, cfg = res.layout, ctx["cluster"], ctx["cfg"]
     out = []
-    _, tp_nodes = placement(lay.group("tp"), cluster)
+    _, tp_nodes = placement(lay.rank0_group("tp"), cluster)
     if tp_nodes > 1:
         out.append("TP inside a node")
     replica_nodes = placement(list(range(lay.tp * lay.cp * lay.pp)), cluster)[1]
@@ -33,7 +33,7 @@ def departures(res, ctx) -> list[str]:
     # a model replica: the ranks that split one copy of the weights (training's CP ranks hold
     # copies of the same weights and sync gradients like DP ranks; inference's CP ranks serve one request)
     replicas = lay.dp * lay.cp if ctx["train"] else lay.dp
-    if ctx["objective"] == "throughput" and replicas == 1 and ctx.get("min_replica", lay.world) < lay.world:
+    if ctx["objective"] == "throughput" and replicas == 1 and ctx.get("min_replica", lay.world_size) < lay.world_size:
         out.append("DP for throughput")
     long = ctx["context_len"] >= LONG_CONTEXT_TOKENS
     if long and lay.cp == 1 and not lay.sp:

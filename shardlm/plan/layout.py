@@ -1,7 +1,8 @@
 """Layout: one candidate way to spread a model over the cluster, and where its groups sit.
 
-The mesh dims (dp, pp, cp, tp, ep, etp) are validated by ``shardlm.parallel.dims.ParallelDims``
-(world = dp*pp*cp*tp; ep*etp folds into dp*tp); the training knobs ride along.
+A Layout is a ``shardlm.parallel.dims.ParallelDims`` (the axes dp, pp, cp, tp, ep, etp and their
+checks: world = dp*pp*cp*tp; ep*etp folds into dp*tp) plus what only the planner varies: the
+training knobs below.
 Ranks are numbered as ParallelDims numbers them: rank = ((dp_i*PP + pp_i)*CP + cp_i)*TP + tp_i,
 so a tp group is contiguous (inside a node when it fits) and dp is outermost.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardlm.parallel.dims import LayoutError, ParallelDims
+from shardlm.parallel.dims import MESH_AXES, LayoutError, ParallelDims
 from shardlm.plan.activations import RECOMPUTE
 from shardlm.plan.errors import PlanError
 
@@ -21,19 +22,7 @@ https://arxiv.org/abs/2104.04473), ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
-    dp: int = 1
-    """Data-parallel replicas."""
-    pp: int = 1
-    """Pipeline stages."""
-    cp: int = 1
-    """Context-parallel ranks (sequence split for attention; ring attention)."""
-    tp: int = 1
-    """Tensor-parallel ranks."""
-    ep: int = 1
-    """Expert-parallel ranks (folded over dp x tp)."""
-    etp: int = 1
-    """Expert-tensor-parallel ranks."""
+class Layout(ParallelDims):
     sp: bool = False
     """Megatron sequence parallelism over the tp group (training; needs tp > 1)."""
     zero: int = 0
@@ -51,7 +40,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         try:
-            ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep, etp=self.etp)
+            super().__post_init__()
         except LayoutError as e:
             raise PlanError(str(e)) from None
         if self.schedule not in SCHEDULES:
@@ -61,24 +50,18 @@ class Layout:
         if self.sp and self.tp == 1:
             raise PlanError("sequence parallelism splits activations over the tp group; it needs tp > 1")
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
     def with_(self, **kw) -> Layout:
         return replace(self, **kw)
 
-    def rank(self, *, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
-
-    def group(self, axis: str) -> list[int]:
-        """Global ranks of the ``axis`` group that rank 0 belongs to."""
-        if axis in ("dp", "pp", "cp", "tp"):
-            return [self.rank(**{axis: i}) for i in range(getattr(self, axis))]
+    def rank0_group(self, axis: str) -> list[int]:
+        """Global ranks of the ``axis`` group that rank 0 belongs to (in O(axis size): the search
+        asks for millions of them, where ``group_ranks`` would walk the world each time)."""
+        if axis in MESH_AXES:
+            return [self.rank_of(**{axis: i}) for i in range(getattr(self, axis))]
         if axis == "ep":  # fold dp x tp as (edp, ep, etp), etp innermost
-            folded = [self.rank(dp=d, tp=t) for d in range(self.dp) for t in range(self.tp)]
+            folded = [self.rank_of(dp=d, tp=t) for d in range(self.dp) for t in range(self.tp)]
             return [folded[i * self.etp] for i in range(self.ep)]
-        raise KeyError(axis)
+        raise KeyError(f"unknown group {axis!r}; mesh axes are {MESH_AXES} and ep")
 
     def label(self, training: bool = False) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
@@ -98,6 +81,3 @@ class Layout:
             if self.recompute != "none":
                 parts.append(f"rc-{self.recompute}")
         return " ".join(parts)
-
-    def dims(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "etp": self.etp}

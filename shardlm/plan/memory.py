@@ -88,7 +88,7 @@ def inference_fixed(
     """Everything but the KV cache (which decides how many sequences fit)."""
     chunk = min(C.PREFILL_CHUNK_TOKENS, prompt_len * batch_hint)
     act = prefill_working_set(costs, lay, chunk, a_bytes)
-    comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world > 1 else 0.0
+    comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world_size > 1 else 0.0
     return MemoryBreakdown(
         weights=weight_bytes(costs, lay, w_bytes),
         activations=act,

@@ -121,7 +121,7 @@ def distinct_meshes(results: list) -> list:
     rather than the same mesh with another micro-batch size."""
     seen, out = set(), []
     for r in results:
-        key = tuple(sorted(r.layout.dims().items()))
+        key = tuple(sorted(r.layout.sizes().items()))
         if key not in seen:
             seen.add(key)
             out.append(r)

@@ -119,7 +119,7 @@ def to_data(plan) -> dict:
     items = []
     for r in plan.ranked[: req.top]:
         d = {
-            "layout": {**r.layout.dims(), "label": r.layout.label(train)},
+            "layout": {**r.layout.sizes(), "label": r.layout.label(train)},
             "memory_bytes": r.memory.as_dict(),
             "rule_departures": plan.departures(r),
         }

@@ -15,6 +15,7 @@ import signal
 import socket
 
 from shardlm.args import add_layout_args, byte_size, layout_options, log
+from shardlm.engine.config import AXES as ENGINE_AXES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
-    add_layout_args(p)
+    add_layout_args(p, ENGINE_AXES)
     p.add_argument(
         "--eplb-interval",
         type=int,

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardlm.args import log
+from shardlm.args import add_axis_args, axis_options, log
+from shardlm.parallel.dims import ParallelDims
+from shardlm.train.trainer import AXES as TRAIN_AXES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,28 +28,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
     )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (each trains on a share of every batch)")
-    p.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="pipeline stages (1F1B over the --grad-accum micro-batches; use at least pp of them)",
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="context-parallel ranks: each holds 2 of 2 x cp chunks of every sequence (zig-zag)",
-    )
+    add_axis_args(p, TRAIN_AXES)  # pp: 1F1B over the --grad-accum micro-batches; cp: zig-zag chunks
     p.add_argument(
         "--cp-attention",
         default="all-gather",
         choices=["all-gather", "ring"],
         help="with cp: all-gather each layer's keys/values (default), or ring attention (blocks "
         "passed rank to rank; a rank never holds the whole sequence's keys/values)",
-    )
-    p.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (must keep each KV head's query group whole)"
     )
     p.add_argument(
         "--sequence-parallel",
@@ -129,11 +116,8 @@ def run(args) -> int:
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
     config = TrainConfig(
         model=args.model,
-        dp=args.dp,
-        pp=args.pp,
-        cp=args.cp,
+        parallel=ParallelDims.take(axis_options(args)),
         cp_attention=args.cp_attention,
-        tp=args.tp,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         dtype=args.dtype,

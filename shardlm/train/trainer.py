@@ -13,7 +13,7 @@ import json
 import resource
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,29 +36,27 @@ from shardlm.train.schedule import StageIO, one_f_one_b
 from shardlm.train.zero import STAGES, Zero
 
 RECOMPUTE = ("none", "selective", "full")
+AXES = ("dp", "pp", "cp", "tp")
+"""The parallel axes training runs (MoE training with ep is not built yet)."""
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "smollm2"
     """'smollm2' (embedded), a HF directory or a .gguf file, as for generate."""
-    dp: int = 1
-    """Data-parallel ranks; each trains on its share of every batch."""
-    pp: int = 1
-    """Pipeline stages, each holding a run of layers; a step's micro-batches (``grad_accum``) flow
-    through them in the 1F1B schedule."""
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    """The layout over ranks (``AXES``): dp ranks each train on their share of every batch; pp stages
+    each hold a run of layers, a step's micro-batches (``grad_accum``) flowing through them in the
+    1F1B schedule; cp ranks each hold 2 of 2 x cp chunks of every sequence (seq_len must split); tp
+    ranks each hold a slice of every weight matrix."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: between the tp regions each tp rank holds 1/tp of the tokens
     (norms and residual adds on a share; all-gather / reduce-scatter instead of all-reduce). A
     micro-batch's tokens on a rank (sequences x seq_len / cp) must split evenly over tp."""
-    cp: int = 1
-    """Context-parallel ranks; each holds 2 of 2 x cp chunks of every sequence (seq_len must split)."""
     cp_attention: str = "all-gather"
     """How attention sees the whole sequence under cp: "all-gather" (each layer gathers all keys and
     values) or "ring" (ring attention: key/value blocks passed rank to rank, overlapped with
     compute; a rank holds two blocks, not the whole sequence's)."""
-    tp: int = 1
-    """Tensor-parallel ranks; each holds a slice of every weight matrix."""
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
@@ -110,10 +108,18 @@ class TrainConfig:
             raise UsageError(f"recompute={self.recompute!r} is not supported; use one of {RECOMPUTE}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
-        self.dims()
+        if not isinstance(self.parallel, ParallelDims):
+            raise UsageError(f"parallel={self.parallel!r} must be a ParallelDims, e.g. ParallelDims(dp=2)")
+        self.parallel.refuse_beyond(AXES, "training")
+
+    @classmethod
+    def of(cls, **options) -> TrainConfig:
+        """From flat keywords (``TrainConfig.of(dp=2, zero=3)``): the axis sizes become ``parallel``."""
+        return cls(parallel=ParallelDims.take(options), **options)
 
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+        """The layout, without a mesh: each rank builds its own on a copy."""
+        return self.parallel.unbuilt()
 
 
 def check_trainable(cfg, tp: int) -> None:
@@ -183,18 +189,6 @@ def _all_ranks_here() -> None:
         dist.barrier()
 
 
-def embedding_group(dims: ParallelDims):
-    """The first and the last pipeline stage of this rank's (dp, cp, tp) position: the two holders
-    of a tied embedding. Collective: every rank creates every such group."""
-    import torch.distributed as dist
-
-    mine = None
-    for ranks in dims.group_ranks("pp"):
-        g = dist.new_group([ranks[0], ranks[-1]])
-        mine = g if dist.get_rank() in (ranks[0], ranks[-1]) else mine
-    return mine
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
         torch.set_num_threads(config.threads or cpu_threads(world))
@@ -215,7 +209,7 @@ class Trainer:
         self.vocab_start = model.lm_head.rows.start if model.last else 0
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
-        self.embedding_group = embedding_group(dims) if dims.pp > 1 and ckpt.config.tie_word_embeddings else None
+        self.embedding_group = dims.embedding_group() if ckpt.config.tie_word_embeddings else None
         self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
         if config.recompute == "selective":
             for module in model.modules():
@@ -390,7 +384,7 @@ class Trainer:
 
     def _state_layout(self) -> dict:
         c = self.config
-        return {"model": str(c.model), "dp": c.dp, "pp": c.pp, "cp": c.cp, "tp": c.tp, "zero": c.zero, "dtype": c.dtype}
+        return {"model": str(c.model), **{a: getattr(c.parallel, a) for a in AXES}, "zero": c.zero, "dtype": c.dtype}
 
     def save(self, directory: str) -> str:
         """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""

@@ -12,7 +12,7 @@ def make_worker(model: str, tp: int, **options):
     from shardlm.engine.config import EngineConfig
     from shardlm.engine.worker import Worker
 
-    config = EngineConfig(model=model, tp=tp, threads=1, **options)
+    config = EngineConfig.of(model=model, tp=tp, threads=1, **options)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Worker(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=None)
@@ -153,7 +153,7 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
     from shardlm.train.trainer import TrainConfig, Trainer
 
     trainer = Trainer(
-        TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+        TrainConfig.of(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
         rank=dist.get_rank(),
         world=dist.get_world_size(),
     )
@@ -169,7 +169,7 @@ def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: 
     from shardlm.train.trainer import TrainConfig, Trainer
 
     trainer = Trainer(
-        TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
+        TrainConfig.of(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options),
         rank=dist.get_rank(),
         world=dist.get_world_size(),
     )
@@ -209,7 +209,7 @@ def layer_activations_on_rank(model: str, tp: int, seq: int, batch: int, **optio
     from shardlm.train.trainer import TrainConfig, Trainer
 
     trainer = Trainer(
-        TrainConfig(model=model, tp=tp, dtype="bfloat16", threads=1, **options),
+        TrainConfig.of(model=model, tp=tp, dtype="bfloat16", threads=1, **options),
         rank=dist.get_rank() if dist.is_initialized() else 0,
         world=dist.get_world_size() if dist.is_initialized() else 1,
     )
@@ -223,7 +223,7 @@ def train_resumed(model: str, batches, dp: int, tp: int, zero: int, directory: s
     from shardlm.train.checkpoint import pieces
     from shardlm.train.trainer import TrainConfig, Trainer
 
-    config = TrainConfig(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options)
+    config = TrainConfig.of(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options)
     rank, world = dist.get_rank(), dist.get_world_size()
     first = Trainer(config, rank=rank, world=world)
     for b in batches[:-1]:

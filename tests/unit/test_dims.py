@@ -237,3 +237,62 @@ def test_dp_cp_groups_are_the_ranks_that_share_weights():
         assert {(dims.coords(r)["dp"], dims.coords(r)["cp"]) for r in ranks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert ParallelDims(dp=2, pp=2).group_ranks("dp_cp") == ParallelDims(dp=2, pp=2).group_ranks("dp")
     assert ParallelDims().dp_cp_group is None
+
+
+# ---- one layout type: configs hold a ParallelDims, flags come from its fields ---------------
+
+
+def test_axes_are_the_fields_and_each_has_a_flag_help():
+    from dataclasses import fields
+
+    from shardlm.parallel.dims import axes, axis_help
+
+    declared = [f.name for f in fields(ParallelDims) if not f.name.startswith("_")]
+    assert axes() == tuple(declared) == ("dp", "pp", "cp", "tp", "ep", "etp")
+    assert all(axis_help(a) for a in axes())
+
+
+def test_axis_flags_come_from_parallel_dims():
+    import argparse
+
+    from shardlm.args import add_axis_args, axis_options
+    from shardlm.engine.config import AXES as ENGINE_AXES
+    from shardlm.parallel.dims import axis_help
+    from shardlm.train.trainer import AXES as TRAIN_AXES
+
+    for offered in (ENGINE_AXES, TRAIN_AXES):
+        p = argparse.ArgumentParser()
+        add_axis_args(p, offered)
+        flags = {a.option_strings[0]: a.help for a in p._actions if a.option_strings[0] != "-h"}
+        assert flags == {f"--{a}": axis_help(a) for a in offered}
+        assert axis_options(p.parse_args(["--tp", "2"])) == {a: 2 if a == "tp" else 1 for a in offered}
+    assert "cp" not in ENGINE_AXES and "ep" not in TRAIN_AXES  # neither is built yet
+
+
+def test_configs_hold_a_parallel_dims_and_refuse_axes_they_cannot_run():
+    from shardlm.engine.config import EngineConfig
+    from shardlm.train.trainer import TrainConfig
+
+    cfg = EngineConfig.of(tp=2, pp=3, dtype="bfloat16")
+    assert cfg.parallel == ParallelDims(tp=2, pp=3) and cfg.dtype == "bfloat16"
+    assert cfg.dims() == cfg.parallel and cfg.dims() is not cfg.parallel  # a rank builds its mesh on a copy
+    assert TrainConfig.of(dp=2, cp=2, zero=3).parallel == ParallelDims(dp=2, cp=2)
+    with pytest.raises(LayoutError, match=r"cp=2: the inference engine does not split over cp; use cp=1"):
+        EngineConfig.of(cp=2)
+    with pytest.raises(LayoutError, match=r"ep=2: training does not split over ep; use ep=1"):
+        TrainConfig.of(ep=2, dp=2)
+    with pytest.raises(UsageError, match="must be a ParallelDims"):
+        EngineConfig(parallel={"tp": 2})
+
+
+def test_planner_layout_is_a_parallel_dims_plus_its_knobs():
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.layout import Layout
+
+    lay = Layout(dp=2, pp=2, tp=2, zero=1)
+    assert isinstance(lay, ParallelDims) and lay.world_size == 8 and lay.sizes()["tp"] == 2
+    for axis in ("dp", "pp", "tp"):  # the planner's O(axis) walk agrees with the pure groups
+        assert lay.rank0_group(axis) == lay.group_ranks(axis)[0]
+    assert Layout(dp=2, tp=2, ep=2).rank0_group("ep") == Layout(dp=2, tp=2, ep=2).group_ranks("ep")[0]
+    with pytest.raises(PlanError, match="ep=3"):
+        Layout(dp=2, ep=3)
