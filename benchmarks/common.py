@@ -31,7 +31,7 @@ QUESTIONS = [
 
 
 def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
-    return [llm.encode(llm.chat_prompt([{"role": "user", "content": q}])) for q in (QUESTIONS * 4)[:n]]
+    return [llm.encode_chat([{"role": "user", "content": q}]) for q in (QUESTIONS * 4)[:n]]
 
 
 def timed(llm: LLM, prompts, max_tokens: int) -> tuple[float, int]:

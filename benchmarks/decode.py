@@ -143,7 +143,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     for dtype in args.dtypes.split(","):
         llm = LLM("smollm2", dtype=dtype, device=args.device)
-        ids = llm.encode(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
+        ids = llm.encode_chat([{"role": "user", "content": PROMPT}])
         if args.tp_only:
             tp_rows.append((dtype, *tp2_rates(dtype, ids, args)))
             continue

@@ -29,7 +29,7 @@ from serving import row, shardlm_level, start_server
 
 def prompts(tok, long_tokens: int, long_every: int) -> list[list[int]]:
     """The 16 short chat prompts, a long one before each run of ``long_every - 1`` of them."""
-    chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    chat = lambda text: tok.encode_chat([{"role": "user", "content": text}])
     body = " ".join(QUESTIONS * 40)
     out = []
     for i, q in enumerate(QUESTIONS):

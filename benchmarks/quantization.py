@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     exact = worker()
     tok = exact.checkpoint.tokenizer()
-    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+    chat = tok.encode_chat([{"role": "user", "content": QUESTION}])
     prompt = chat + torch.randint(100, 1000, (60,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = exact.prompt_logits(prompt, chunk=1)
     per_token = ModelRunner.kv_bytes_per_block(exact.model, 1, torch.float32)

@@ -269,7 +269,7 @@ def main() -> None:
 
     ckpt = open_checkpoint("smollm2")
     tok = ckpt.tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     load0 = os.getloadavg()
     total = args.threads * args.tp * args.dp
     hf_threads = [int(t) for t in (args.hf_threads or str(total)).split(",")]

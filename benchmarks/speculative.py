@@ -54,7 +54,7 @@ def main() -> None:
     rows = []
     try:
         for kind, texts in PROMPTS.items():
-            ids = [llms["plain"].encode(llms["plain"].chat_prompt([{"role": "user", "content": t}])) for t in texts]
+            ids = [llms["plain"].encode_chat([{"role": "user", "content": t}]) for t in texts]
             times = {name: [] for name in llms}
             tokens, drafted, accepted = {}, 0, 0
             for r in range(args.repeats + 1):  # the first round warms up and is not timed

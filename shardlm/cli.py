@@ -67,7 +67,7 @@ def run_generate(args) -> int:
     ckpt = open_checkpoint(args.model)
     tokenizer = ckpt.tokenizer()
     chat = not args.no_chat and bool(tokenizer.chat_template)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
     options = dict(
         layout_options(args),
         seed=args.seed,
@@ -86,19 +86,25 @@ def run_generate(args) -> int:
             f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {args.dtype})"
         )
     with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
-        for t in texts:
-            llm.encode(t)  # reject a prompt that does not fit before generating anything
+        for p, c in zip(prompts, conversations):  # reject a prompt that does not fit before generating
+            if chat:
+                llm.encode_chat(c)
+            else:
+                llm.encode(p)
         if speaker:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in llm.param_bytes)
             log(
                 f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
                 f"of {llm.config.block_size} tokens"
             )
-        stream = speaker and not args.json and len(texts) == 1
+        stream = speaker and not args.json and len(prompts) == 1
         decoder = IncrementalDecoder(tokenizer)
         on_token = (lambda i, tok: print(decoder.push(tok), end="", flush=True)) if stream else None
         start = time.perf_counter()
-        outputs = llm.generate(texts, params, on_token=on_token)
+        if chat:  # the template's ids, not its text re-encoded (which could add a second BOS)
+            outputs = llm.chat(conversations, params, on_token=on_token)
+        else:
+            outputs = llm.generate(prompts, params, on_token=on_token)
         wall = time.perf_counter() - start
         if not speaker:
             return 0

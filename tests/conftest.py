@@ -35,7 +35,7 @@ def smollm2(hf_smollm2, tmp_path_factory):
 
     ckpt = open_checkpoint("smollm2")
     tok = ckpt.tokenizer()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in SMOLLM2_QUESTIONS]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in SMOLLM2_QUESTIONS]
     gguf = GGUFFile(ckpt.path)
     total = sum(math.prod(gguf.shape(n)) for n in gguf.tensor_names)  # elements of the whole model
     return str(ckpt.path), prompts, smollm2_reference(hf_smollm2, tmp_path_factory.mktemp("smollm2"), prompts), total

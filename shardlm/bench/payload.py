@@ -54,7 +54,7 @@ def payload_errors(
     from shardlm.engine.sampling import SamplingParams
 
     llm = LLM("smollm2", dtype="float32")
-    ids = llm.encode(llm.chat_prompt([{"role": "user", "content": prompt}]))
+    ids = llm.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     reference = llm.generate([ids], params)[0].token_ids
     worker = llm.worker

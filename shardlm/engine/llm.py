@@ -136,7 +136,16 @@ class LLM(EngineFront):
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """A prompt's ids (text is encoded as the model's tokenizer does, special tokens added)."""
+        return self._fits(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation's ids: its chat template rendered and encoded as HF's
+        ``apply_chat_template(..., tokenize=True)`` does (``Tokenizer.encode_chat``)."""
+        self.chat_prompt(messages)  # says so when the model has no template
+        return self._fits(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
+
+    def _fits(self, ids: list[int]) -> list[int]:
         if not ids:
             raise UsageError("an empty prompt has no token to continue from; give at least one token")
         if len(ids) >= self.max_model_len:
@@ -161,8 +170,11 @@ class LLM(EngineFront):
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text or token ids). ``on_token(i, token_id)`` streams on this rank."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        items = cast("list[Prompt]", [prompts] if one else list(prompts))
+        return self._generate(items, [self.encode(p) for p in items], params, on_token)
+
+    def _generate(self, prompts: list, prompt_ids: list[list[int]], params, on_token) -> list[RequestOutput]:
         params = params or SamplingParams()
         param_list: list[SamplingParams] = (
             list(params) if isinstance(params, (list, tuple)) else [cast(SamplingParams, params)] * len(prompts)
@@ -170,8 +182,7 @@ class LLM(EngineFront):
         if len(param_list) != len(prompts):
             raise UsageError(f"{len(param_list)} sampling params for {len(prompts)} prompts; give one or one each")
         requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, param_list)):
-            ids = self.encode(prompt)
+        for i, (ids, p) in enumerate(zip(prompt_ids, param_list)):
             room = self.max_model_len - len(ids)
             if p.max_tokens > room:
                 p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
@@ -188,12 +199,20 @@ class LLM(EngineFront):
             for pr, r, c in zip(prompts, requests, completions)
         ]
 
-    def chat(self, conversations: list[dict] | list[list[dict]], params=None, **kw) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each conversation (a list of messages) after its chat template's generation prompt."""
         convs = cast(
             "list[list[dict]]",
             [conversations] if conversations and isinstance(conversations[0], dict) else conversations,
         )
-        return self.generate([self.chat_prompt(c) for c in convs], params, **kw)
+        ids = [self.encode_chat(c) for c in convs]  # not the rendered text: its BOS is in it already
+        return self._generate([self.chat_prompt(c) for c in convs], ids, params, on_token)
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once

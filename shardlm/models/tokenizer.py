@@ -235,6 +235,16 @@ class Tokenizer:
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """A conversation's token ids, as transformers' ``apply_chat_template(..., tokenize=True)`` gives
+        them: the template writes every special token it wants (its BOS among them), so the rendered
+        text is encoded without adding special tokens again (vLLM's rule; encoding it as a plain
+        prompt would double the BOS of a tokenizer that adds one, as Llama 3's does)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
 
 class IncrementalDecoder:
     """Streaming detokenizer: ``push`` ids, get text deltas that never split a UTF-8 character.

@@ -223,10 +223,9 @@ def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
     if not tokenizer.chat_template:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)  # HF's tokenize=True ids
     except Exception as e:
         raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
-    return tokenizer.encode(text)
 
 
 def _completion_ids(req: CompletionRequest, engine) -> list[int]:

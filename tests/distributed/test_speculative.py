@@ -104,7 +104,7 @@ def test_smollm2_repeating_text_takes_fewer_steps_for_the_same_tokens():
     chat = [{"role": "user", "content": "Repeat this code exactly, then add a mul function:\n" + code}]
     params = SamplingParams(max_tokens=48)
     with LLM("smollm2", threads=2) as plain:
-        ids = plain.encode(plain.chat_prompt(chat))
+        ids = plain.encode_chat(chat)
         want = plain.generate([ids], params)[0].token_ids
     with LLM("smollm2", threads=2, speculative_config={"num_speculative_tokens": 4}) as llm:
         got = llm.generate([ids], params)[0].token_ids

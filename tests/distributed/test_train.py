@@ -452,7 +452,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     assert saved.kind == "hf" and saved.config.to_hf() == source.config.to_hf()
     mine, theirs = Tokenizer.from_pretrained(tmp_path / "trained"), source.tokenizer()
     chat = [{"role": "user", "content": "Explain ZeRO-3 in one line."}]
-    assert mine.encode(mine.apply_chat_template(chat)) == theirs.encode(theirs.apply_chat_template(chat))
+    assert mine.encode_chat(chat) == theirs.encode_chat(chat)
     # and its weights are HF's own reading of the GGUF (q/k un-permuted), moved by 3 steps of lr 1e-4
     from safetensors.torch import load_file
 

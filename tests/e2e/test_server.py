@@ -45,7 +45,7 @@ def reference():
         raw = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True))[0]
         ref = {q: (o.token_ids, o.text, o.finish_reason) for q, o in zip(QUESTIONS, outs)}
         ref[RAW] = (raw.token_ids, raw.text, raw.finish_reason)
-        ref["chat_ids"] = {q: llm.encode(llm.chat_prompt([{"role": "user", "content": q}])) for q in QUESTIONS}
+        ref["chat_ids"] = {q: llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS}
         return ref
 
 

@@ -82,7 +82,7 @@ def test_defaults_follow_openai(engine, tok):
     p = prepare(chat(), engine, "smollm2")
     assert p.params.temperature == 1.0 and p.params.top_p == 1.0 and p.params.top_k == 0
     assert p.params.max_tokens == 64 - len(p.prompt_ids)  # chat: up to the end of the context
-    assert p.prompt_ids == tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert p.prompt_ids == tok.encode_chat([{"role": "user", "content": "Hi"}])
     c = prepare(CompletionRequest(prompt="Hi"), engine, "smollm2")
     assert c.params.max_tokens == 16 and c.prompt_ids == tok.encode("Hi")  # completions: OpenAI's 16
     assert not c.stream and not c.include_usage

@@ -222,3 +222,57 @@ def test_from_pretrained_errors(tmp_path):
         Tokenizer.from_pretrained(tmp_path)
     with pytest.raises(TokenizerError, match="no such directory"):
         Tokenizer.from_pretrained(tmp_path / "missing")
+
+
+# ---- chat ids exactly as HF's apply_chat_template(..., tokenize=True) --------------------------
+
+BOS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)  # writes the BOS itself, as Llama 3's template does
+PLAIN_TEMPLATE = BOS_TEMPLATE.removeprefix("{{ bos_token }}")
+
+
+def hf_dir(hf, directory, template: str, add_bos: bool):
+    """A HF tokenizer directory with SmolLM2's vocabulary and ``template``; with ``add_bos`` its
+    tokenizer adds the BOS (<|im_start|>, id 1) to every encoding itself, as Llama 3's does."""
+    from transformers import AutoTokenizer
+
+    hf.save_pretrained(directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    bos = [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}] if add_bos else []
+    a, b = {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [*bos, a],
+        "pair": [*bos, a, b],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    (directory / "chat_template.jinja").write_text(template)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def hf_chat_ids(tok, messages) -> list[int]:
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_ids_equal_hf_for_gguf_and_hf_directories(ours, hf, gguf, tmp_path, messages):
+    # 1. the GGUF as shipped: no BOS added, a template without one
+    assert ours.encode_chat(messages) == hf_chat_ids(hf, messages)
+    # 2-3. HF directories whose tokenizer adds a BOS, with a template that writes one and one that does not
+    for name, template in (("bos", BOS_TEMPLATE), ("plain", PLAIN_TEMPLATE)):
+        theirs = hf_dir(hf, tmp_path / name, template, add_bos=True)
+        mine = Tokenizer.from_pretrained(tmp_path / name)
+        assert mine.encode("hi")[0] == 1 and theirs.encode("hi")[0] == 1  # both add the BOS to plain text
+        assert mine.encode_chat(messages) == hf_chat_ids(theirs, messages)
+    # 4. a GGUF whose metadata asks for a BOS, with the BOS-writing template: the same ids as HF's
+    bos_gguf = Tokenizer.from_gguf(
+        fake_gguf(gguf, **{"tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": BOS_TEMPLATE})
+    )
+    want = hf_chat_ids(hf_dir(hf, tmp_path / "gguf-ref", BOS_TEMPLATE, add_bos=True), messages)
+    assert bos_gguf.encode_chat(messages) == want and want[:2] != [1, 1]
+    # can fail: encoding the rendered text as a plain prompt doubles the BOS (the bug this guards)
+    assert bos_gguf.encode(bos_gguf.apply_chat_template(messages))[:2] == [1, 1]
