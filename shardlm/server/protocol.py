@@ -1,17 +1,18 @@
 """OpenAI request schemas, and what a request becomes for the engine (``prepare``).
 
-Types are strict (``"max_tokens": "16"`` is an error, as at OpenAI); unknown fields are
-ignored, as OpenAI-compatible servers do. Extensions (vLLM's names): ``top_k``,
-``stop_token_ids``, ``ignore_eos``, ``return_token_ids``. Fields shardlm does not
-implement are refused with a 400 only when set to something other than their default.
+Types are strict (``"max_tokens": "16"`` is an error, as at OpenAI). Extensions (vLLM's
+names): ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``. Every other field
+OpenAI or vLLM defines is in a NOT_IMPLEMENTED table: refused with a 400 that names it unless
+absent or set to a value that asks for nothing. Fields nobody defines are ignored.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
 from shardlm.engine.sampling import SamplingParams
 from shardlm.errors import UsageError
@@ -41,7 +42,84 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class _Sampling(_Strict):
+# Request fields OpenAI or vLLM define that shardlm does not implement (yet), with the values that
+# ask for nothing (accepted, as if absent); any other value is refused with a 400 that names the
+# field. Fields in no table and no model are unknown here and ignored (docs/serve.md lists them).
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    # OpenAI, both endpoints
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "response_format": ({"type": "text"},),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    # vLLM's sampling and output options
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "priority": (0,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    # vLLM's structured output
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "structural_tag": (),
+}
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),  # nothing without tools
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+    "echo": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),  # what the chat endpoint does (the template writes them)
+    "chat_template": (),
+    "chat_template_kwargs": (),
+    "documents": (),
+    "mm_processor_kwargs": (),
+}
+COMPLETION_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "add_special_tokens": (True,),  # what the completions endpoint does
+}
+
+
+def _declared(name: str, table: dict[str, tuple]) -> type[_Strict]:
+    """A base model declaring ``table``'s fields (any JSON value; ``prepare`` checks them)."""
+    fields: dict[str, Any] = dict.fromkeys(table, (Any, None))
+    return create_model(name, __base__=_Strict, **fields)
+
+
+class _Sampling(_declared("_NotImplemented", NOT_IMPLEMENTED)):  # type: ignore[misc]
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -55,26 +133,16 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
-    user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(_Sampling, _declared("_ChatNotImplemented", CHAT_NOT_IMPLEMENTED)):  # type: ignore[misc]
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLETION_NOT_IMPLEMENTED)):  # type: ignore[misc]
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
 
 
 @dataclass
@@ -167,6 +235,13 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     )
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: 0 and 0.0 alike, but a boolean only equals a boolean (not 0 or 1)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
 def _refuse_unsupported(req) -> None:
     if req.n not in (None, 1):
         raise bad_request(
@@ -174,22 +249,14 @@ def _refuse_unsupported(req) -> None:
             f"requests with n=1 (and different seeds) instead",
             param="n",
         )
-    unsupported = {
-        "presence_penalty": req.presence_penalty not in (None, 0),
-        "frequency_penalty": req.frequency_penalty not in (None, 0),
-        "logit_bias": bool(req.logit_bias),
-        "logprobs": req.logprobs not in (None, False, 0),
-        "top_logprobs": getattr(req, "top_logprobs", None) not in (None, 0),
-        "tools": bool(getattr(req, "tools", None)),
-        "echo": bool(getattr(req, "echo", None)),
-        "suffix": bool(getattr(req, "suffix", None)),
-        "best_of": getattr(req, "best_of", None) not in (None, 1),
-    }
-    for name, given in unsupported.items():
-        if given:
+    endpoint = CHAT_NOT_IMPLEMENTED if isinstance(req, ChatRequest) else COMPLETION_NOT_IMPLEMENTED
+    for name, neutral in {**NOT_IMPLEMENTED, **endpoint}.items():
+        value = getattr(req, name)
+        if value is not None and not any(_same(value, n) for n in neutral):
+            asks = "" if not neutral else f" (only {' or '.join(json.dumps(n) for n in neutral)} is accepted)"
             raise bad_request(
-                f"{name} is not supported by shardlm; leave it out (supported: temperature, top_p, "
-                f"top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)",
+                f"{name}={json.dumps(value)[:80]} is not supported by shardlm yet{asks}; leave it out "
+                f"(supported: temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)",
                 param=name,
             )
 

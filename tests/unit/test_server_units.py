@@ -191,3 +191,61 @@ def test_the_engine_guards_the_same_bounds_for_python_callers(engine):
         AsyncLLM.check(engine, [1] * 33, SamplingParams(max_tokens=1))
     with pytest.raises(UsageError, match="empty"):
         AsyncLLM.check(engine, [], SamplingParams(max_tokens=1))
+
+
+# ---- every field OpenAI or vLLM defines is honoured or refused -------------------------------
+
+IMPLEMENTED = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "stream",
+    "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
+}  # fmt: skip
+"""The request fields prepare() honours (user: accepted, documented as not used)."""
+
+
+def both_requests(**kw):
+    return [("chat", chat(**kw)), ("completions", CompletionRequest(prompt="Hi", **kw))]
+
+
+def test_every_declared_field_is_implemented_or_in_a_refusal_table():
+    from shardlm.server.protocol import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
+
+    assert set(ChatRequest.model_fields) == IMPLEMENTED - {"prompt"} | set(NOT_IMPLEMENTED) | set(CHAT_NOT_IMPLEMENTED)
+    assert set(CompletionRequest.model_fields) == (
+        IMPLEMENTED - {"messages", "max_completion_tokens"} | set(NOT_IMPLEMENTED) | set(COMPLETION_NOT_IMPLEMENTED)
+    )
+
+
+def not_implemented_cases():
+    from shardlm.server.protocol import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
+
+    for endpoint, table in (("chat", CHAT_NOT_IMPLEMENTED), ("completions", COMPLETION_NOT_IMPLEMENTED)):
+        for name, neutral in {**NOT_IMPLEMENTED, **table}.items():
+            yield endpoint, name, neutral
+
+
+@pytest.mark.parametrize("endpoint, name, neutral", list(not_implemented_cases()), ids=lambda x: str(x)[:20])
+def test_unimplemented_fields_are_refused_by_name_unless_neutral(engine, endpoint, name, neutral):
+    make = (lambda **kw: chat(**kw)) if endpoint == "chat" else (lambda **kw: CompletionRequest(prompt="Hi", **kw))
+    e = refused(engine, make(**{name: "on"}))  # a value that asks for something
+    assert e.param == name and f"{name}=" in e.message and "not supported" in e.message
+    for value in (None, *neutral):  # absent, or asking for nothing: accepted as if absent
+        assert prepare(make(**{name: value}), engine, "smollm2").prompt_ids
+
+
+@pytest.mark.parametrize(
+    "field, value, neutral",
+    [
+        ("response_format", {"type": "json_object"}, {"type": "text"}),
+        ("repetition_penalty", 1.2, 1.0),
+        ("min_tokens", 5, 0),
+        ("presence_penalty", 0.5, 0.0),
+        ("logprobs", True, False),
+        ("guided_json", {"type": "object"}, None),
+    ],
+)
+def test_the_fields_clients_send_most_are_refused_not_ignored(engine, field, value, neutral):
+    for _, req in both_requests(**{field: value}):
+        assert refused(engine, req).param == field
+    for _, req in both_requests(**{field: neutral}):
+        prepare(req, engine, "smollm2")
+    assert refused(engine, chat(logprobs=1)).param == "logprobs"  # a boolean field: 1 is not false
