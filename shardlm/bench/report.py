@@ -55,11 +55,9 @@ def comm_table(report) -> str:
 
 def comm_plots(report, directory: str) -> list[str]:
     """latency.png and busbw.png (one line per op and backend, log-log); returns the paths."""
-    import matplotlib
+    from shardlm.plan.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     os.makedirs(directory, exist_ok=True)
     paths = []
     for key, ylabel, name in (

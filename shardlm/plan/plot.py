@@ -18,7 +18,9 @@ MAX_PLOTTED_MICRO = 24
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed): every plot shardlm
+    writes (plan, train --plot, bench comm --plot) draws with it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,7 +30,7 @@ def _plt():
 
 
 def memory_plot(plan, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     res = plan.ranked[: plan.request.top]
     labels = [r.layout.label(plan.request.train).replace(" ", "\n") for r in res]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(res)), 4.5 + 0.15 * max(x.count("\n") for x in labels)))
@@ -50,7 +52,7 @@ def memory_plot(plan, path: Path) -> Path:
 
 
 def schedule_plot(plan, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     best, lay = plan.best, plan.best.layout
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * max(lay.pp, 2)))
     if plan.request.train and lay.pp > 1:

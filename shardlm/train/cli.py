@@ -222,9 +222,9 @@ def run(args) -> int:
 
 
 def loss_plot(history: list[dict], args, directory: Path) -> Path:
-    from shardlm.plan.plot import _plt
+    from shardlm.plan.plot import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([s["step"] for s in history], [s["loss"] for s in history], marker="o", markersize=3)
