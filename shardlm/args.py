@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from shardlm.parallel.dims import axes, axis_help
+from shardlm.parallel.dims import axes, axis_help, vllm_name
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -53,7 +53,10 @@ def log(msg: str) -> None:
 def add_axis_args(p: argparse.ArgumentParser, offered: tuple[str, ...], default: int | None = 1) -> None:
     """A ``--AXIS`` flag for each parallel axis the command ``offered`` (its help from ParallelDims)."""
     for axis in offered:
-        p.add_argument(f"--{axis}", type=int, default=default, help=axis_help(axis))
+        names = [f"--{axis}"]
+        if (vllm := vllm_name(axis)) is not None:  # vLLM's spellings: --tensor-parallel-size, -tp
+            names += [f"--{vllm.replace('_', '-')}", f"-{axis}"]
+        p.add_argument(*names, dest=axis, type=int, default=default, help=axis_help(axis))
 
 
 def axis_options(args: argparse.Namespace) -> dict[str, int]:

@@ -57,9 +57,15 @@ def axis_help(axis: str) -> str:
     return next(f.metadata["help"] for f in fields(ParallelDims) if f.name == axis)
 
 
-def _axis(help: str):
-    """An axis of the layout: a size (1 turns it off) and the one line its flag's help shows."""
-    return field(default=1, metadata={"help": help})
+def vllm_name(axis: str) -> str | None:
+    """The keyword vLLM gives an axis (``tensor_parallel_size`` for tp), if it has one."""
+    return next(f.metadata.get("vllm") for f in fields(ParallelDims) if f.name == axis)
+
+
+def _axis(help: str, vllm: str | None = None):
+    """An axis of the layout: a size (1 turns it off), the one line its flag's help shows, and
+    vLLM's name for it (accepted too: ``--tensor-parallel-size``, ``LLM(tensor_parallel_size=2)``)."""
+    return field(default=1, metadata={"help": help, "vllm": vllm})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +74,12 @@ class ParallelDims:
     the planner's Layout extends it, and the CLI's axis flags are made from its fields (a new axis
     is a field here; each command then says whether it offers it)."""
 
-    dp: int = _axis("data-parallel replicas, each a full pp x cp x tp model")
-    pp: int = _axis("pipeline stages, each a contiguous run of layers")
+    dp: int = _axis("data-parallel replicas, each a full pp x cp x tp model", "data_parallel_size")
+    pp: int = _axis("pipeline stages, each a contiguous run of layers", "pipeline_parallel_size")
     cp: int = _axis("context-parallel ranks, each a slice of every sequence")
-    tp: int = _axis("tensor-parallel ranks, each a slice of every weight matrix (1..attention heads)")
+    tp: int = _axis(
+        "tensor-parallel ranks, each a slice of every weight matrix (1..attention heads)", "tensor_parallel_size"
+    )
     ep: int = _axis("expert-parallel ranks for MoE layers, folded over dp x tp")
     etp: int = _axis("expert-tensor-parallel ranks: each expert's weights split this many ways")
     _mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
@@ -99,9 +107,17 @@ class ParallelDims:
 
     @classmethod
     def take(cls, options: dict) -> ParallelDims:
-        """The layout among keyword ``options`` (``LLM(tp=2, ...)``, a config's flat form): its axis
-        sizes are removed from the dict, the rest stay for the caller."""
-        return cls(**{a: options.pop(a) for a in axes() if a in options})
+        """The layout among keyword ``options`` (``LLM(tp=2, ...)``, a config's flat form; vLLM's
+        names, ``tensor_parallel_size=2``, too): its axis sizes are removed from the dict, the rest
+        stay for the caller."""
+        sizes = {}
+        for a in axes():
+            given = [(k, options.pop(k)) for k in (a, vllm_name(a)) if k is not None and k in options]
+            if len({v for _, v in given}) > 1:
+                raise LayoutError(f"{' and '.join(f'{k}={v}' for k, v in given)} disagree; give one of them")
+            if given:
+                sizes[a] = given[0][1]
+        return cls(**sizes)
 
     def sizes(self) -> dict[str, int]:
         """{axis: size} of every axis."""

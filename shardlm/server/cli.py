@@ -30,6 +30,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as in `vllm serve MODEL` (or --model)"
+    )
     add_layout_args(p, ENGINE_AXES)
     p.add_argument(
         "--eplb-interval",
@@ -90,6 +93,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from shardlm.errors import RankFailure, UsageError
 
+    if args.model_tag is not None:  # vLLM's positional form
+        if args.model not in ("smollm2", args.model_tag):
+            raise UsageError(f"serve {args.model_tag} --model {args.model}: two models; give one of them")
+        args.model = args.model_tag
     if args.max_queue < 1:
         raise UsageError(f"--max-queue {args.max_queue} must be at least 1, e.g. --max-queue 1024")
     if args.grace < 0:

@@ -296,3 +296,21 @@ def test_planner_layout_is_a_parallel_dims_plus_its_knobs():
     assert Layout(dp=2, tp=2, ep=2).rank0_group("ep") == Layout(dp=2, tp=2, ep=2).group_ranks("ep")[0]
     with pytest.raises(PlanError, match="ep=3"):
         Layout(dp=2, ep=3)
+
+
+def test_vllm_names_for_the_axes():
+    """vLLM users' spellings work: --tensor-parallel-size / -tp on the command line, tensor_parallel_size=
+    in Python; a short and a long name that disagree are refused."""
+    from shardlm.cli import build_parser
+    from shardlm.engine.config import EngineConfig
+
+    parser = build_parser()
+    for argv in (["-tp", "2", "-pp", "3"], ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]):
+        args = parser.parse_args(["generate", "hi", *argv, "--data-parallel-size", "2"])
+        assert (args.tp, args.pp, args.dp) == (2, 3, 2)
+    serve = parser.parse_args(["serve", "./my-model", "-tp", "2"])
+    assert (serve.model_tag, serve.tp) == ("./my-model", 2)
+    assert EngineConfig.of(tensor_parallel_size=2, pipeline_parallel_size=3).parallel == ParallelDims(tp=2, pp=3)
+    assert ParallelDims.take({"tp": 2, "tensor_parallel_size": 2}) == ParallelDims(tp=2)
+    with pytest.raises(LayoutError, match="tp=2 and tensor_parallel_size=4 disagree"):
+        ParallelDims.take({"tp": 2, "tensor_parallel_size": 4})
