@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "shardlm.engine.llm",
     "RequestOutput": "shardlm.engine.llm",
+    "CompletionOutput": "shardlm.engine.llm",
     "SamplingParams": "shardlm.engine.sampling",
     "ParallelDims": "shardlm.parallel.dims",
 }

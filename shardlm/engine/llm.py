@@ -32,12 +32,27 @@ Prompt = str | list[int]
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's ``RequestOutput.outputs[i]``."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str | None  # "stop" or "length" once finished (vLLM: None while running)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: ``out.outputs[0].text`` (one completion a prompt: n > 1 is not built yet)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:

@@ -38,11 +38,10 @@ def reference():
     """Offline greedy answers: {question or RAW: (token ids, text, finish reason)} (RAW: 16 tokens, no EOS),
     and {question: chat prompt ids}."""
     with LLM("smollm2", kv_cache_memory=256 << 20, max_model_len=CONTEXT, threads=THREADS) as llm:
-        outs = llm.generate(
-            [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS],
-            SamplingParams(max_tokens=MAX_TOKENS),
-        )
+        outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(max_tokens=MAX_TOKENS))
         raw = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True))[0]
+        first = [o.outputs[0] for o in outs]  # vLLM's shape of the same answers
+        assert [(c.index, c.text, c.token_ids) for c in first] == [(0, o.text, o.token_ids) for o in outs]
         ref = {q: (o.token_ids, o.text, o.finish_reason) for q, o in zip(QUESTIONS, outs)}
         ref[RAW] = (raw.token_ids, raw.text, raw.finish_reason)
         ref["chat_ids"] = {q: llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS}
