@@ -9,9 +9,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+import shardlm
 from shardlm.server import errors
 from shardlm.server.metrics import Metrics
-from shardlm.server.routes import chat_completions, completions
+from shardlm.server.routes import chat_completions, completions, detokenize_route, tokenize_route
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -34,8 +35,15 @@ def build_app(engine, *, model_name: str) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", scrape, methods=["GET"])
+    app.add_api_route("/tokenize", tokenize_route, methods=["POST"])  # vLLM's
+    app.add_api_route("/detokenize", detokenize_route, methods=["POST"])
+    app.add_api_route("/version", version, methods=["GET"])
     app.add_middleware(CountRequests, metrics=metrics)
     return app
+
+
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": shardlm.__version__})
 
 
 async def models(request: Request) -> JSONResponse:

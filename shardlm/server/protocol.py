@@ -145,6 +145,57 @@ class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLE
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(req: TokenizeRequest, engine, served_model: str) -> dict:
+    _check_model(req.model, served_model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt (text) or messages (a chat)", param="prompt")
+    if req.prompt is not None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = engine.tokenizer.encode(req.prompt, add_special_tokens=special)
+    else:
+        ids = _chat_ids(req, engine.tokenizer, req.add_generation_prompt, bool(req.add_special_tokens))
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+
+def detokenize(req: DetokenizeRequest, engine, served_model: str) -> dict:
+    _check_model(req.model, served_model)
+    _check_vocab(req.tokens, engine, "tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _check_model(model: str | None, served_model: str) -> None:
+    if model is not None and model != served_model:
+        raise bad_request(
+            f"model {model!r} is not served here; this server serves {served_model!r} (see /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_vocab(ids: list[int], engine, param: str) -> None:
+    vocab = engine.checkpoint.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"{param} token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+
+
 @dataclass
 class Prepared:
     """A validated request: what the engine runs and how the answer is shaped."""
@@ -159,12 +210,7 @@ class Prepared:
 
 def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> Prepared:
     """Check a request against the served model and turn it into prompt ids and sampling params."""
-    if req.model is not None and req.model != served_model:
-        raise bad_request(
-            f"model {req.model!r} is not served here; this server serves {served_model!r} (see /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
+    _check_model(req.model, served_model)
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
     if isinstance(req, ChatRequest):
@@ -261,7 +307,11 @@ def _refuse_unsupported(req) -> None:
             )
 
 
-def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
+def _chat_ids(
+    req: ChatRequest | TokenizeRequest, tokenizer, add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    """The ids of ``req.messages`` through the chat template (HF's ``tokenize=True`` ids unless
+    ``add_special_tokens`` asks the tokenizer to add its own on top, as vLLM's /tokenize may)."""
     if not req.messages:
         raise bad_request(
             'messages is empty; give at least one, e.g. [{"role": "user", "content": "Hello"}]', param="messages"
@@ -290,7 +340,9 @@ def _chat_ids(req: ChatRequest, tokenizer) -> list[int]:
     if not tokenizer.chat_template:
         raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)  # HF's tokenize=True ids
+        if add_special_tokens:
+            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt))
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     except Exception as e:
         raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
 
@@ -307,8 +359,5 @@ def _completion_ids(req: CompletionRequest, engine) -> list[int]:
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt)
     ids = cast("list[int]", prompt)  # one list of token ids (strict types: ints only)
-    vocab = engine.checkpoint.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    _check_vocab(ids, engine, "prompt")
     return list(ids)

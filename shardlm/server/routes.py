@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions``.
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``; vLLM's ``POST /tokenize`` and ``/detokenize``.
 
 A request is validated (400), then waits for its first output before any header is
 sent, so the engine's refusals still get their status code (400, 429 queue full, 503
@@ -17,7 +17,15 @@ from pydantic import ValidationError
 
 from shardlm.server.errors import APIError, from_validation
 from shardlm.server.generation import ClientGone, Generation, until_disconnect
-from shardlm.server.protocol import ChatRequest, CompletionRequest, prepare
+from shardlm.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    prepare,
+    tokenize,
+)
 from shardlm.server.responses import ChatShape, EventStream, Shape, dumps
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request": counted in metrics, seen by nobody
@@ -31,15 +39,30 @@ async def completions(request: Request) -> Response:
     return await _complete(request, CompletionRequest, Shape)
 
 
+async def tokenize_route(request: Request) -> JSONResponse:
+    s = request.app.state
+    return JSONResponse(tokenize(await _parse(request, TokenizeRequest), s.engine, s.model_name))
+
+
+async def detokenize_route(request: Request) -> JSONResponse:
+    s = request.app.state
+    return JSONResponse(detokenize(await _parse(request, DetokenizeRequest), s.engine, s.model_name))
+
+
+async def _parse(request: Request, schema):
+    """The request body as ``schema``, or a 400 naming the bad field."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation(e, schema) from None
+
+
 async def _complete(
     request: Request, schema: type[ChatRequest] | type[CompletionRequest], shape_type: type[Shape]
 ) -> Response:
     arrival = time.perf_counter()
     state = request.app.state
-    try:
-        req = schema.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise from_validation(e, schema) from None
+    req = await _parse(request, schema)
     prepared = prepare(req, state.engine, state.model_name)
     gen = Generation(state.engine, prepared, state.metrics, arrival)
     shape = shape_type(state.model_name, gen)

@@ -16,6 +16,7 @@ import uuid
 import openai
 import pytest
 
+import shardlm
 from harness.server_harness import ServerProcess, alive, get, metrics, wait_for
 from shardlm import LLM, SamplingParams
 
@@ -68,6 +69,21 @@ def chat(q: str) -> list[dict]:
 
 def extra(choice, name):
     return (choice.model_extra or {}).get(name)
+
+
+def test_vllm_tokenize_detokenize_and_version(server, reference):
+    ids = reference["chat_ids"][QUESTIONS[0]]
+    status, got = post(server, "/tokenize", {"model": "smollm2", "messages": chat(QUESTIONS[0])})
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == CONTEXT
+    status, text = post(server, "/detokenize", {"tokens": ids})
+    assert (
+        status == 200
+        and post(server, "/tokenize", {"prompt": text["prompt"], "add_special_tokens": False})[1]["tokens"] == ids
+    )  # the rendered chat, back to the same ids
+    with urllib.request.urlopen(f"{server.root}/version", timeout=30) as r:
+        assert json.loads(r.read())["version"] == shardlm.__version__
+    status, err = post(server, "/tokenize", {"prompt": "a", "messages": chat("b")})
+    assert status == 400 and err["error"]["param"] == "prompt"
 
 
 def test_models_and_health(server, client):

@@ -249,3 +249,28 @@ def test_the_fields_clients_send_most_are_refused_not_ignored(engine, field, val
     for _, req in both_requests(**{field: neutral}):
         prepare(req, engine, "smollm2")
     assert refused(engine, chat(logprobs=1)).param == "logprobs"  # a boolean field: 1 is not false
+
+
+# ---- vLLM's /tokenize and /detokenize --------------------------------------------------------
+
+
+def test_tokenize_a_prompt_or_a_chat_as_hf_and_back(engine, tok):
+    from shardlm.server.protocol import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+
+    got = tokenize(TokenizeRequest(prompt="Hello world"), engine, "smollm2")
+    assert got == {"count": len(tok.encode("Hello world")), "max_model_len": 64, "tokens": tok.encode("Hello world")}
+    chat_ids = tokenize(TokenizeRequest(messages=[{"role": "user", "content": "Hi"}]), engine, "smollm2")["tokens"]
+    assert chat_ids == tok.encode_chat([{"role": "user", "content": "Hi"}])  # the ids /v1/chat/completions runs
+    no_prompt = TokenizeRequest(messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert len(tokenize(no_prompt, engine, "smollm2")["tokens"]) < len(chat_ids)
+    back = detokenize(DetokenizeRequest(tokens=chat_ids), engine, "smollm2")["prompt"]
+    assert back == tok.apply_chat_template([{"role": "user", "content": "Hi"}])  # special tokens kept
+    for req, param in (
+        (lambda: tokenize(TokenizeRequest(), engine, "smollm2"), "prompt"),
+        (lambda: tokenize(TokenizeRequest(prompt="a", messages=[]), engine, "smollm2"), "prompt"),
+        (lambda: tokenize(TokenizeRequest(prompt="a", model="gpt-4"), engine, "smollm2"), "model"),
+        (lambda: detokenize(DetokenizeRequest(tokens=[10**9]), engine, "smollm2"), "tokens"),
+    ):
+        with pytest.raises(APIError) as e:
+            req()
+        assert e.value.status == 400 and e.value.param == param
