@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -14,10 +15,19 @@ from shardlm.server import errors
 from shardlm.server.metrics import Metrics
 from shardlm.server.routes import chat_completions, completions, detokenize_route, tokenize_route
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+)
 
 
-def build_app(engine, *, model_name: str) -> FastAPI:
+def build_app(engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
     """``engine`` needs generate, tokenizer, checkpoint, config, kv_blocks, max_model_len, max_queue,
     stats, healthy and error (see ``shardlm.engine.async_llm.AsyncLLM``)."""
     app = FastAPI(title="shardlm", docs_url=None, redoc_url=None, openapi_url=None)
@@ -38,7 +48,9 @@ def build_app(engine, *, model_name: str) -> FastAPI:
     app.add_api_route("/tokenize", tokenize_route, methods=["POST"])  # vLLM's
     app.add_api_route("/detokenize", detokenize_route, methods=["POST"])
     app.add_api_route("/version", version, methods=["GET"])
-    app.add_middleware(CountRequests, metrics=metrics)
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
+    app.add_middleware(CountRequests, metrics=metrics)  # added last: the outermost, so it counts the 401s too
     return app
 
 
@@ -79,6 +91,25 @@ async def scrape(request: Request) -> Response:
 
 async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     return errors.bad_request(f"invalid request: {exc.errors()[0].get('msg')}").response()
+
+
+class RequireKey:
+    """ASGI middleware (``serve --api-key``, vLLM's flag): /v1 requests must carry
+    ``Authorization: Bearer KEY``; others get a 401 in OpenAI's error shape. /health, /metrics,
+    /version, /tokenize and /detokenize stay open, as in vLLM."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = errors.APIError(
+                    401, "missing or wrong API key; send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
+                )
+                return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class CountRequests:

@@ -31,6 +31,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is logged)")
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 requests (vLLM's flag; default: no key)",
+    )
+    p.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as in `vllm serve MODEL` (or --model)"
     )
     add_layout_args(p, ENGINE_AXES)
@@ -113,7 +118,7 @@ def run(args) -> int:
     try:
         from shardlm.server.app import build_app
 
-        app = build_app(engine, model_name=args.served_model_name or args.model)
+        app = build_app(engine, model_name=args.served_model_name or args.model, api_key=args.api_key)
         host, port = sock.getsockname()[:2]
         log(
             f"serving {args.served_model_name or args.model} on http://{_url_host(host)}:{port}/v1 "

@@ -274,3 +274,33 @@ def test_tokenize_a_prompt_or_a_chat_as_hf_and_back(engine, tok):
         with pytest.raises(APIError) as e:
             req()
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_api_key_guards_v1_only():
+    """serve --api-key: /v1 requests need 'Authorization: Bearer KEY' (a 401 in OpenAI's error shape
+    otherwise); /health, /metrics, /version, /tokenize stay open, as in vLLM."""
+    import asyncio
+    import json
+
+    from shardlm.server.app import RequireKey
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def call(path: str, headers: list) -> tuple[int, bytes]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": path, "headers": headers, "method": "GET"}
+        asyncio.run(RequireKey(inner, "sekret")(scope, None, send))
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    good, bad = [(b"authorization", b"Bearer sekret")], [(b"authorization", b"Bearer other")]
+    assert call("/v1/models", good)[0] == 200
+    for headers in ([], bad):
+        status, body = call("/v1/chat/completions", headers)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert call("/health", [])[0] == call("/tokenize", [])[0] == 200
