@@ -15,6 +15,7 @@ _EXPORTS = {
     "LLM": "shardlm.engine.llm",
     "RequestOutput": "shardlm.engine.llm",
     "CompletionOutput": "shardlm.engine.llm",
+    "Logprob": "shardlm.engine.llm",
     "SamplingParams": "shardlm.engine.sampling",
     "ParallelDims": "shardlm.parallel.dims",
 }

@@ -15,12 +15,12 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
 from shardlm.engine.llm import EngineFront
-from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.sampling import SamplingParams, TokenLogprob
 from shardlm.errors import RankFailure, UsageError
 from shardlm.launch import LocalRanks, readable
 from shardlm.models.loader import Checkpoint
@@ -38,8 +38,10 @@ class EngineDead(RuntimeError):
 @dataclass
 class StreamOutput:
     token_ids: list[int]  # new tokens since the previous output
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the params ask for logprobs
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last output)
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (on the last output)
 
 
 @dataclass
@@ -111,6 +113,8 @@ class AsyncLLM(EngineFront):
         """Refuse a request that cannot be served, with a message for the client (HTTP 400)."""
         if not prompt_ids:
             raise UsageError("the prompt is empty; give at least one token")
+        if params.n > 1:
+            raise UsageError(f"n={params.n}: AsyncLLM.generate streams one completion; call it n times with seeds")
         room, why = self.room(len(prompt_ids))
         if room < 1:
             raise UsageError(
@@ -204,11 +208,14 @@ class AsyncLLM(EngineFront):
             **self._handoffs,
         }
         outs: dict[int, StreamOutput] = {}
-        for rid, tok in tokens:
-            outs.setdefault(rid, StreamOutput([])).token_ids.append(tok)
-        for rid, reason, cached in finished:
+        for rid, tok, logprob in tokens:
             out = outs.setdefault(rid, StreamOutput([]))
-            out.finish_reason, out.cached_tokens = reason, cached
+            out.token_ids.append(tok)
+            if logprob is not None:
+                out.logprobs.append(logprob)
+        for rid, reason, cached, stop_reason in finished:
+            out = outs.setdefault(rid, StreamOutput([]))
+            out.finish_reason, out.cached_tokens, out.stop_reason = reason, cached, stop_reason
         with self._lock:
             targets = [(self._streams.get(rid), out) for rid, out in outs.items()]
         for stream, out in targets:

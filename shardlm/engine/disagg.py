@@ -41,6 +41,7 @@ class Handoff:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int]  # the first token (sampled by the prefill replica)
+    logprobs: list  # its TokenLogprob, when the params ask for logprobs
     num_computed: int  # tokens whose K/V travel (the prompt)
     num_cached: int  # of those, found in the prefill replica's prefix cache
     src: int  # dp rank of the prefill replica
@@ -63,6 +64,7 @@ def hand_off(engine, sched: Scheduler, seq: Sequence) -> Handoff:
         seq.prompt_ids,
         seq.params,
         list(seq.output_ids),
+        list(seq.logprobs),
         seq.num_computed,
         seq.num_cached,
         link.dp_rank,
@@ -82,8 +84,8 @@ def adopt(engine, h: Handoff) -> Sequence:
     if not h.params.greedy and engine.links.last:  # the ranks that sample
         gen = torch.Generator(device="cpu")
         gen.set_state(link.recv(gen.get_state().shape, src=h.src, tag=h.rid).cpu())
-    seq = Sequence(h.rid, h.prompt_ids, h.params, eos_ids=engine.eos_ids, generator=gen)
-    seq.output_ids = list(h.output_ids)
+    seq = engine.sequence(h.rid, h.prompt_ids, h.params, generator=gen, output_ids=h.output_ids)
+    seq.logprobs = list(h.logprobs)
     seq.first_token_time = time.perf_counter()
     seq.num_cached = h.num_cached
     sched = engine.least_loaded()

@@ -28,17 +28,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.disagg import Handoff, adopt, hand_off
 from shardlm.engine.model_runner import ModelRunner
-from shardlm.engine.sampling import SamplingParams, sample
+from shardlm.engine.sampling import SamplingParams, TokenLogprob, logprobs_of, process, processes, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence, Status
 from shardlm.engine.speculative import verify
+from shardlm.engine.text import StopText
+from shardlm.errors import UsageError
 from shardlm.models.moe import idle_forward
+from shardlm.models.tokenizer import Tokenizer
 from shardlm.parallel import comm
 from shardlm.parallel.data import ReplicaLink
 from shardlm.parallel.pipeline import StageLinks
@@ -52,6 +56,7 @@ class Request:
     params: SamplingParams
     seed: int
     handoff: int | None = None  # disaggregated serving: prefill here, then decode on this dp rank
+    after: int | None = None  # n > 1: the request id of a sibling with the same prompt, computed first
 
 
 @dataclass
@@ -74,9 +79,12 @@ class RunStats:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
 
 
-TokenCallback = Callable[[int, int], None]  # (request id, token id)
+TokenCallback = Callable[[int, int, TokenLogprob | None], None]  # (request id, token id, its logprobs)
 StepTokens = list[int | list[int] | None]
 """A step's tokens per sequence: one token, a verified run (with drafts), or None (no sample)."""
+StepLogprobs = list[list[TokenLogprob] | None]
+"""A step's logprobs per sequence, one entry per emitted token (None: not asked for, or no sample)."""
+Sampled = tuple[StepTokens, StepLogprobs]
 
 
 class Engine:
@@ -91,15 +99,18 @@ class Engine:
         micro_batches: int = 1,
         lockstep=None,
         replica_link: ReplicaLink | None = None,
+        tokenizer: Tokenizer | Callable[[], Tokenizer] | None = None,
     ):
         self.runner = runner
         self.lockstep = lockstep  # the dp group when replicas share expert collectives
         self.blocks = blocks
         self.links = links
         self.eos_ids = eos_ids
+        self._tokenizer = tokenizer  # loaded by the first request with stop strings
         self.scheds = [Scheduler(blocks, config) for _ in range(micro_batches)]
-        self.pending: list[tuple[Batch, StepTokens | None] | None] = [None] * micro_batches
+        self.pending: list[tuple[Batch, Sampled | None] | None] = [None] * micro_batches
         self.seqs: dict[int, Sequence] = {}  # unfinished, by request id
+        self.parked: dict[int, list[Sequence]] = {}  # siblings waiting for a request's prompt, by its id
         self.aborted: set[int] = set()
         self.busy_s = 0.0
         self.replica_link = replica_link  # disaggregated serving: KV to or from other replicas
@@ -108,12 +119,41 @@ class Engine:
 
     # ---- requests in, between rounds ---------------------------------------------------
     def add(self, rid: int, request: Request) -> Sequence:
-        """Queue a request on the micro-batch with the least outstanding work (the same on every rank)."""
+        """Queue a request on the micro-batch with the least outstanding work (the same on every rank).
+
+        A request ``after`` a sibling whose prompt is not computed yet waits (parked) until it is, then
+        joins the sibling's micro-batch and finds the prompt's full blocks in the prefix cache: n
+        choices of one prompt compute it once (vLLM's parallel sampling)."""
         p = request.params
         gen = None if p.greedy else torch.Generator(device="cpu").manual_seed(request.seed)
-        seq = Sequence(rid, request.prompt_ids, p, eos_ids=self.eos_ids, generator=gen, handoff=request.handoff)
-        self.least_loaded().add(seq)
+        seq = self.sequence(rid, request.prompt_ids, p, generator=gen, handoff=request.handoff)
+        first = self.seqs.get(request.after) if request.after is not None else None
+        if first is not None and not first.output_ids and first.status is not Status.FINISHED:
+            self.parked.setdefault(first.id, []).append(seq)
+        else:
+            self.least_loaded().add(seq)
         self.seqs[rid] = seq
+        return seq
+
+    def sequence(
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None,
+        handoff: int | None = None,
+        output_ids: list[int] | None = None,
+    ) -> Sequence:
+        """A request's sequence (``output_ids``: the tokens another replica already generated)."""
+        stop_text = StopText(self.tokenizer(), params.stop) if params.stop else None
+        seq = Sequence(
+            rid, prompt_ids, params, eos_ids=self.eos_ids, generator=generator, handoff=handoff, stop_text=stop_text
+        )
+        if output_ids:
+            seq.output_ids = list(output_ids)
+            if stop_text is not None:
+                stop_text.push(seq.output_ids)
         return seq
 
     def least_loaded(self) -> Scheduler:
@@ -124,6 +164,20 @@ class Engine:
         ]
         return self.scheds[work.index(min(work))]
 
+    def _unpark(self, sched: Scheduler, seqs: list[Sequence]) -> list[Sequence]:
+        """Queue the siblings parked on these sequences once their prompt is computed (or they ended);
+        returns the siblings aborted while parked."""
+        gone = []
+        for seq in seqs:
+            if seq.id in self.parked and (seq.output_ids or seq.status is Status.FINISHED):
+                for sibling in self.parked.pop(seq.id):
+                    if sibling.id in self.aborted:
+                        sibling.finish("abort")
+                        gone.append(sibling)
+                    else:
+                        sched.add(sibling)
+        return gone
+
     def adopt(self, handoff: Handoff) -> None:
         """Continue a sequence another replica prefilled (disaggregated serving)."""
         adopt(self, handoff)
@@ -132,6 +186,13 @@ class Engine:
         """Drop a request; applied when its micro-batch has no step in flight."""
         if rid in self.seqs:
             self.aborted.add(rid)
+
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise UsageError("stop strings need the model's tokenizer, which this engine was not given")
+        if not isinstance(self._tokenizer, Tokenizer):
+            self._tokenizer = self._tokenizer()  # once
+        return self._tokenizer
 
     def has_work(self) -> bool:
         return any(self.pending) or any(s.has_work() for s in self.scheds)
@@ -155,6 +216,7 @@ class Engine:
             for seq in [s for s in (*sched.waiting, *sched.running) if s.id in self.aborted]:
                 sched.abort(seq)
                 done.append(seq)
+            done += self._unpark(sched, [s for s in done if s.id in self.parked])
             batch = sched.schedule() if sched.has_work() else None
             runs = batch is not None and bool(batch.seqs)  # empty: waits for blocks another micro-batch holds
             if self.any_replica(runs):
@@ -174,16 +236,17 @@ class Engine:
             raise RuntimeError("no micro-batch found a sequence that can run")  # add() admits only what fits
         return done
 
-    def _finish_step(self, sched: Scheduler, batch: Batch, tokens, on_token) -> list[Sequence]:
-        if tokens is None:  # sampled by the last stage
-            slots = _token_slots(batch)
-            tokens = _unpack(batch, self.links.recv_tokens(sum(slots), self.runner.device) if any(slots) else [])
+    def _finish_step(self, sched: Scheduler, batch: Batch, sampled: Sampled | None, on_token) -> list[Sequence]:
+        if sampled is None:  # sampled by the last stage
+            size = sum(_message_slots(batch))
+            sampled = _unpack(batch, self.links.recv_tokens(size, self.runner.device) if size else [])
         before = [len(s.output_ids) for s in batch.seqs]
-        done = sched.update(batch, tokens)
+        done = sched.update(batch, *sampled)
+        done += self._unpark(sched, batch.seqs)
         if on_token is not None:  # the tokens each sequence kept (a stop ends a verified run early)
             for seq, n in zip(batch.seqs, before):
-                for tok in seq.output_ids[n:]:
-                    on_token(seq.id, tok)
+                for at in range(n, len(seq.output_ids)):
+                    on_token(seq.id, seq.output_ids[at], seq.logprobs[at] if seq.params.logprobs is not None else None)
         for seq in batch.seqs:  # prefilled for a decode replica: its KV goes there, it leaves here
             prefilled = seq.status is Status.RUNNING and seq.output_ids and seq.id not in self.aborted
             if seq.handoff is not None and prefilled:
@@ -191,7 +254,7 @@ class Engine:
                 del self.seqs[seq.id]
         return done
 
-    def _step(self, batch: Batch) -> StepTokens | None:
+    def _step(self, batch: Batch) -> Sampled | None:
         """Run this stage's part of one step; the last stage samples (and sends) the tokens."""
         hidden = None
         if not self.links.first:
@@ -204,35 +267,11 @@ class Engine:
             self.busy_s += time.perf_counter() - t0
             self.links.send_hidden(hidden)
             return None
-        samples = batch.samples()
-        tokens: StepTokens
-        if batch.drafts:
-            tokens = self._verify(batch, out.cpu())
-        else:
-            picked = [s for s, yes in zip(batch.seqs, samples) if yes]
-            drawn = iter(sample(out.cpu(), [s.params for s in picked], [s.generator for s in picked]) if picked else [])
-            tokens = [next(drawn) if yes else None for yes in samples]
+        sampled = _sample(batch, out.cpu())
         self.busy_s += time.perf_counter() - t0
-        if any(samples):
-            self.links.send_tokens(_pack(batch, tokens), self.runner.device)
-        return tokens
-
-    @staticmethod
-    def _verify(batch: Batch, logits: torch.Tensor) -> StepTokens:
-        """A step with drafts (one stage): each sampling sequence's logits rows are its last token's
-        and its drafts'; sequences with drafts emit the verified run, the others one token."""
-        tokens: StepTokens = []
-        row = 0
-        for i, (seq, yes) in enumerate(zip(batch.seqs, batch.samples())):
-            drafts = batch.draft(i)
-            if not yes:
-                tokens.append(None)
-            elif drafts:
-                tokens.append(verify(logits[row : row + 1 + len(drafts)], drafts, seq.params, seq.generator))
-            else:
-                tokens.append(sample(logits[row : row + 1], [seq.params], [seq.generator])[0])
-            row += (1 + len(drafts)) if yes else 0
-        return tokens
+        if any(batch.samples()):
+            self.links.send_tokens(_pack(batch, sampled), self.runner.device)
+        return sampled
 
     # ---- offline ------------------------------------------------------------------------
     def run(
@@ -256,29 +295,98 @@ class Engine:
         return sum(s.draft_tokens for s in self.scheds), sum(s.accepted_tokens for s in self.scheds)
 
 
+def _sample(batch: Batch, raw: torch.Tensor) -> Sampled:
+    """The last stage's tokens for a step, from its logits [rows, vocab]: each sampling sequence's
+    rows are its last token's and, with speculation, its drafts' (which it verifies). Processors
+    (sampling.process) see the tokens before each row, drafts included; logprobs come from the raw rows."""
+    spans = []  # (sequence index, its first row, its rows)
+    row = 0
+    for i, yes in enumerate(batch.samples()):
+        if yes:
+            spans.append((i, row, 1 + len(batch.draft(i))))
+            row += spans[-1][2]
+    logits = raw
+    if any(processes(batch.seqs[i].params) for i, _, _ in spans):
+        logits = raw.clone()
+        for i, first, rows in spans:
+            seq, drafts = batch.seqs[i], batch.draft(i)
+            if processes(seq.params):
+                for j in range(rows):
+                    history = seq.output_ids + drafts[:j]
+                    logits[first + j] = process(raw[first + j], seq.params, seq.prompt_ids, history, seq.stop_ids)
+    tokens: StepTokens = [None] * len(batch.seqs)
+    if batch.drafts:
+        for i, first, rows in spans:
+            seq = batch.seqs[i]
+            tokens[i] = (
+                verify(logits[first : first + rows], batch.draft(i), seq.params, seq.generator)
+                if rows > 1
+                else sample(logits[first : first + 1], [seq.params], [seq.generator])[0]
+            )
+    elif spans:  # one row each: sample them together
+        picked = [batch.seqs[i] for i, _, _ in spans]
+        for (i, _, _), token in zip(spans, sample(logits, [s.params for s in picked], [s.generator for s in picked])):
+            tokens[i] = token
+    logprobs: StepLogprobs = [None] * len(batch.seqs)
+    for i, first, _ in spans:
+        k = batch.seqs[i].params.logprobs
+        if k is not None:
+            emitted = tokens[i]
+            run = emitted if isinstance(emitted, list) else [cast(int, emitted)]
+            logprobs[i] = [logprobs_of(raw[first + j], t, k) for j, t in enumerate(run)]
+    return tokens, logprobs
+
+
 def _token_slots(batch: Batch) -> list[int]:
     """Tokens each sequence of a step may emit: 0 (a prompt chunk short of its end), 1, or with
-    drafts 1 + their number. The message that carries a step's tokens down the pipeline has
-    this many slots a sequence, so every stage knows its size before it arrives."""
+    drafts 1 + their number."""
     return [(1 + len(batch.draft(i))) if yes else 0 for i, yes in enumerate(batch.samples())]
 
 
-def _pack(batch: Batch, tokens: StepTokens) -> list[int]:
-    """A step's emitted tokens in their slots, unused slots -1."""
-    flat = []
-    for n, token in zip(_token_slots(batch), tokens):
+def _slot_width(params: SamplingParams) -> int:
+    """Values a token takes in the step's message: its id, then with logprobs its logprob, its
+    rank and the top k (id, logprob) pairs."""
+    return 1 if params.logprobs is None else 3 + 2 * params.logprobs
+
+
+def _message_slots(batch: Batch) -> list[int]:
+    """Values each sequence takes in the message that carries a step's tokens down the pipeline,
+    so that every stage knows its size before it arrives."""
+    return [n * _slot_width(s.params) for n, s in zip(_token_slots(batch), batch.seqs)]
+
+
+def _pack(batch: Batch, sampled: Sampled) -> list[float]:
+    """A step's emitted tokens (and logprobs) in their slots, unused slots -1."""
+    flat: list[float] = []
+    for n, seq, token, entries in zip(_token_slots(batch), batch.seqs, *sampled):
         run = [] if token is None else token if isinstance(token, list) else [token]
-        flat += run + [-1] * (n - len(run))
+        width = _slot_width(seq.params)
+        for j, t in enumerate(run):
+            flat.append(t)
+            if entries is not None:
+                e = entries[j]
+                flat += [e.logprob, e.rank, *(x for pair in e.top for x in pair)]
+        flat += [-1.0] * ((n - len(run)) * width)
     return flat
 
 
-def _unpack(batch: Batch, flat: list[int]) -> StepTokens:
-    tokens, at = [], 0
-    for i, n in enumerate(_token_slots(batch)):
-        run = [t for t in flat[at : at + n] if t >= 0]
+def _unpack(batch: Batch, flat: list[float]) -> Sampled:
+    tokens: StepTokens = []
+    logprobs: StepLogprobs = []
+    at = 0
+    for i, (n, seq) in enumerate(zip(_token_slots(batch), batch.seqs)):
+        width = _slot_width(seq.params)
+        slots = [flat[at + j * width : at + (j + 1) * width] for j in range(n)]
+        slots = [v for v in slots if v[0] >= 0]
+        at += n * width
+        run = [int(v[0]) for v in slots]
         tokens.append(None if n == 0 else run if batch.draft(i) else run[0])
-        at += n
-    return tokens
+        logprobs.append(
+            [TokenLogprob(v[1], int(v[2]), tuple((int(v[j]), v[j + 1]) for j in range(3, width, 2))) for v in slots]
+            if n and seq.params.logprobs is not None
+            else None
+        )
+    return tokens, logprobs
 
 
 def _stats(seqs: list[Sequence], start: float) -> RunStats:

@@ -17,6 +17,7 @@ from typing import cast
 from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
 from shardlm.launch import LocalRanks, torchrun_env
@@ -32,27 +33,47 @@ Prompt = str | list[int]
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability, its rank (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt, as vLLM's ``RequestOutput.outputs[i]``."""
 
     index: int
-    text: str | None
+    text: str | None  # None for prompts given as token ids
     token_ids: list[int]
-    finish_reason: str | None
+    cumulative_logprob: float | None  # the sum of the tokens' logprobs, when logprobs were asked for
+    logprobs: list[dict[int, Logprob]] | None  # per token: it and the top ``logprobs`` tokens
+    finish_reason: str | None  # "stop" or "length" once finished (vLLM: None while running)
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (None: EOS or length)
 
 
 @dataclass
 class RequestOutput:
+    """A prompt and its ``n`` completions (``outputs``); ``text``, ``token_ids`` and
+    ``finish_reason`` are short for the first one's."""
+
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None  # "stop" or "length" once finished (vLLM: None while running)
+    outputs: list[CompletionOutput]
 
     @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: ``out.outputs[0].text`` (one completion a prompt: n > 1 is not built yet)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
 
 
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
@@ -196,23 +217,56 @@ class LLM(EngineFront):
         )
         if len(param_list) != len(prompts):
             raise UsageError(f"{len(param_list)} sampling params for {len(prompts)} prompts; give one or one each")
-        requests = []
-        for i, (ids, p) in enumerate(zip(prompt_ids, param_list)):
+        requests: list[Request] = []
+        for ids, p in zip(prompt_ids, param_list):
+            self._check_vocab(p)
             room = self.max_model_len - len(ids)
             if p.max_tokens > room:
                 p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
-            requests.append(Request(ids, p, p.seed if p.seed is not None else self.config.seed + i))
-        completions = self._run(requests, on_token)
-        return [
-            RequestOutput(
-                prompt=pr if isinstance(pr, str) else None,
-                prompt_token_ids=r.prompt_ids,
-                token_ids=c.token_ids,
-                finish_reason=c.finish_reason,
-                text=self.tokenizer.decode(c.token_ids) if isinstance(pr, str) else None,
-            )
-            for pr, r, c in zip(prompts, requests, completions)
-        ]
+            first = len(requests)
+            for j in range(p.n):  # n choices: seeds seed, seed + 1, ...; the first computes the prompt
+                seed = p.seed + j if p.seed is not None else self.config.seed + len(requests)
+                requests.append(Request(ids, p, seed, after=first if j else None))
+        completions = iter(self._run(requests, on_token))
+        outputs = []
+        for pr, ids, p in zip(prompts, prompt_ids, param_list):
+            text = isinstance(pr, str)  # prompts given as token ids get token ids back
+            choices = [self._choice(j, next(completions), p, text) for j in range(p.n)]
+            outputs.append(RequestOutput(prompt=pr if text else None, prompt_token_ids=ids, outputs=choices))
+        return outputs
+
+    def _check_vocab(self, p: SamplingParams) -> None:
+        vocab = self.checkpoint.config.vocab_size
+        if bad := [t for t in (*p.logit_bias, *p.stop_token_ids) if t >= vocab]:
+            raise UsageError(f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
+
+    def _choice(self, index: int, c: Completion, p: SamplingParams, text: bool) -> CompletionOutput:
+        decoded = None
+        if text:
+            if p.stop:  # cut before the stop string, as the engine saw it
+                st = StopText(self.tokenizer, p.stop)
+                decoded = st.push(c.token_ids) + st.flush()
+            else:
+                decoded = self.tokenizer.decode(c.token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            name = (lambda t: self.tokenizer.decode([t])) if text else (lambda t: None)
+            logprobs = [
+                {
+                    t: Logprob(e.logprob, e.rank, name(t)),
+                    **{i: Logprob(v, r, name(i)) for r, (i, v) in enumerate(e.top, 1)},
+                }
+                for t, e in zip(c.token_ids, c.logprobs)
+            ]
+        return CompletionOutput(
+            index=index,
+            text=decoded,
+            token_ids=c.token_ids,
+            cumulative_logprob=sum(e.logprob for e in c.logprobs) if c.logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
     def chat(
         self,

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shardlm.engine.block_manager import BlockManager
+from shardlm.engine.sampling import TokenLogprob
 from shardlm.engine.sequence import Sequence, Status
 from shardlm.engine.speculative import SpeculativeConfig, propose
 from shardlm.errors import UsageError
@@ -211,21 +212,28 @@ class Scheduler:
         self.blocks.free(seq)
         seq.finish(reason)
 
-    def update(self, batch: Batch, tokens: list[int | list[int] | None]) -> list[Sequence]:
+    def update(
+        self,
+        batch: Batch,
+        tokens: list[int | list[int] | None],
+        logprobs: list[list[TokenLogprob] | None] | None = None,
+    ) -> list[Sequence]:
         """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a
         prompt chunk that did not reach the end; with drafts, the accepted drafts and the token
-        after them). Returns the sequences that finished."""
+        after them), ``logprobs[i]`` their logprobs where asked for. Returns the sequences that finished."""
         done: list[Sequence] = []
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.counts, tokens)):
             if seq.status is Status.FINISHED:  # aborted while its step was in flight
                 continue
             emitted = [] if token is None else token if isinstance(token, list) else [token]
+            given = logprobs[i] if logprobs else None
+            entries: list[TokenLogprob | None] = list(given) if given else [None] * len(emitted)
             drafts = batch.draft(i)
             if drafts:
                 self.accepted_tokens += len(emitted) - 1
             kept = 0
-            for t in emitted:
-                seq.append(t)
+            for t, entry in zip(emitted, entries):
+                seq.append(t, entry)
                 kept += 1
                 if seq.status is Status.FINISHED:
                     break  # a stop token or max_tokens: the rest are dropped

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.sampling import SamplingParams, TokenLogprob
+from shardlm.engine.text import StopText
 
 
 class Status(enum.Enum):
@@ -28,10 +29,12 @@ class Sequence:
         eos_ids: tuple[int, ...] = (),
         generator: torch.Generator | None = None,
         handoff: int | None = None,
+        stop_text: StopText | None = None,
     ):
         self.id = seq_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         self.generator = generator
@@ -42,6 +45,8 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of the prompt, tokens found in the prefix cache
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the stop token id or string (None: EOS, or length)
+        self.stop_text = stop_text  # the text so far, when params.stop lists strings
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -62,14 +67,24 @@ class Sequence:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
-    def append(self, token: int) -> None:
-        """Record a sampled token and decide whether the sequence is done."""
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a sampled token (and its logprobs) and decide whether the sequence is done."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if token in self.stop_ids:
             self.finish("stop")
-        elif len(self.output_ids) >= self.params.max_tokens:
+            self.stop_reason = token if token in self.params.stop_token_ids else None
+            return
+        if self.stop_text is not None:
+            self.stop_text.push([token])
+            if self.stop_text.stopped:
+                self.finish("stop")
+                self.stop_reason = self.stop_text.stopped
+                return
+        if len(self.output_ids) >= self.params.max_tokens:
             self.finish("length")
 
     @property

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shardlm.engine.disagg import Handoff
 from shardlm.engine.engine import Request
+from shardlm.engine.sampling import TokenLogprob
 from shardlm.parallel import comm
 from shardlm.parallel.expert_stats import collect_load, rebalance_experts
 
@@ -79,8 +80,8 @@ def serve(worker, link) -> None:
             break
         if not work:
             continue
-        tokens: list[tuple[int, int]] = []
-        done = engine.step_round(on_token=lambda rid, tok: tokens.append((rid, tok)))
+        tokens: list[tuple[int, int, TokenLogprob | None]] = []
+        done = engine.step_round(on_token=lambda rid, tok, logprob: tokens.append((rid, tok, logprob)))
         rounds += 1
         eplb = worker.config.eplb_interval
         if worker.moe and (rounds % LOAD_EVERY == 0 or (eplb and rounds % eplb == 0)):  # same round on every rank
@@ -91,7 +92,7 @@ def serve(worker, link) -> None:
             load["all_replicas"] = engine.lockstep is not None
         handoffs, engine.handoffs = engine.handoffs, []
         if leader:
-            finished = [(s.id, s.finish_reason, s.num_cached) for s in done]
+            finished = [(s.id, s.finish_reason, s.num_cached, s.stop_reason) for s in done]
             link.send("events", (tokens, finished, engine_stats(engine, load), handoffs))
     engine.links.flush()
 

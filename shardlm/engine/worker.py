@@ -11,7 +11,7 @@ from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.config import EngineConfig, resolve_device
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
-from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.sampling import SamplingParams, TokenLogprob
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.engine.speculative import SpeculativeConfig
@@ -28,6 +28,8 @@ from shardlm.parallel.tensor import quantize_int8
 class Completion:
     token_ids: list[int]
     finish_reason: str | None  # set on every sequence a run returns (it finished or was aborted)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when its params asked for logprobs
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
 
 
 def max_model_len(config: EngineConfig, max_positions: int) -> int:
@@ -35,8 +37,10 @@ def max_model_len(config: EngineConfig, max_positions: int) -> int:
 
 
 def replica_of(requests: list[Request], dp: int) -> list[int]:
-    """The replica serving each request: least outstanding work (prompt + requested tokens)."""
-    return assign([len(r.prompt_ids) + r.params.max_tokens for r in requests], dp)
+    """The replica serving each request: least outstanding work (prompt + requested tokens); a
+    request ``after`` a sibling goes where it goes (to find its prompt in that replica's cache)."""
+    out = assign([len(r.prompt_ids) + r.params.max_tokens for r in requests], dp)
+    return [out[r.after] if r.after is not None else d for r, d in zip(requests, out)]
 
 
 class Worker:
@@ -104,6 +108,7 @@ class Worker:
             replica_link=ReplicaLink(self.dims, config.prefill_replicas, self.device)
             if config.prefill_replicas
             else None,
+            tokenizer=ckpt.tokenizer,
         )
 
     @classmethod
@@ -149,7 +154,12 @@ class Worker:
         mine = {
             i: r for i, (r, d) in enumerate(zip(requests, replica_of(requests, self.dims.dp))) if d == self.dims.dp_rank
         }
-        seqs, stats = self.engine.run(mine, on_token)
+        seqs, stats = self.engine.run(mine, None if on_token is None else lambda rid, tok, _: on_token(rid, tok))
         if self.moe:  # every rank of the stage, after decoding: one collective over its tp and dp groups
             stats.expert_load = collect_load(self.model, self.dims).to_dict()
-        return {s.id: Completion(s.output_ids, s.finish_reason) for s in seqs}, stats
+        return {
+            s.id: Completion(
+                s.output_ids, s.finish_reason, s.logprobs if s.params.logprobs is not None else None, s.stop_reason
+            )
+            for s in seqs
+        }, stats

@@ -118,15 +118,16 @@ class StageLinks:
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         return comm.recv(shape, dtype, self.stage - 1, self.group, device=device)
 
-    def send_tokens(self, tokens: list[int], device) -> None:
-        """Last stage: send a step's sampled tokens to the first stage."""
+    def send_tokens(self, values: list[float], device) -> None:
+        """Last stage: send a step's sampled tokens (and their logprobs) to the first stage, as
+        float64: token ids are exact in it up to 2**53."""
         if self.stages > 1:
-            self._send(torch.tensor(tokens, dtype=torch.long, device=device), 0)
+            self._send(torch.tensor(values, dtype=torch.float64, device=device), 0)
 
-    def recv_tokens(self, count: int, device) -> list[int]:
-        """Any other stage: a step's ``count`` sampled tokens, passed on down the pipeline."""
+    def recv_tokens(self, count: int, device) -> list[float]:
+        """Any other stage: a step's ``count`` values from ``send_tokens``, passed on down the pipeline."""
         src = self.stages - 1 if self.first else self.stage - 1
-        got = comm.recv((count,), torch.long, src, self.group, device=device)
+        got = comm.recv((count,), torch.float64, src, self.group, device=device)
         if self.stage + 1 < self.stages - 1:  # stages 0..p-2 need them; the last sampled them
             self._send(got, self.stage + 1)
         return got.tolist()

@@ -14,10 +14,10 @@ from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 
 from shardlm.engine.async_llm import EngineDead, QueueFull
+from shardlm.engine.text import StopText
 from shardlm.errors import UsageError
 from shardlm.server.errors import APIError
 from shardlm.server.protocol import Prepared
-from shardlm.server.text import StopText
 
 
 @dataclass

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from shardlm.engine.sampling import SamplingParams, sample
+from shardlm.engine.sampling import SamplingParams, logprobs_of, probabilities, process, processes, sample
 from shardlm.errors import UsageError
 
 
@@ -188,3 +188,98 @@ def test_temperature_frequencies_match_softmax(temperature):
     other = torch.softmax(logits / (temperature * 2), 0)
     freq = counts.double() / n
     assert (freq - other.double()).abs().max() > 10 * math.sqrt(0.25 / n)
+
+
+# ---- logits processors: each against its formula, written out here ---------------------
+
+
+def reference_process(logits, p, prompt, output, stop_ids):
+    """vLLM's order, one token at a time: logit_bias, min_tokens, repetition, then frequency
+    and presence (OpenAI's formula)."""
+    out = [float(x) for x in logits]
+    for t, b in p.logit_bias.items():
+        out[t] += b
+    if len(output) < p.min_tokens:
+        for t in stop_ids:
+            out[t] = -math.inf
+    for t in range(len(out)):
+        if t in prompt or t in output:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        count = output.count(t)
+        out[t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(repetition_penalty=1.5),
+        dict(repetition_penalty=0.5),
+        dict(frequency_penalty=0.8),
+        dict(presence_penalty=-1.2),
+        dict(logit_bias={3: 5.0, 7: -100}),
+        dict(min_tokens=6),  # the output holds 5: stop tokens masked
+        dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={1: 2.0}, min_tokens=4),
+    ],
+)
+def test_process_equals_formula(kw):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 3
+    p = SamplingParams(**kw)
+    prompt, output, stops = [1, 2, 2, 9], [4, 4, 4, 2, 11], frozenset({0, 5})
+    assert processes(p)
+    got = process(logits, p, prompt, output, stops)
+    want = reference_process(logits, p, prompt, output, stops)
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got, logits)  # can fail: each setting changes some logit
+
+
+def test_min_tokens_lifts_after_enough_tokens():
+    logits = torch.zeros(6)
+    p = SamplingParams(min_tokens=2)
+    assert process(logits, p, [1], [3], frozenset({0}))[0] == -math.inf
+    assert process(logits, p, [1], [3, 4], frozenset({0}))[0] == 0
+
+
+def test_no_processor_is_a_no_op():
+    assert not processes(SamplingParams(temperature=0.5, top_k=3, min_p=0.1))
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])  # min_p 0.2: keep p >= 0.1
+    kept = probabilities(probs.log(), SamplingParams(temperature=1.0, min_p=0.2))
+    torch.testing.assert_close(kept, torch.tensor([0.5, 0.3, 0.12, 0.0]) / 0.92)
+
+
+def test_logprobs_of_is_log_softmax_with_rank_and_top_k():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.5])
+    lp = torch.log_softmax(logits, 0)
+    e = logprobs_of(logits, 3, 2)
+    assert e.logprob == pytest.approx(lp[3].item()) and e.rank == 2
+    assert [i for i, _ in e.top] == [1, 3] and e.top[0][1] == pytest.approx(lp[1].item())
+    assert logprobs_of(logits, 2, 0).top == () and logprobs_of(logits, 2, 0).rank == 4
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("min_tokens", -1),
+        ("logprobs", -1),
+        ("n", 0),
+        ("logit_bias", {1: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("stop", 5),
+    ],
+)
+def test_bad_processor_params_are_refused(field, bad):
+    with pytest.raises(UsageError, match=field if field != "logit_bias" else "logit_bias"):
+        SamplingParams(**{field: bad})
+
+
+def test_stop_takes_a_string_or_a_list():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "", "b"]).stop == ("a", "b")

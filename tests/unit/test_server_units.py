@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from shardlm.engine.async_llm import AsyncLLM
+from shardlm.engine.text import StopText
 from shardlm.server.errors import APIError, from_validation
 from shardlm.server.protocol import ChatRequest, CompletionRequest, prepare
-from shardlm.server.text import StopText
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def streamed(tok, text: str, stops: tuple[str, ...]) -> tuple[list[str], bool]:
 def test_stop_strings_cut_the_text_and_streaming_agrees(tok, stops, expected):
     deltas, stopped = streamed(tok, "Paris is the capital. It is big.", stops)
     assert "".join(deltas) == expected
-    assert stopped == (expected != "Paris is the capital. It is big.")
+    assert bool(stopped) == (expected != "Paris is the capital. It is big.")
 
 
 def test_text_that_may_start_a_stop_string_is_held_back(tok):

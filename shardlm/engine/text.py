@@ -18,7 +18,7 @@ class StopText:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # everything decoded so far
         self.sent = 0  # characters of ``text`` already handed out
-        self.stopped = False  # a stop string was found: the completion ends at ``sent``
+        self.stopped: str | None = None  # the stop string found: the completion ends at ``sent``
 
     def push(self, token_ids: list[int]) -> str:
         """Text that is safe to emit after these tokens ('' while it may be part of a stop string)."""
@@ -34,9 +34,9 @@ class StopText:
         if self.stopped:
             return ""
         # a stop cannot begin before `sent`: it would have been whole in the text we checked then
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stops) if i >= 0]
         if found:
-            end, self.stopped = min(found), True
+            end, self.stopped = min(found)
         else:
             end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
         out, self.sent = self.text[self.sent : end], end
