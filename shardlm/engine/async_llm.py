@@ -38,6 +38,7 @@ class EngineDead(RuntimeError):
 @dataclass
 class StreamOutput:
     token_ids: list[int]  # new tokens since the previous output
+    index: int = 0  # which completion of the call (generate_choices): prompt * n + choice
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when the params ask for logprobs
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last output)
@@ -50,6 +51,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     replica: int  # where the request is now (a decode replica once handed off)
     work: dict[int, int]  # tokens counted against each replica it occupies, until it leaves
+    index: int  # of its completion among its call's (prompt * n + choice)
 
 
 class AsyncLLM(EngineFront):
@@ -113,8 +115,6 @@ class AsyncLLM(EngineFront):
         """Refuse a request that cannot be served, with a message for the client (HTTP 400)."""
         if not prompt_ids:
             raise UsageError("the prompt is empty; give at least one token")
-        if params.n > 1:
-            raise UsageError(f"n={params.n}: AsyncLLM.generate streams one completion; call it n times with seeds")
         room, why = self.room(len(prompt_ids))
         if room < 1:
             raise UsageError(
@@ -127,43 +127,63 @@ class AsyncLLM(EngineFront):
             )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamOutput]:
-        """Stream the completion of one prompt. Leaving the loop early cancels the request."""
+        """Stream the completions of one prompt (``params.n`` of them, told apart by
+        ``StreamOutput.index``). Leaving the loop early cancels the request."""
+        async for out in self.generate_choices([prompt_ids], params):
+            yield out
+
+    async def generate_choices(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[StreamOutput]:
+        """Stream ``params.n`` completions of each prompt, interleaved as they come: completion j of
+        prompt i has ``index`` i * n + j (OpenAI's numbering). A prompt's n completions go to one
+        replica, where the later ones find the prompt in the prefix cache (``Request.after``); their
+        seeds are ``params.seed`` + j. Leaving the loop early cancels whatever has not finished."""
         if self.error is not None:
             raise EngineDead(self.error)
-        self.check(prompt_ids, params)
+        for ids in prompts:
+            self.check(ids, params)
+        n = params.n
         loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        adds = []
         with self._lock:
-            if len(self._streams) >= self.max_queue:
+            if len(self._streams) + n * len(prompts) > self.max_queue:
                 raise QueueFull(f"{len(self._streams)} requests are in flight (max_queue={self.max_queue})")
-            rid = next(self._ids)
-            replica = min(self._prefill, key=self._load.__getitem__)
-            work = {replica: len(prompt_ids) + params.max_tokens}
-            handoff = None
-            if self._decode is not None:  # the prefill replica computes the prompt only
-                handoff = min(self._decode, key=self._load.__getitem__)
-                work = {replica: len(prompt_ids), handoff: len(prompt_ids) + params.max_tokens}
-            for r, w in work.items():
-                self._load[r] += w
-            stream = self._streams[rid] = _Stream(asyncio.Queue(), loop, replica, work)
-        seed = params.seed if params.seed is not None else self.config.seed + rid
-        finished = False
+            rids = []
+            for i, ids in enumerate(prompts):
+                replica = min(self._prefill, key=self._load.__getitem__)
+                handoff = min(self._decode, key=self._load.__getitem__) if self._decode is not None else None
+                first = None
+                for j in range(n):
+                    rid = next(self._ids)
+                    rids.append(rid)
+                    work = {replica: len(ids) + params.max_tokens}
+                    if handoff is not None:  # the prefill replica computes the prompt only
+                        work = {replica: len(ids), handoff: len(ids) + params.max_tokens}
+                    for r, w in work.items():
+                        self._load[r] += w
+                    self._streams[rid] = _Stream(queue, loop, replica, work, i * n + j)
+                    seed = params.seed + j if params.seed is not None else self.config.seed + rid
+                    adds.append((replica, (rid, Request(list(ids), params, seed, handoff, after=first))))
+                    first = rid if first is None else first
+        finished: set[int] = set()
         try:
-            self._send(replica, ("add", (rid, Request(list(prompt_ids), params, seed, handoff))))
-            while True:
-                item = await stream.queue.get()
+            for replica, add in adds:
+                self._send(replica, ("add", add))
+            while len(finished) < len(rids):
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 yield item
                 if item.finish_reason is not None:
-                    finished = True
-                    return
+                    finished.add(item.index)
         finally:
             with self._lock:  # with the reader's handoffs: the abort goes where the request is now
-                self._streams.pop(rid)
-                for r, w in stream.work.items():
-                    self._load[r] -= w
-                if not finished and self.error is None:
-                    self._send_locked(stream.replica, ("abort", rid))  # client went away: free its blocks
+                for rid in rids:
+                    stream = self._streams.pop(rid)
+                    for r, w in stream.work.items():
+                        self._load[r] -= w
+                    if stream.index not in finished and self.error is None:
+                        self._send_locked(stream.replica, ("abort", rid))  # client went away: free its blocks
 
     def _send(self, replica: int, message) -> None:
         with self._lock:
@@ -220,6 +240,7 @@ class AsyncLLM(EngineFront):
             targets = [(self._streams.get(rid), out) for rid, out in outs.items()]
         for stream, out in targets:
             if stream is not None:
+                out.index = stream.index
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
         for h in handoffs:  # after the first token above
             self._forward(h)

@@ -1,4 +1,7 @@
-"""One request through the engine: text deltas with stop strings cut, usage counts, timing.
+"""One request through the engine: its choices' text deltas with stop strings cut, usage, timing.
+
+A request has ``n`` choices of each of its prompts (several prompts: /v1/completions only);
+their deltas come interleaved, each naming its choice (``index``).
 
 Leaving ``Generation.deltas()`` early (a stop string matched, the client went away,
 the task was cancelled) closes the engine's stream, which aborts the request on the
@@ -13,7 +16,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 
-from shardlm.engine.async_llm import EngineDead, QueueFull
+from shardlm.engine.async_llm import EngineDead, QueueFull, StreamOutput
+from shardlm.engine.sampling import TokenLogprob
 from shardlm.engine.text import StopText
 from shardlm.errors import UsageError
 from shardlm.server.errors import APIError
@@ -22,8 +26,10 @@ from shardlm.server.protocol import Prepared
 
 @dataclass
 class Delta:
+    index: int  # which choice
     text: str  # new text (may be '' while a possible stop string is held back)
     token_ids: list[int]  # tokens generated since the previous delta
+    logprobs: list[TokenLogprob]  # theirs, when the request asked for logprobs
     finish_reason: str | None = None  # "stop" or "length" on the last delta
 
 
@@ -31,29 +37,61 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+class Choice:
+    """One choice's answer so far."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.stop_text = StopText(tokenizer, stops)
+        self.text = ""  # what was handed out
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache
+
+    def take(self, out: StreamOutput) -> Delta:
+        """This output's delta: its text (held back while it may start a stop string; cut before
+        one), its tokens and logprobs."""
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        # a stop token (EOS or stop_token_ids) ends the text without being part of it, as in vLLM;
+        # a stop string ends it inside the text, where stop_text cuts it
+        by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        text = self.stop_text.push(out.token_ids[:-1] if by_token else out.token_ids)
+        if out.finish_reason is not None:
+            self.cached_tokens = out.cached_tokens
+            text += self.stop_text.flush()
+        if self.stop_text.stopped or out.finish_reason is not None:
+            self.finish_reason = "stop" if self.stop_text.stopped else out.finish_reason
+        self.text += text
+        return Delta(out.index, text, out.token_ids, out.logprobs, self.finish_reason)
+
+
 class Generation:
     def __init__(self, engine, prepared: Prepared, metrics, arrival: float):
         self.engine, self.prepared, self.metrics, self.arrival = engine, prepared, metrics, arrival
-        self.token_ids: list[int] = []
-        self.cached_tokens = 0
-        self.finish_reason: str | None = None
+        self.choices = [Choice(engine.tokenizer, prepared.params.stop) for _ in range(prepared.choices)]
         self.first: float | None = None  # time.perf_counter() of the first and the latest token
         self.last: float | None = None
 
+    @property
+    def token_count(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
     def usage(self) -> dict:
-        prompt, done = len(self.prepared.prompt_ids), len(self.token_ids)
+        prompt, done = sum(len(p) for p in self.prepared.prompts), self.token_count
+        n = self.prepared.params.n  # a prompt's first choice computed it; the others found it cached
         return {
             "prompt_tokens": prompt,
             "completion_tokens": done,
             "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices[::n])},
         }
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
-        """Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
+        """Every choice's deltas as they come, until each has finished.
+        Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
         p = self.prepared
-        stream = self.engine.generate(p.prompt_ids, p.params)
-        text = StopText(self.engine.tokenizer, p.stops)
+        stream = self.engine.generate_choices(p.prompts, p.params)
         outcome: str | None = "abort"  # until it finishes; None when the engine refused it
         started = False
         self.metrics.in_flight.inc()
@@ -61,23 +99,17 @@ class Generation:
             async for out in stream:
                 if not started:
                     started = True
-                    self.metrics.prompt_tokens.inc(len(p.prompt_ids))
+                    self.metrics.prompt_tokens.inc(sum(len(ids) for ids in p.prompts))
                 if out.token_ids:
                     self.last = time.perf_counter()
                     self.first = self.first or self.last
-                    self.token_ids += out.token_ids
-                # a stop token (EOS or stop_token_ids) ends the text without being part of it, as in vLLM
-                shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-                delta = text.push(shown)
-                if out.finish_reason is not None:
-                    self.cached_tokens = out.cached_tokens
-                    delta += text.flush()
-                if text.stopped or out.finish_reason is not None:
-                    # a stop string ends it as a stop token would; leaving the loop aborts it on the ranks
-                    self.finish_reason = outcome = "stop" if text.stopped else out.finish_reason
-                    yield Delta(delta, out.token_ids, self.finish_reason)
+                choice = self.choices[out.index]
+                if choice.finish_reason is not None:
+                    continue  # cut by a stop string already
+                yield choice.take(out)
+                if all(c.finish_reason is not None for c in self.choices):
+                    outcome = "stop" if all(c.finish_reason == "stop" for c in self.choices) else "length"
                     return
-                yield Delta(delta, out.token_ids)
             raise EngineDead("the engine's stream ended without a finish reason")
         except UsageError as e:
             outcome = None
@@ -91,12 +123,12 @@ class Generation:
                 503, f"the engine failed and this server is shutting down: {e}", code="engine_dead"
             ) from None
         finally:
-            await stream.aclose()  # no-op when it already finished; else aborts the request
+            await stream.aclose()  # no-op when it already finished; else aborts what has not
             self.metrics.in_flight.dec()
             if outcome is not None:
-                self.metrics.cached_tokens.inc(self.cached_tokens)
+                self.metrics.cached_tokens.inc(self.usage()["prompt_tokens_details"]["cached_tokens"])
                 self.metrics.observe(
-                    arrival=self.arrival, first=self.first, last=self.last, tokens=len(self.token_ids), reason=outcome
+                    arrival=self.arrival, first=self.first, last=self.last, tokens=self.token_count, reason=outcome
                 )
 
 

@@ -1,14 +1,16 @@
 """OpenAI request schemas, and what a request becomes for the engine (``prepare``).
 
 Types are strict (``"max_tokens": "16"`` is an error, as at OpenAI). Extensions (vLLM's
-names): ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``. Every other field
-OpenAI or vLLM defines is in a NOT_IMPLEMENTED table: refused with a 400 that names it unless
-absent or set to a value that asks for nothing. Fields nobody defines are ignored.
+names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos``, ``return_token_ids``. Every other field OpenAI or vLLM defines is in a
+NOT_IMPLEMENTED table: refused with a 400 that names it unless absent or set to a value that
+asks for nothing. Fields nobody defines are ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,6 +22,7 @@ from shardlm.server.errors import bad_request
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS); tinier ones overflow logits / T
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_LOGPROBS = 20  # most top logprobs a token may ask for (OpenAI's top_logprobs bound, vLLM's max_logprobs)
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -47,17 +50,10 @@ class ChatMessage(_Strict):
 # field. Fields in no table and no model are unknown here and ignored (docs/serve.md lists them).
 NOT_IMPLEMENTED: dict[str, tuple] = {
     # OpenAI, both endpoints
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
     "response_format": ({"type": "text"},),
     "service_tier": ("auto", "default"),
     "store": (False,),
     # vLLM's sampling and output options
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "include_stop_str_in_output": (False,),
@@ -84,7 +80,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "structural_tag": (),
 }
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -126,6 +121,12 @@ class _Sampling(_declared("_NotImplemented", NOT_IMPLEMENTED)):  # type: ignore[
     top_p: float | None = None
     top_k: int | None = None
     n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -139,10 +140,13 @@ class _Sampling(_declared("_NotImplemented", NOT_IMPLEMENTED)):  # type: ignore[
 class ChatRequest(_Sampling, _declared("_ChatNotImplemented", CHAT_NOT_IMPLEMENTED)):  # type: ignore[misc]
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLETION_NOT_IMPLEMENTED)):  # type: ignore[misc]
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -200,12 +204,16 @@ def _check_vocab(ids: list[int], engine, param: str) -> None:
 class Prepared:
     """A validated request: what the engine runs and how the answer is shaped."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one, or several (/v1/completions); each gets params.n choices
     params: SamplingParams
-    stops: tuple[str, ...]
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    logprobs: int | None  # top logprobs per token in the answer (None: no logprobs)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.params.n
 
 
 def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> Prepared:
@@ -214,23 +222,26 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
     if isinstance(req, ChatRequest):
-        ids, where = _chat_ids(req, engine.tokenizer), "messages"
+        prompts, where = [_chat_ids(req, engine.tokenizer)], "messages"
     else:
-        ids, where = _completion_ids(req, engine), "prompt"
-    if not ids:
-        raise bad_request(f"the {where} encodes to no tokens; give at least one token", param=where)
-    limit = engine.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(
-            f"the {where} has {len(ids)} tokens but this model's context is {limit} tokens "
-            f"(prompt + output); shorten it to at most {limit - 1}",
-            param=where,
-            code="context_length_exceeded",
-        )
-    room, why = engine.room(len(ids))
+        prompts, where = _completion_ids(req, engine), "prompt"
+    for i, ids in enumerate(prompts):
+        at = where if len(prompts) == 1 else f"{where}[{i}]"
+        if not ids:
+            raise bad_request(f"the {at} encodes to no tokens; give at least one token", param=where)
+        if len(ids) >= engine.max_model_len:
+            raise bad_request(
+                f"the {at} has {len(ids)} tokens but this model's context is {engine.max_model_len} tokens "
+                f"(prompt + output); shorten it to at most {engine.max_model_len - 1}",
+                param=where,
+                code="context_length_exceeded",
+            )
+    longest = max(prompts, key=len)  # the one that bounds max_tokens
+    at = where if len(prompts) == 1 else f"longest {where}"
+    room, why = engine.room(len(longest))
     if room < 1:
         raise bad_request(
-            f"the {where} has {len(ids)} tokens but {why} leaves no room for an answer; shorten it",
+            f"the {at} has {len(longest)} tokens but {why} leaves no room for an answer; shorten it",
             param=where,
             code="context_length_exceeded",
         )
@@ -243,7 +254,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         raise bad_request(f"{name}={max_tokens} must be at least 1, e.g. 64", param=name)
     elif max_tokens > room:
         raise bad_request(
-            f"{name}={max_tokens} does not fit: the {where} has {len(ids)} tokens and {why}, "
+            f"{name}={max_tokens} does not fit: the {at} has {len(longest)} tokens and {why}, "
             f"so at most {room} new tokens fit; lower {name} to {room} or less",
             param=name,
             code="context_length_exceeded",
@@ -257,28 +268,74 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             f"seed={req.seed} is out of range; torch seeds are 64-bit: use an integer in [-2**63, 2**64), e.g. 42",
             param="seed",
         )
+    logprobs = _logprobs(req)
     try:
         params = SamplingParams(
+            n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, engine),
+            min_tokens=req.min_tokens or 0,
             seed=req.seed,
             ignore_eos=bool(req.ignore_eos),
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+            logprobs=logprobs,
         )
-    except UsageError as e:  # its message names the value (top_p, top_k)
-        raise bad_request(str(e), param=str(e).split("=", 1)[0]) from None
-    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    except UsageError as e:  # its message names the value (top_p, top_k, ...)
+        raise bad_request(str(e), param=re.split(r"[=\[ ]", str(e), maxsplit=1)[0]) from None
+    if params.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens={params.min_tokens} is above {name}={max_tokens}; lower it or raise {name}",
+            param="min_tokens",
+        )
+    if req.stop_token_ids:
+        _check_vocab(req.stop_token_ids, engine, "stop_token_ids")
     options = req.stream_options
     return Prepared(
-        prompt_ids=ids,
+        prompts=prompts,
         params=params,
-        stops=tuple(s for s in stops if s),
         stream=bool(req.stream),
         include_usage=bool(req.stream and options and options.include_usage),
         return_token_ids=bool(req.return_token_ids),
+        logprobs=logprobs,
     )
+
+
+def _logprobs(req: ChatRequest | CompletionRequest) -> int | None:
+    """Top logprobs per token, or None: chat's ``logprobs`` (bool) with ``top_logprobs``, or
+    completions' ``logprobs`` (int)."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request(f"top_logprobs={req.top_logprobs} needs logprobs=true; set both", param="top_logprobs")
+        k, name = (req.top_logprobs or 0, "top_logprobs") if req.logprobs else (None, "top_logprobs")
+    else:
+        k, name = req.logprobs, "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{name}={k} must be in [0, {MAX_LOGPROBS}], e.g. 5", param=name)
+    return k
+
+
+def _logit_bias(bias: dict[str, float] | None, engine) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON keys (strings), biases in [-100, 100]."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(
+                f'logit_bias key {key!r} is not a token id; map token ids to biases, e.g. {{"50256": -100}}',
+                param="logit_bias",
+            ) from None
+        out[token] = value
+    _check_vocab(list(out), engine, "logit_bias")
+    return out
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -289,12 +346,6 @@ def _same(value: Any, neutral: Any) -> bool:
 
 
 def _refuse_unsupported(req) -> None:
-    if req.n not in (None, 1):
-        raise bad_request(
-            f"n={req.n} is not supported: shardlm returns one choice per request; send {req.n} "
-            f"requests with n=1 (and different seeds) instead",
-            param="n",
-        )
     endpoint = CHAT_NOT_IMPLEMENTED if isinstance(req, ChatRequest) else COMPLETION_NOT_IMPLEMENTED
     for name, neutral in {**NOT_IMPLEMENTED, **endpoint}.items():
         value = getattr(req, name)
@@ -302,7 +353,7 @@ def _refuse_unsupported(req) -> None:
             asks = "" if not neutral else f" (only {' or '.join(json.dumps(n) for n in neutral)} is accepted)"
             raise bad_request(
                 f"{name}={json.dumps(value)[:80]} is not supported by shardlm yet{asks}; leave it out "
-                f"(supported: temperature, top_p, top_k, max_tokens, stop, stop_token_ids, seed, n=1, stream)",
+                "(the fields shardlm serves are listed in docs/serve.md)",
                 param=name,
             )
 
@@ -347,17 +398,16 @@ def _chat_ids(
         raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
 
 
-def _completion_ids(req: CompletionRequest, engine) -> list[int]:
+def _completion_ids(req: CompletionRequest, engine) -> list[list[int]]:
+    """The prompt's ids: one text or list of ids, or several of either (a batch)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"prompt holds {len(prompt)} prompts; send one prompt per request (a string or a list of token ids)",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt)
-    ids = cast("list[int]", prompt)  # one list of token ids (strict types: ints only)
-    _check_vocab(ids, engine, "prompt")
-    return list(ids)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for p in batch:
+        if isinstance(p, str):
+            out.append(engine.tokenizer.encode(p))
+        else:
+            ids = cast("list[int]", p)  # a list of token ids (strict types: ints only)
+            _check_vocab(ids, engine, "prompt")
+            out.append(list(ids))
+    return out

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
+from shardlm.engine.sampling import TokenLogprob
 from shardlm.server.generation import ClientGone, Delta, Generation, until_disconnect
 
 
@@ -29,23 +30,45 @@ class Shape:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = generation.prepared.include_usage
+        self.offsets = [0] * generation.prepared.choices  # completions' text_offset: each choice's so far
+        self.token_text = generation.engine.tokenizer.decode
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, content, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
-        return self._ids(choice, token_ids)
+    def _choice(self, index: int, content, finish_reason: str | None, token_ids, logprobs) -> dict:
+        choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._ids(choice, index, token_ids)
 
-    def _ids(self, choice: dict, token_ids: list[int] | None) -> dict:
-        if self.gen.prepared.return_token_ids and token_ids is not None:
-            choice["prompt_token_ids"], choice["token_ids"] = self.gen.prepared.prompt_ids, token_ids
+    def _ids(self, choice: dict, index: int, token_ids: list[int] | None) -> dict:
+        p = self.gen.prepared
+        if p.return_token_ids and token_ids is not None:
+            choice["prompt_token_ids"], choice["token_ids"] = p.prompts[index // p.params.n], token_ids
         return choice
 
-    def full(self, text: str) -> dict:
+    def logprobs(self, index: int, token_ids: list[int], entries: list[TokenLogprob]) -> dict | None:
+        """OpenAI's completions logprobs for these tokens of choice ``index``."""
+        if self.gen.prepared.logprobs is None:
+            return None
+        tokens = [self.token_text([t]) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token_text([i]): v for i, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def full(self) -> dict:
         return {
             **self._head(self.object),
-            "choices": [self._choice(text, self.gen.finish_reason, self.gen.token_ids)],
+            "choices": [
+                self._choice(i, c.text, c.finish_reason, c.token_ids, self.logprobs(i, c.token_ids, c.logprobs))
+                for i, c in enumerate(self.gen.choices)
+            ],
             "usage": self.gen.usage(),
         }
 
@@ -55,18 +78,20 @@ class Shape:
 
     def chunk(self, delta: Delta) -> dict | None:
         """A chunk for this delta, or None when it has nothing to say."""
-        if not delta.text and delta.finish_reason is None and not self.gen.prepared.return_token_ids:
+        p = self.gen.prepared
+        if not (delta.text or delta.finish_reason is not None or p.return_token_ids or p.logprobs is not None):
             return None
+        logprobs = self.logprobs(delta.index, delta.token_ids, delta.logprobs)
         body = {
             **self._head(self.chunk_object),
-            "choices": [self._chunk_choice(delta.text, delta.finish_reason, delta.token_ids)],
+            "choices": [self._chunk_choice(delta.index, delta.text, delta.finish_reason, delta.token_ids, logprobs)],
         }
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
-    def _chunk_choice(self, text: str, finish_reason: str | None, token_ids: list[int]) -> dict:
-        return self._choice(text, finish_reason, token_ids)
+    def _chunk_choice(self, index: int, text: str, finish_reason: str | None, token_ids, logprobs) -> dict:
+        return self._choice(index, text, finish_reason, token_ids, logprobs)
 
     def usage_chunk(self) -> dict:
         return {**self._head(self.chunk_object), "choices": [], "usage": self.gen.usage()}
@@ -75,30 +100,52 @@ class Shape:
 class ChatShape(Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def _choice(self, content, finish_reason, token_ids):
+    def _choice(self, index, content, finish_reason, token_ids, logprobs):
         choice = {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": content},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        return self._ids(choice, token_ids)
+        return self._ids(choice, index, token_ids)
+
+    def logprobs(self, index, token_ids, entries):
+        """OpenAI's chat logprobs: each token with its text, bytes and top alternatives."""
+        if self.gen.prepared.logprobs is None:
+            return None
+
+        def item(token: int, logprob: float) -> dict:
+            text = self.token_text([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**item(t, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]} for t, e in zip(token_ids, entries)
+        ]
+        return {"content": content, "refusal": None}
 
     def opening(self) -> list[dict]:
-        body = {
-            **self._head(self.chunk_object),
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            ],
-        }
-        if self.include_usage:
-            body["usage"] = None
-        return [body]
+        bodies = []
+        for index in range(self.gen.prepared.choices):
+            body = {
+                **self._head(self.chunk_object),
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            if self.include_usage:
+                body["usage"] = None
+            bodies.append(body)
+        return bodies
 
-    def _chunk_choice(self, text, finish_reason, token_ids):
+    def _chunk_choice(self, index, text, finish_reason, token_ids, logprobs):
         delta = {"content": text} if text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._ids(choice, token_ids)
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._ids(choice, index, token_ids)
 
 
 def dumps(body: dict) -> str:

@@ -70,8 +70,8 @@ async def _complete(
     try:
         first = await until_disconnect(anext(deltas), request.receive)
         if not prepared.stream:
-            text = first.text + await until_disconnect(_rest(deltas), request.receive)
-            return JSONResponse(shape.full(text))
+            await until_disconnect(_rest(deltas), request.receive)
+            return JSONResponse(shape.full())
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except BaseException:
@@ -80,8 +80,9 @@ async def _complete(
     return EventStream(_events(shape, first, deltas))
 
 
-async def _rest(deltas: AsyncGenerator) -> str:
-    return "".join([d.text async for d in deltas])
+async def _rest(deltas: AsyncGenerator) -> None:
+    async for _ in deltas:  # the choices gather their text
+        pass
 
 
 async def _events(shape: Shape, first, deltas: AsyncGenerator) -> AsyncGenerator[str, None]:
@@ -92,7 +93,7 @@ async def _events(shape: Shape, first, deltas: AsyncGenerator) -> AsyncGenerator
         while True:
             if (chunk := shape.chunk(delta)) is not None:
                 yield dumps(chunk)
-            if delta.finish_reason is not None:
+            if all(c.finish_reason is not None for c in shape.gen.choices):
                 break
             delta = await anext(deltas)
         if shape.include_usage:

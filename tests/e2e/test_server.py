@@ -31,6 +31,7 @@ QUESTIONS = [
 MAX_TOKENS = 8
 CONTEXT = 1024  # --max-model-len: small, so over-long prompts are cheap to build
 RAW = "The capital of France is"
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={"11": -100})
 THREADS = 1  # on a shared 2-core machine two OpenMP threads per rank run ~10x slower than one (docs/serve.md)
 
 
@@ -46,6 +47,8 @@ def reference():
         ref = {q: (o.token_ids, o.text, o.finish_reason) for q, o in zip(QUESTIONS, outs)}
         ref[RAW] = (raw.token_ids, raw.text, raw.finish_reason)
         ref["chat_ids"] = {q: llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS}
+        ref["logprobs"] = llm.chat(chat(QUESTIONS[0]), SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))[0].outputs[0]
+        ref["penalized"] = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True, **PENALTIES))[0].text
         return ref
 
 
@@ -171,6 +174,68 @@ def test_stop_strings_are_cut_like_openai(client, reference, stream):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_logprobs_match_offline_in_openai_shapes(client, reference):
+    want = reference["logprobs"]
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=chat(QUESTIONS[0]),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content).startswith(r.choices[0].message.content)
+    for got, token, entry in zip(content, want.token_ids, want.logprobs, strict=True):
+        assert got.logprob == pytest.approx(entry[token].logprob, abs=1e-3)
+        assert got.bytes == list(got.token.encode())
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            sorted((e.logprob for e in entry.values()), reverse=True)[:3], abs=1e-3
+        )
+    streamed = client.completions.create(
+        model="smollm2",
+        prompt=RAW,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c.choices[0] for c in streamed]
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    assert len(tokens) == 6 and "".join(tokens) == "".join(c.text for c in chunks)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]  # where each token starts in the text
+    assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in chunks)
+
+
+def test_n_choices_and_several_prompts(client, reference, tok):
+    other = "Once upon a time"
+    body = dict(model="smollm2", max_tokens=8, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=[RAW, other], n=2, **body)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in r.choices]
+    assert texts[0] != texts[1] and texts[2] != texts[3]  # each choice its own seed stream
+    assert [c.text for c in client.completions.create(prompt=[RAW, other], n=2, **body).choices] == texts
+    assert r.usage.completion_tokens == 4 * 8 and r.usage.prompt_tokens == len(tok.encode(RAW) + tok.encode(other))
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=RAW, n=2, stream=True, **body):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: texts[0], 1: texts[1]}
+    greedy = client.chat.completions.create(
+        model="smollm2", messages=chat(QUESTIONS[0]), max_tokens=MAX_TOKENS, n=3, temperature=0
+    )
+    assert [c.message.content for c in greedy.choices] == [reference[QUESTIONS[0]][1]] * 3
+
+
+def test_penalties_and_logit_bias_match_offline(client, reference):
+    r = client.completions.create(
+        model="smollm2", prompt=RAW, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, **PENALTIES}
+    )
+    assert r.choices[0].text == reference["penalized"] != reference[RAW][1]
+
+
 @pytest.fixture(scope="module")
 def tok():
     from shardlm.models.loader import open_checkpoint
@@ -282,8 +347,14 @@ BAD = [  # (path, body, param, words in the message)
     ("/v1/chat/completions", {"messages": MSG, "temperature": -0.5}, "temperature", "must be >= 0"),
     ("/v1/completions", {"prompt": "Hi", "top_p": 0}, "top_p", "top_p=0.0"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, "model", "'gpt-4' is not served here"),
-    ("/v1/chat/completions", {"messages": MSG, "n": 2}, "n", "n=2 is not supported"),
-    ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, "logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 0}, "n", "n=0 must be a positive integer"),
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    (
+        "/v1/chat/completions",
+        {"messages": MSG, "response_format": {"type": "json_object"}},
+        "response_format",
+        "not supported",
+    ),
     ("/v1/completions", {"prompt": [1, 99999999]}, "prompt", "outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role", "not a role"),
 ]

@@ -39,3 +39,26 @@ def test_each_rank_reads_only_what_it_holds(smollm2):
     for read, held in run_ranks(4, shard_read_elements, path, 4):
         assert read == held
         assert read < total / 2
+
+
+@pytest.mark.parametrize("layout", [{}, dict(tp=2)])
+def test_stop_strings_end_generation_on_the_ranks(smollm2, layout):
+    """A stop string ends the sequence at the token that completes it: the ranks stop generating."""
+    from shardlm import LLM, SamplingParams
+    from shardlm.models.loader import open_checkpoint
+
+    path, prompts, ref, _ = smollm2
+    tok = open_checkpoint(path).tokenizer()
+    full = tok.decode(ref.tokens[0])
+    # six characters the greedy answer reaches once, past half way
+    stop = next(full[i : i + 6] for i in range(len(full) // 2, len(full)) if full.count(full[i : i + 6]) == 1)
+    end = next(n for n in range(1, NEW_TOKENS + 1) if stop in tok.decode(ref.tokens[0][:n]))
+    with LLM(path, threads=1, **layout) as llm:
+        out = llm.generate(prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=["zzz-never", stop]))
+        text = "The capital of France is"  # a text prompt gets its text back, cut before the stop string
+        plain = llm.generate(text, SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+        cut = llm.generate(text, SamplingParams(max_tokens=16, ignore_eos=True, stop=plain[8:12]))[0]
+    assert cut.text == plain[: plain.find(plain[8:12])] and cut.finish_reason == "stop"
+    choice = out[0].outputs[0]
+    assert choice.token_ids == ref.tokens[0][:end] and end < NEW_TOKENS
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop

@@ -81,11 +81,13 @@ def refused(engine, req) -> APIError:
 def test_defaults_follow_openai(engine, tok):
     p = prepare(chat(), engine, "smollm2")
     assert p.params.temperature == 1.0 and p.params.top_p == 1.0 and p.params.top_k == 0
-    assert p.params.max_tokens == 64 - len(p.prompt_ids)  # chat: up to the end of the context
-    assert p.prompt_ids == tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert p.params.max_tokens == 64 - len(p.prompts[0])  # chat: up to the end of the context
+    assert p.prompts == [tok.encode_chat([{"role": "user", "content": "Hi"}])]
     c = prepare(CompletionRequest(prompt="Hi"), engine, "smollm2")
-    assert c.params.max_tokens == 16 and c.prompt_ids == tok.encode("Hi")  # completions: OpenAI's 16
-    assert not c.stream and not c.include_usage
+    assert c.params.max_tokens == 16 and c.prompts == [tok.encode("Hi")]  # completions: OpenAI's 16
+    assert not c.stream and not c.include_usage and c.logprobs is None and c.params.n == 1
+    several = prepare(CompletionRequest(prompt=["Hi", "Hello there"], n=2), engine, "smollm2")
+    assert several.prompts == [tok.encode("Hi"), tok.encode("Hello there")] and several.choices == 4
 
 
 def test_parameters_reach_sampling(engine):
@@ -101,13 +103,27 @@ def test_parameters_reach_sampling(engine):
             stop_token_ids=[7],
             stream=True,
             stream_options={"include_usage": True},
+            n=3,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            repetition_penalty=1.1,
+            min_p=0.05,
+            min_tokens=2,
+            logit_bias={"17": -100, "5": 2.5},
+            logprobs=True,
+            top_logprobs=4,
         ),
         engine,
         "smollm2",
     )
-    got = (p.params.max_tokens, p.params.temperature, p.params.top_p, p.params.top_k, p.params.seed)
-    assert got == (5, 0.5, 0.9, 0, 3)  # max_completion_tokens wins over max_tokens; top_k -1 is off
-    assert p.params.stop_token_ids == (7,) and p.stops == ("x",) and p.stream and p.include_usage
+    q = p.params
+    got = (q.max_tokens, q.temperature, q.top_p, q.top_k, q.seed, q.n)
+    assert got == (5, 0.5, 0.9, 0, 3, 3)  # max_completion_tokens wins over max_tokens; top_k -1 is off
+    assert q.stop_token_ids == (7,) and q.stop == ("x",) and p.stream and p.include_usage
+    assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty, q.min_p) == (0.5, -0.25, 1.1, 0.05)
+    assert q.min_tokens == 2 and q.logit_bias == {17: -100, 5: 2.5} and q.logprobs == p.logprobs == 4
+    assert prepare(chat(logprobs=True), engine, "smollm2").logprobs == 0  # the chosen token's only
+    assert prepare(CompletionRequest(prompt="Hi", logprobs=2), engine, "smollm2").params.logprobs == 2
     assert prepare(chat(temperature=1e-40), engine, "smollm2").params.greedy  # 1/T would overflow the logits
     parts = ChatRequest(
         messages=[
@@ -115,8 +131,8 @@ def test_parameters_reach_sampling(engine):
         ]
     )
     assert (
-        prepare(parts, engine, "smollm2").prompt_ids
-        == prepare(ChatRequest(messages=[{"role": "system", "content": "Be brief"}]), engine, "smollm2").prompt_ids
+        prepare(parts, engine, "smollm2").prompts
+        == prepare(ChatRequest(messages=[{"role": "system", "content": "Be brief"}]), engine, "smollm2").prompts
     )
 
 
@@ -124,14 +140,24 @@ def test_parameters_reach_sampling(engine):
     "req, param, words",
     [
         (lambda: chat(model="gpt-4"), "model", "'gpt-4' is not served here"),
-        (lambda: chat(n=3), "n", "n=3 is not supported"),
+        (lambda: chat(n=0), "n", "n=0 must be a positive integer"),
+        (lambda: chat(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
+        (lambda: chat(repetition_penalty=0), "repetition_penalty", "must be > 0"),
+        (lambda: chat(min_p=2), "min_p", "[0, 1]"),
+        (lambda: chat(min_tokens=9, max_tokens=5), "min_tokens", "above max_tokens=5"),
+        (lambda: chat(logit_bias={"x": 1}), "logit_bias", "not a token id"),
+        (lambda: chat(logit_bias={"99999": 1}), "logit_bias", "outside the vocabulary"),
+        (lambda: chat(logit_bias={"5": 200}), "logit_bias", "[-100, 100]"),
+        (lambda: chat(top_logprobs=3), "top_logprobs", "needs logprobs=true"),
+        (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
+        (lambda: CompletionRequest(prompt="Hi", logprobs=-1), "logprobs", "[0, 20]"),
+        (lambda: chat(stop_token_ids=[99999]), "stop_token_ids", "outside the vocabulary"),
         (lambda: chat(max_tokens=0), "max_tokens", "at least 1"),
         (lambda: chat(max_tokens=60), "max_tokens", "lower max_tokens to"),
         (lambda: chat(temperature=-0.1), "temperature", ">= 0"),
         (lambda: chat(top_p=1.5), "top_p", "top_p=1.5"),
         (lambda: chat(top_k=-2), "top_k", "top_k=-2"),
         (lambda: chat(seed=2**70), "seed", "out of range"),
-        (lambda: chat(presence_penalty=0.5), "presence_penalty", "not supported"),
         (lambda: ChatRequest(messages=[]), "messages", "messages is empty"),
         (
             lambda: ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -140,7 +166,7 @@ def test_parameters_reach_sampling(engine):
         ),
         (lambda: CompletionRequest(prompt="word " * 70), "prompt", "shorten it"),
         (lambda: CompletionRequest(prompt=[-1]), "prompt", "outside the vocabulary"),
-        (lambda: CompletionRequest(prompt=["a", "b"]), "prompt", "one prompt per request"),
+        (lambda: CompletionRequest(prompt=["a", ""]), "prompt", "prompt[1] encodes to no tokens"),
         (lambda: CompletionRequest(prompt=""), "prompt", "no tokens"),
         (lambda: CompletionRequest(prompt="Hi", echo=True), "echo", "not supported"),
     ],
@@ -153,7 +179,7 @@ def test_refusals_name_the_field(engine, req, param, words):
 def test_max_tokens_is_bounded_by_the_kv_cache_too(engine):
     engine.kv_blocks = 2  # 32 slots: a request may use at most 33 tokens
     p = prepare(chat(), engine, "smollm2")
-    assert len(p.prompt_ids) + p.params.max_tokens - 1 == 32
+    assert len(p.prompts[0]) + p.params.max_tokens - 1 == 32
     assert "the KV cache 32 tokens" in refused(engine, chat(max_tokens=30)).message
     e = refused(engine, CompletionRequest(prompt="word " * 40))  # fits the context (64), not the cache
     assert e.param == "prompt" and "leaves no room" in e.message
@@ -198,6 +224,8 @@ def test_the_engine_guards_the_same_bounds_for_python_callers(engine):
 IMPLEMENTED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "logprobs",
+    "top_logprobs",
 }  # fmt: skip
 """The request fields prepare() honours (user: accepted, documented as not used)."""
 
@@ -211,7 +239,9 @@ def test_every_declared_field_is_implemented_or_in_a_refusal_table():
 
     assert set(ChatRequest.model_fields) == IMPLEMENTED - {"prompt"} | set(NOT_IMPLEMENTED) | set(CHAT_NOT_IMPLEMENTED)
     assert set(CompletionRequest.model_fields) == (
-        IMPLEMENTED - {"messages", "max_completion_tokens"} | set(NOT_IMPLEMENTED) | set(COMPLETION_NOT_IMPLEMENTED)
+        IMPLEMENTED - {"messages", "max_completion_tokens", "top_logprobs"}
+        | set(NOT_IMPLEMENTED)
+        | set(COMPLETION_NOT_IMPLEMENTED)
     )
 
 
@@ -229,18 +259,15 @@ def test_unimplemented_fields_are_refused_by_name_unless_neutral(engine, endpoin
     e = refused(engine, make(**{name: "on"}))  # a value that asks for something
     assert e.param == name and f"{name}=" in e.message and "not supported" in e.message
     for value in (None, *neutral):  # absent, or asking for nothing: accepted as if absent
-        assert prepare(make(**{name: value}), engine, "smollm2").prompt_ids
+        assert prepare(make(**{name: value}), engine, "smollm2").prompts[0]
 
 
 @pytest.mark.parametrize(
     "field, value, neutral",
     [
         ("response_format", {"type": "json_object"}, {"type": "text"}),
-        ("repetition_penalty", 1.2, 1.0),
-        ("min_tokens", 5, 0),
-        ("presence_penalty", 0.5, 0.0),
-        ("logprobs", True, False),
         ("guided_json", {"type": "object"}, None),
+        ("prompt_logprobs", 1, 0),
     ],
 )
 def test_the_fields_clients_send_most_are_refused_not_ignored(engine, field, value, neutral):
@@ -248,7 +275,8 @@ def test_the_fields_clients_send_most_are_refused_not_ignored(engine, field, val
         assert refused(engine, req).param == field
     for _, req in both_requests(**{field: neutral}):
         prepare(req, engine, "smollm2")
-    assert refused(engine, chat(logprobs=1)).param == "logprobs"  # a boolean field: 1 is not false
+    with pytest.raises(ValidationError):  # chat's logprobs is a boolean: 1 is not true
+        chat(logprobs=1)
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------
