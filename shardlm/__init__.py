@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "shardlm.engine.llm",
     "Logprob": "shardlm.engine.llm",
     "SamplingParams": "shardlm.engine.sampling",
+    "StructuredOutputsParams": "shardlm.engine.structured",
     "ParallelDims": "shardlm.parallel.dims",
 }
 __all__ = list(_EXPORTS)

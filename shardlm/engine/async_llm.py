@@ -139,6 +139,7 @@ class AsyncLLM(EngineFront):
         seeds are ``params.seed`` + j. Leaving the loop early cancels whatever has not finished."""
         if self.error is not None:
             raise EngineDead(self.error)
+        self.check_params(params)
         for ids in prompts:
             self.check(ids, params)
         n = params.n

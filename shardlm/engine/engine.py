@@ -39,6 +39,7 @@ from shardlm.engine.sampling import SamplingParams, TokenLogprob, logprobs_of, p
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence, Status
 from shardlm.engine.speculative import verify
+from shardlm.engine.structured import Guide
 from shardlm.engine.text import StopText
 from shardlm.errors import UsageError
 from shardlm.models.moe import idle_forward
@@ -189,7 +190,7 @@ class Engine:
 
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            raise UsageError("stop strings need the model's tokenizer, which this engine was not given")
+            raise UsageError("stop strings and structured outputs need the model's tokenizer; this engine has none")
         if not isinstance(self._tokenizer, Tokenizer):
             self._tokenizer = self._tokenizer()  # once
         return self._tokenizer
@@ -267,7 +268,7 @@ class Engine:
             self.busy_s += time.perf_counter() - t0
             self.links.send_hidden(hidden)
             return None
-        sampled = _sample(batch, out.cpu())
+        sampled = _sample(batch, out.cpu(), self.tokenizer)
         self.busy_s += time.perf_counter() - t0
         if any(batch.samples()):
             self.links.send_tokens(_pack(batch, sampled), self.runner.device)
@@ -295,10 +296,11 @@ class Engine:
         return sum(s.draft_tokens for s in self.scheds), sum(s.accepted_tokens for s in self.scheds)
 
 
-def _sample(batch: Batch, raw: torch.Tensor) -> Sampled:
+def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer]) -> Sampled:
     """The last stage's tokens for a step, from its logits [rows, vocab]: each sampling sequence's
     rows are its last token's and, with speculation, its drafts' (which it verifies). Processors
-    (sampling.process) see the tokens before each row, drafts included; logprobs come from the raw rows."""
+    (sampling.process) see the tokens before each row, drafts included, then a grammar masks the
+    row (structured outputs; ``tokenizer`` gives its vocabulary); logprobs come from the raw rows."""
     spans = []  # (sequence index, its first row, its rows)
     row = 0
     for i, yes in enumerate(batch.samples()):
@@ -314,6 +316,10 @@ def _sample(batch: Batch, raw: torch.Tensor) -> Sampled:
                 for j in range(rows):
                     history = seq.output_ids + drafts[:j]
                     logits[first + j] = process(raw[first + j], seq.params, seq.prompt_ids, history, seq.stop_ids)
+            if (spec := seq.params.structured_outputs) is not None:  # one row: the front ends refuse drafts with it
+                if seq.guide is None:
+                    seq.guide = Guide(spec, tokenizer(), raw.shape[-1], seq.output_ids)
+                seq.guide.mask(logits[first])
     tokens: StepTokens = [None] * len(batch.seqs)
     if batch.drafts:
         for i, first, rows in spans:

@@ -17,6 +17,7 @@ from typing import cast
 from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.structured import check_grammar
 from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
@@ -116,6 +117,19 @@ class EngineFront:
         if self._tokenizer is None:
             self._tokenizer = self.checkpoint.tokenizer()
         return self._tokenizer
+
+    def check_params(self, p: SamplingParams) -> None:
+        """Refuse sampling params this model or layout cannot honour, before any rank sees them."""
+        vocab = self.checkpoint.config.vocab_size
+        if bad := [t for t in (*p.logit_bias, *p.stop_token_ids) if t >= vocab]:
+            raise UsageError(f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
+        if p.structured_outputs is not None:
+            if self.config.speculative_config is not None:
+                raise UsageError(
+                    "structured outputs do not run with speculative decoding yet (drafts are not checked "
+                    "against the grammar); drop speculative_config or the structured output"
+                )
+            check_grammar(p.structured_outputs, self.tokenizer, vocab)
 
     def _spawn_ranks(self) -> list[dict]:
         """Start every rank as a child process on this host; their ``ready`` infos, in rank order."""
@@ -219,7 +233,7 @@ class LLM(EngineFront):
             raise UsageError(f"{len(param_list)} sampling params for {len(prompts)} prompts; give one or one each")
         requests: list[Request] = []
         for ids, p in zip(prompt_ids, param_list):
-            self._check_vocab(p)
+            self.check_params(p)
             room = self.max_model_len - len(ids)
             if p.max_tokens > room:
                 p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
@@ -234,11 +248,6 @@ class LLM(EngineFront):
             choices = [self._choice(j, next(completions), p, text) for j in range(p.n)]
             outputs.append(RequestOutput(prompt=pr if text else None, prompt_token_ids=ids, outputs=choices))
         return outputs
-
-    def _check_vocab(self, p: SamplingParams) -> None:
-        vocab = self.checkpoint.config.vocab_size
-        if bad := [t for t in (*p.logit_bias, *p.stop_token_ids) if t >= vocab]:
-            raise UsageError(f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
 
     def _choice(self, index: int, c: Completion, p: SamplingParams, text: bool) -> CompletionOutput:
         decoded = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardlm.engine.structured import StructuredOutputsParams
 from shardlm.errors import UsageError
 
 
@@ -55,6 +56,8 @@ class SamplingParams:
     """Extra token ids that end the sequence."""
     stop: tuple[str, ...] = ()
     """Strings that end the sequence (a string or several); the text is cut before the first one."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """The answer must follow this JSON schema, regex, choice or grammar (structured.py)."""
     logprobs: int | None = None
     """Return the log-probability of each generated token and of the ``logprobs`` most likely
     tokens at its position (0: the generated token's only; None: none)."""
@@ -114,8 +117,8 @@ def _count(v) -> bool:
 
 
 def processes(p: SamplingParams) -> bool:
-    """Whether ``process`` changes this sequence's logits at all (most requests: no)."""
-    return bool(p.logit_bias or p.min_tokens or p.penalized)
+    """Whether ``process`` (or a grammar) changes this sequence's logits at all (most requests: no)."""
+    return bool(p.logit_bias or p.min_tokens or p.penalized or p.structured_outputs)
 
 
 def process(

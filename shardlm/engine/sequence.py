@@ -8,6 +8,7 @@ import time
 import torch
 
 from shardlm.engine.sampling import SamplingParams, TokenLogprob
+from shardlm.engine.structured import Guide
 from shardlm.engine.text import StopText
 
 
@@ -47,6 +48,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # vLLM's: the stop token id or string (None: EOS, or length)
         self.stop_text = stop_text  # the text so far, when params.stop lists strings
+        self.guide: Guide | None = None  # structured outputs: the grammar state, on the ranks that sample
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -74,6 +76,8 @@ class Sequence:
         self.output_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if self.guide is not None:
+            self.guide.advance(token)
         if token in self.stop_ids:
             self.finish("stop")
             self.stop_reason = token if token in self.params.stop_token_ids else None

@@ -17,6 +17,7 @@ from typing import Any, cast
 from pydantic import BaseModel, ConfigDict, create_model
 
 from shardlm.engine.sampling import SamplingParams
+from shardlm.engine.structured import StructuredOutputsParams, check_grammar
 from shardlm.errors import UsageError
 from shardlm.server.errors import bad_request
 
@@ -50,7 +51,6 @@ class ChatMessage(_Strict):
 # field. Fields in no table and no model are unknown here and ignored (docs/serve.md lists them).
 NOT_IMPLEMENTED: dict[str, tuple] = {
     # OpenAI, both endpoints
-    "response_format": ({"type": "text"},),
     "service_tier": ("auto", "default"),
     "store": (False,),
     # vLLM's sampling and output options
@@ -69,14 +69,9 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "cache_salt": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
-    # vLLM's structured output
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
+    # vLLM's structured output options (the outputs themselves are served: STRUCTURED)
+    "guided_decoding_backend": ("auto", "guidance", "llguidance"),
     "guided_whitespace_pattern": (),
-    "structured_outputs": (),
     "structural_tag": (),
 }
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
@@ -127,6 +122,12 @@ class _Sampling(_declared("_NotImplemented", NOT_IMPLEMENTED)):  # type: ignore[
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -269,6 +270,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             param="seed",
         )
     logprobs = _logprobs(req)
+    structured = _structured(req, engine)
     try:
         params = SamplingParams(
             n=1 if req.n is None else req.n,
@@ -287,6 +289,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             logprobs=logprobs,
+            structured_outputs=structured,
         )
     except UsageError as e:  # its message names the value (top_p, top_k, ...)
         raise bad_request(str(e), param=re.split(r"[=\[ ]", str(e), maxsplit=1)[0]) from None
@@ -320,6 +323,53 @@ def _logprobs(req: ChatRequest | CompletionRequest) -> int | None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise bad_request(f"{name}={k} must be in [0, {MAX_LOGPROBS}], e.g. 5", param=name)
     return k
+
+
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+"""The fields that ask for a structured answer (OpenAI's, then vLLM's): one per request."""
+
+
+def _structured(req: ChatRequest | CompletionRequest, engine) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format`` (json_object, json_schema) or vLLM's ``structured_outputs`` /
+    ``guided_*`` fields as one spec, compiled and checked against the model's vocabulary."""
+    given = [f for f in STRUCTURED if getattr(req, f) is not None and getattr(req, f) != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(given)} both ask for a structured answer; give one", param=given[1])
+    name, value = given[0], getattr(req, given[0])
+    try:
+        if name == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                spec = StructuredOutputsParams(json_object=True)
+            elif kind == "json_schema":
+                schema = (value.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise UsageError(
+                        'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+                    )
+                spec = StructuredOutputsParams(json=schema)
+            else:
+                raise UsageError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        elif name == "structured_outputs":
+            unknown = set(value) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise UsageError(
+                    f"structured_outputs has unknown keys {sorted(unknown)}; use json, regex, choice, grammar or json_object"
+                )
+            spec = StructuredOutputsParams(**value)
+        else:
+            spec = StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+        check_grammar(spec, engine.tokenizer, engine.checkpoint.config.vocab_size)
+    except UsageError as e:
+        raise bad_request(f"{name}: {e}", param=name) from None
+    if engine.config.speculative_config is not None:
+        raise bad_request(
+            f"{name}: structured outputs do not run with speculative decoding on this server yet; leave it out",
+            param=name,
+        )
+    return spec
 
 
 def _logit_bias(bias: dict[str, float] | None, engine) -> dict[int, float]:

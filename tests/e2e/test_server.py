@@ -236,6 +236,32 @@ def test_penalties_and_logit_bias_match_offline(client, reference):
     assert r.choices[0].text == reference["penalized"] != reference[RAW][1]
 
 
+def test_structured_outputs_through_the_openai_client(client):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=chat("Name a big city and its population, as JSON."),
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    picked = client.completions.create(
+        model="smollm2", prompt="Is water wet? Answer:", max_tokens=4, extra_body={"guided_choice": [" yes", " no"]}
+    )
+    assert picked.choices[0].text in (" yes", " no")
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="smollm2", prompt="Hi", extra_body={"guided_regex": "[a-"})
+
+
 @pytest.fixture(scope="module")
 def tok():
     from shardlm.models.loader import open_checkpoint
@@ -349,12 +375,7 @@ BAD = [  # (path, body, param, words in the message)
     ("/v1/chat/completions", {"model": "gpt-4", "messages": MSG}, "model", "'gpt-4' is not served here"),
     ("/v1/chat/completions", {"messages": MSG, "n": 0}, "n", "n=0 must be a positive integer"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
-    (
-        "/v1/chat/completions",
-        {"messages": MSG, "response_format": {"type": "json_object"}},
-        "response_format",
-        "not supported",
-    ),
+    ("/v1/chat/completions", {"messages": MSG, "structural_tag": {"type": "tag"}}, "structural_tag", "not supported"),
     ("/v1/completions", {"prompt": [1, 99999999]}, "prompt", "outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role", "not a role"),
 ]

@@ -60,7 +60,7 @@ def engine(tok):
         tokenizer=tok,
         max_model_len=64,
         kv_blocks=100,
-        config=SimpleNamespace(block_size=16),
+        config=SimpleNamespace(block_size=16, speculative_config=None),
         checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)),
     )
     fake.room = lambda prompt_len: AsyncLLM.room(fake, prompt_len)  # the engine's own rule
@@ -225,7 +225,8 @@ IMPLEMENTED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "logprobs",
-    "top_logprobs",
+    "top_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
 }  # fmt: skip
 """The request fields prepare() honours (user: accepted, documented as not used)."""
 
@@ -265,9 +266,8 @@ def test_unimplemented_fields_are_refused_by_name_unless_neutral(engine, endpoin
 @pytest.mark.parametrize(
     "field, value, neutral",
     [
-        ("response_format", {"type": "json_object"}, {"type": "text"}),
-        ("guided_json", {"type": "object"}, None),
         ("prompt_logprobs", 1, 0),
+        ("structural_tag", {"type": "structural_tag"}, None),
     ],
 )
 def test_the_fields_clients_send_most_are_refused_not_ignored(engine, field, value, neutral):
@@ -332,3 +332,59 @@ def test_api_key_guards_v1_only():
         status, body = call("/v1/chat/completions", headers)
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     assert call("/health", [])[0] == call("/tokenize", [])[0] == 200
+
+
+# ---- structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* -------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "fields, want",
+    [
+        (dict(response_format={"type": "json_object"}), dict(json_object=True)),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+            dict(json=SCHEMA),
+        ),
+        (dict(structured_outputs={"regex": "[0-9]+"}), dict(regex="[0-9]+")),
+        (dict(structured_outputs={"choice": ["yes", "no"]}), dict(choice=("yes", "no"))),
+        (dict(guided_json=SCHEMA), dict(json=SCHEMA)),
+        (dict(guided_json='{"type": "object"}'), dict(json={"type": "object"})),
+        (dict(guided_regex="a+b"), dict(regex="a+b")),
+        (dict(guided_choice=["x", "y"]), dict(choice=("x", "y"))),
+        (dict(guided_grammar='start: "hi" | "ho"'), dict(grammar='start: "hi" | "ho"')),
+        (dict(response_format={"type": "text"}), None),
+    ],
+)
+def test_structured_fields_reach_sampling(engine, fields, want):
+    from shardlm import StructuredOutputsParams
+
+    for _, req in both_requests(**fields):
+        got = prepare(req, engine, "smollm2").params.structured_outputs
+        assert got == (None if want is None else StructuredOutputsParams(**want))
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        (dict(response_format={"type": "xml"}), "response_format", "not one of text, json_object, json_schema"),
+        (dict(response_format={"type": "json_schema"}), "response_format", "needs"),
+        (dict(guided_regex="[a-"), "guided_regex", "unclosed character class"),
+        (dict(guided_json={"type": "nonsense"}), "guided_json", "refused"),
+        (dict(guided_json="{not json"), "guided_json", "not valid JSON"),
+        (dict(guided_choice=[]), "guided_choice", "non-empty list"),
+        (dict(structured_outputs={"yaml": "x"}), "structured_outputs", "unknown keys"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one"),
+        (dict(guided_regex="a", guided_choice=["b"]), "guided_choice", "give one"),
+        (dict(guided_decoding_backend="xgrammar", guided_regex="a"), "guided_decoding_backend", "not supported"),
+    ],
+)
+def test_structured_refusals_name_the_field(engine, fields, param, words):
+    e = refused(engine, chat(**fields))
+    assert e.param == param and words in e.message, e.message
+
+
+def test_structured_outputs_are_refused_with_speculation(engine):
+    engine.config.speculative_config = {"method": "ngram"}
+    assert "speculative" in refused(engine, chat(guided_regex="a+")).message
