@@ -43,6 +43,7 @@ class StreamOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last output)
     stop_reason: int | str | None = None  # the stop token id or string that ended it (on the last output)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... as scored
 
 
 @dataclass
@@ -220,7 +221,7 @@ class AsyncLLM(EngineFront):
             self._fail(f"the driver's event reader failed: {e!r}")
             raise
 
-    def _dispatch(self, replica: int, tokens, finished, stats, handoffs) -> None:
+    def _dispatch(self, replica: int, tokens, finished, stats, handoffs, scored) -> None:
         self._replica_stats[replica] = stats
         numbers = {k: sum(s[k] for s in self._replica_stats) for k, v in stats.items() if k != "expert_load"}
         self.stats = {
@@ -229,6 +230,8 @@ class AsyncLLM(EngineFront):
             **self._handoffs,
         }
         outs: dict[int, StreamOutput] = {}
+        for rid, entries in scored:  # before the tokens: a prompt is scored by the step that samples after it
+            outs.setdefault(rid, StreamOutput([])).prompt_logprobs += entries
         for rid, tok, logprob in tokens:
             out = outs.setdefault(rid, StreamOutput([]))
             out.token_ids.append(tok)

@@ -74,7 +74,7 @@ class BlockManager:
         At least the last token is left to compute: its logits pick the next token,
         and its K/V must go to a block of this sequence's own.
         """
-        if seq.block_table or not self.prefix_caching:
+        if seq.block_table or not self.prefix_caching or seq.scores_prompt:
             return
         tokens = seq.token_ids()
         h = 0

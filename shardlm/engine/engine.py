@@ -85,7 +85,8 @@ StepTokens = list[int | list[int] | None]
 """A step's tokens per sequence: one token, a verified run (with drafts), or None (no sample)."""
 StepLogprobs = list[list[TokenLogprob] | None]
 """A step's logprobs per sequence, one entry per emitted token (None: not asked for, or no sample)."""
-Sampled = tuple[StepTokens, StepLogprobs]
+Sampled = tuple[StepTokens, StepLogprobs, StepLogprobs]
+"""A step's tokens, their logprobs, and the logprobs of the prompt tokens it scored."""
 
 
 class Engine:
@@ -111,6 +112,9 @@ class Engine:
         self.scheds = [Scheduler(blocks, config) for _ in range(micro_batches)]
         self.pending: list[tuple[Batch, Sampled | None] | None] = [None] * micro_batches
         self.seqs: dict[int, Sequence] = {}  # unfinished, by request id
+        self.prompt_logprobs_out: list[
+            tuple[int, list[TokenLogprob]]
+        ] = []  # scored since the serve loop last took them
         self.parked: dict[int, list[Sequence]] = {}  # siblings waiting for a request's prompt, by its id
         self.aborted: set[int] = set()
         self.busy_s = 0.0
@@ -243,6 +247,9 @@ class Engine:
             sampled = _unpack(batch, self.links.recv_tokens(size, self.runner.device) if size else [])
         before = [len(s.output_ids) for s in batch.seqs]
         done = sched.update(batch, *sampled)
+        for seq, entries in zip(batch.seqs, sampled[2]):
+            if entries:  # for the serving loop to send on
+                self.prompt_logprobs_out.append((seq.id, entries))
         done += self._unpark(sched, batch.seqs)
         if on_token is not None:  # the tokens each sequence kept (a stop ends a verified run early)
             for seq, n in zip(batch.seqs, before):
@@ -270,7 +277,7 @@ class Engine:
             return None
         sampled = _sample(batch, out.cpu(), self.tokenizer)
         self.busy_s += time.perf_counter() - t0
-        if any(batch.samples()):
+        if any(_message_slots(batch)):  # the size every other stage expects (_finish_step)
             self.links.send_tokens(_pack(batch, sampled), self.runner.device)
         return sampled
 
@@ -286,6 +293,7 @@ class Engine:
         while self.any_replica(self.has_work()):
             self.step_round(on_token)
         self.links.flush()
+        self.prompt_logprobs_out.clear()  # the sequences hold them
         stats = _stats(seqs, start)
         stats.busy_s = self.busy_s
         stats.draft_tokens, stats.accepted_tokens = (a - b for a, b in zip(self.speculation(), (drafted, accepted)))
@@ -297,13 +305,20 @@ class Engine:
 
 
 def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer]) -> Sampled:
-    """The last stage's tokens for a step, from its logits [rows, vocab]: each sampling sequence's
-    rows are its last token's and, with speculation, its drafts' (which it verifies). Processors
-    (sampling.process) see the tokens before each row, drafts included, then a grammar masks the
-    row (structured outputs; ``tokenizer`` gives its vocabulary); logprobs come from the raw rows."""
-    spans = []  # (sequence index, its first row, its rows)
+    """The last stage's tokens for a step, from its logits [rows, vocab]: each sequence's rows are
+    the prompt positions it scores (prompt logprobs), then, when it samples, its last token's and,
+    with speculation, its drafts' (which it verifies). Processors (sampling.process) see the tokens
+    before each row, drafts included, then a grammar masks the row (structured outputs;
+    ``tokenizer`` gives its vocabulary); logprobs come from the raw rows."""
+    spans = []  # (sequence index, its first sampling row, its sampling rows)
+    prompt: StepLogprobs = [None] * len(batch.seqs)
     row = 0
     for i, yes in enumerate(batch.samples()):
+        seq, scored = batch.seqs[i], batch.prompt_rows(i)
+        if scored:
+            top = cast(int, seq.params.prompt_logprobs)
+            prompt[i] = [logprobs_of(raw[row + j], seq.prompt_ids[q + 1], top) for j, q in enumerate(scored)]
+            row += len(scored)
         if yes:
             spans.append((i, row, 1 + len(batch.draft(i))))
             row += spans[-1][2]
@@ -321,7 +336,7 @@ def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer])
                     seq.guide = Guide(spec, tokenizer(), raw.shape[-1], seq.output_ids)
                 seq.guide.mask(logits[first])
     tokens: StepTokens = [None] * len(batch.seqs)
-    if batch.drafts:
+    if batch.drafts or any(prompt):
         for i, first, rows in spans:
             seq = batch.seqs[i]
             tokens[i] = (
@@ -329,7 +344,7 @@ def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer])
                 if rows > 1
                 else sample(logits[first : first + 1], [seq.params], [seq.generator])[0]
             )
-    elif spans:  # one row each: sample them together
+    elif spans:  # one row each, nothing else: sample them together
         picked = [batch.seqs[i] for i, _, _ in spans]
         for (i, _, _), token in zip(spans, sample(logits, [s.params for s in picked], [s.generator for s in picked])):
             tokens[i] = token
@@ -340,7 +355,7 @@ def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer])
             emitted = tokens[i]
             run = emitted if isinstance(emitted, list) else [cast(int, emitted)]
             logprobs[i] = [logprobs_of(raw[first + j], t, k) for j, t in enumerate(run)]
-    return tokens, logprobs
+    return tokens, logprobs, prompt
 
 
 def _token_slots(batch: Batch) -> list[int]:
@@ -349,50 +364,62 @@ def _token_slots(batch: Batch) -> list[int]:
     return [(1 + len(batch.draft(i))) if yes else 0 for i, yes in enumerate(batch.samples())]
 
 
-def _slot_width(params: SamplingParams) -> int:
-    """Values a token takes in the step's message: its id, then with logprobs its logprob, its
-    rank and the top k (id, logprob) pairs."""
-    return 1 if params.logprobs is None else 3 + 2 * params.logprobs
+def _entry_width(k: int | None) -> int:
+    """Values a logprob entry takes in the step's message: logprob, rank, k (id, logprob) pairs."""
+    return 0 if k is None else 2 + 2 * k
 
 
 def _message_slots(batch: Batch) -> list[int]:
-    """Values each sequence takes in the message that carries a step's tokens down the pipeline,
-    so that every stage knows its size before it arrives."""
-    return [n * _slot_width(s.params) for n, s in zip(_token_slots(batch), batch.seqs)]
+    """Values each sequence takes in the message that carries a step's tokens down the pipeline
+    (its prompt logprob entries, then per emitted token its id and logprob entry), so that every
+    stage knows its size before it arrives."""
+    return [
+        len(batch.prompt_rows(i)) * _entry_width(s.params.prompt_logprobs) + n * (1 + _entry_width(s.params.logprobs))
+        for i, (n, s) in enumerate(zip(_token_slots(batch), batch.seqs))
+    ]
+
+
+def _flat(e: TokenLogprob) -> list[float]:
+    return [e.logprob, e.rank, *(x for pair in e.top for x in pair)]
+
+
+def _entry(v: list[float]) -> TokenLogprob:
+    return TokenLogprob(v[0], int(v[1]), tuple((int(v[j]), v[j + 1]) for j in range(2, len(v), 2)))
 
 
 def _pack(batch: Batch, sampled: Sampled) -> list[float]:
     """A step's emitted tokens (and logprobs) in their slots, unused slots -1."""
     flat: list[float] = []
-    for n, seq, token, entries in zip(_token_slots(batch), batch.seqs, *sampled):
+    for n, seq, token, entries, prompt in zip(_token_slots(batch), batch.seqs, *sampled):
+        for e in prompt or []:
+            flat += _flat(e)
         run = [] if token is None else token if isinstance(token, list) else [token]
-        width = _slot_width(seq.params)
         for j, t in enumerate(run):
             flat.append(t)
             if entries is not None:
-                e = entries[j]
-                flat += [e.logprob, e.rank, *(x for pair in e.top for x in pair)]
-        flat += [-1.0] * ((n - len(run)) * width)
+                flat += _flat(entries[j])
+        flat += [-1.0] * ((n - len(run)) * (1 + _entry_width(seq.params.logprobs)))
     return flat
 
 
 def _unpack(batch: Batch, flat: list[float]) -> Sampled:
     tokens: StepTokens = []
     logprobs: StepLogprobs = []
+    prompt: StepLogprobs = []
     at = 0
     for i, (n, seq) in enumerate(zip(_token_slots(batch), batch.seqs)):
-        width = _slot_width(seq.params)
+        pw = _entry_width(seq.params.prompt_logprobs)
+        scored = len(batch.prompt_rows(i))
+        prompt.append([_entry(flat[at + j * pw : at + (j + 1) * pw]) for j in range(scored)] if scored else None)
+        at += scored * pw
+        width = 1 + _entry_width(seq.params.logprobs)
         slots = [flat[at + j * width : at + (j + 1) * width] for j in range(n)]
         slots = [v for v in slots if v[0] >= 0]
         at += n * width
         run = [int(v[0]) for v in slots]
         tokens.append(None if n == 0 else run if batch.draft(i) else run[0])
-        logprobs.append(
-            [TokenLogprob(v[1], int(v[2]), tuple((int(v[j]), v[j + 1]) for j in range(3, width, 2))) for v in slots]
-            if n and seq.params.logprobs is not None
-            else None
-        )
-    return tokens, logprobs
+        logprobs.append([_entry(v[1:]) for v in slots] if n and seq.params.logprobs is not None else None)
+    return tokens, logprobs, prompt
 
 
 def _stats(seqs: list[Sequence], start: float) -> RunStats:

@@ -63,6 +63,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``prompt_logprobs``: per prompt token, it and the top k at its position (None for the first)."""
 
     @property
     def text(self) -> str | None:
@@ -245,8 +247,16 @@ class LLM(EngineFront):
         outputs = []
         for pr, ids, p in zip(prompts, prompt_ids, param_list):
             text = isinstance(pr, str)  # prompts given as token ids get token ids back
-            choices = [self._choice(j, next(completions), p, text) for j in range(p.n)]
-            outputs.append(RequestOutput(prompt=pr if text else None, prompt_token_ids=ids, outputs=choices))
+            done = [next(completions) for _ in range(p.n)]
+            scored = done[0].prompt_logprobs
+            outputs.append(
+                RequestOutput(
+                    prompt=pr if text else None,
+                    prompt_token_ids=ids,
+                    outputs=[self._choice(j, c, p, text) for j, c in enumerate(done)],
+                    prompt_logprobs=None if scored is None else [None, *self._logprob_dicts(ids[1:], scored, text)],
+                )
+            )
         return outputs
 
     def _choice(self, index: int, c: Completion, p: SamplingParams, text: bool) -> CompletionOutput:
@@ -257,16 +267,7 @@ class LLM(EngineFront):
                 decoded = st.push(c.token_ids) + st.flush()
             else:
                 decoded = self.tokenizer.decode(c.token_ids)
-        logprobs = None
-        if c.logprobs is not None:
-            name = (lambda t: self.tokenizer.decode([t])) if text else (lambda t: None)
-            logprobs = [
-                {
-                    t: Logprob(e.logprob, e.rank, name(t)),
-                    **{i: Logprob(v, r, name(i)) for r, (i, v) in enumerate(e.top, 1)},
-                }
-                for t, e in zip(c.token_ids, c.logprobs)
-            ]
+        logprobs = None if c.logprobs is None else self._logprob_dicts(c.token_ids, c.logprobs, text)
         return CompletionOutput(
             index=index,
             text=decoded,
@@ -276,6 +277,14 @@ class LLM(EngineFront):
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
+
+    def _logprob_dicts(self, tokens: list[int], entries: list, text: bool) -> list[dict[int, Logprob]]:
+        """vLLM's per-token dicts: the token and the top k, each with its rank (and text for text prompts)."""
+        name = (lambda t: self.tokenizer.decode([t])) if text else (lambda t: None)
+        return [
+            {t: Logprob(e.logprob, e.rank, name(t)), **{i: Logprob(v, r, name(i)) for r, (i, v) in enumerate(e.top, 1)}}
+            for t, e in zip(tokens, entries)
+        ]
 
     def chat(
         self,

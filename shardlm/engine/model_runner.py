@@ -129,9 +129,10 @@ class ModelRunner:
     def prepare(
         self, batch: Batch, rows_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat token ids, positions, metadata, and the rows whose logits are wanted: the
-        last token of each sequence that reaches its end this step (a prompt chunk that
-        does not is computed for its K/V only), and each of its draft tokens.
+        """Flat token ids, positions, metadata, and the rows whose logits are wanted, per sequence:
+        the prompt positions it scores (prompt logprobs), then the last token of each sequence
+        that reaches its end this step (a prompt chunk that does not is computed for its K/V
+        only), and each of its draft tokens.
 
         ``rows_only``: every token, prompt tokens included, attends as a decode row does: a query
         over its sequence's blocks up to its own position (every key of the step is written
@@ -153,8 +154,10 @@ class ModelRunner:
                 meta.prefills.append(
                     PrefillSeq(start=len(ids), length=n, context_len=end, block_table=torch.tensor(table, device=dev))
                 )
+            first_row = len(ids)
             ids.extend(seq.tokens(start, end - len(drafts)) + drafts)
             positions.extend(range(start, end))
+            rows.extend(first_row + q - start for q in batch.prompt_rows(i))  # prompt logprobs
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if samples:  # the last token's logits, and each draft's to verify it
                 rows.extend(range(len(ids) - 1 - len(drafts), len(ids)))
@@ -190,7 +193,8 @@ class ModelRunner:
         (``cuda_graphs.prompt_rows_fit``) and, with graphs, longer steps run eagerly.
         """
         rows_only = graph = False
-        if (self.graphs is not None or self.compiled is not None) and not all_positions:
+        scores = any(batch.prompt_rows(i) for i in range(len(batch.seqs)))  # prompt logprobs: eager
+        if (self.graphs is not None or self.compiled is not None) and not all_positions and not scores:
             tokens = sum(batch.counts)
             as_rows = all(n == 1 and s.is_decoding for s, n in zip(batch.seqs, batch.counts)) or (
                 self.prompt_rows

@@ -61,6 +61,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the log-probability of each generated token and of the ``logprobs`` most likely
     tokens at its position (0: the generated token's only; None: none)."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt token after the first (the prompt is then computed whole: not
+    taken from the prefix cache)."""
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -85,8 +88,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not _count(v):
                 raise UsageError(f"{name}={v!r} must be a non-negative integer (0 turns it off), e.g. 50")
-        if self.logprobs is not None and not _count(self.logprobs):
-            raise UsageError(f"logprobs={self.logprobs!r} must be a non-negative integer or None, e.g. 5")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not _count(v):
+                raise UsageError(f"{name}={v!r} must be a non-negative integer or None, e.g. 5")
         if not 0 <= self.min_p <= 1:
             raise UsageError(f"min_p={self.min_p!r} must be in [0, 1], e.g. 0.05 (0 turns it off)")
         for name in ("presence_penalty", "frequency_penalty"):

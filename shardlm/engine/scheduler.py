@@ -55,6 +55,15 @@ class Batch:
         """Tokens this step feeds through the model."""
         return sum(self.counts)
 
+    def prompt_rows(self, i: int) -> range:
+        """Positions of ``seqs[i]``'s prompt this step whose logits score the next prompt token
+        (prompt logprobs): those not scored yet, up to the second-to-last prompt token."""
+        seq = self.seqs[i]
+        if not seq.scores_prompt:
+            return range(0)
+        start = max(seq.num_computed, len(seq.prompt_logprobs))
+        return range(start, min(seq.num_computed + self.counts[i], len(seq.prompt_ids) - 1))
+
     def samples(self) -> list[bool]:
         """Whether each sequence reaches its last token this step (so a token is sampled)."""
         return [
@@ -217,14 +226,18 @@ class Scheduler:
         batch: Batch,
         tokens: list[int | list[int] | None],
         logprobs: list[list[TokenLogprob] | None] | None = None,
+        prompt_logprobs: list[list[TokenLogprob] | None] | None = None,
     ) -> list[Sequence]:
         """Record a step: ``tokens[i]`` is the token sampled for ``batch.seqs[i]`` (None for a
         prompt chunk that did not reach the end; with drafts, the accepted drafts and the token
-        after them), ``logprobs[i]`` their logprobs where asked for. Returns the sequences that finished."""
+        after them), ``logprobs[i]`` their logprobs where asked for, ``prompt_logprobs[i]`` those
+        of its ``batch.prompt_rows(i)``. Returns the sequences that finished."""
         done: list[Sequence] = []
         for i, (seq, n, token) in enumerate(zip(batch.seqs, batch.counts, tokens)):
             if seq.status is Status.FINISHED:  # aborted while its step was in flight
                 continue
+            if scored := (prompt_logprobs[i] if prompt_logprobs else None):
+                seq.prompt_logprobs += scored
             emitted = [] if token is None else token if isinstance(token, list) else [token]
             given = logprobs[i] if logprobs else None
             entries: list[TokenLogprob | None] = list(given) if given else [None] * len(emitted)

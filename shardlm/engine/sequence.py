@@ -36,6 +36,7 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt tokens 1, 2, ... (params.prompt_logprobs)
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         self.generator = generator
@@ -90,6 +91,11 @@ class Sequence:
                 return
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish("length")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens still need their logprobs (so the prompt may not come from the cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def is_decoding(self) -> bool:

@@ -91,9 +91,10 @@ def serve(worker, link) -> None:
             load = observed.to_dict()
             load["all_replicas"] = engine.lockstep is not None
         handoffs, engine.handoffs = engine.handoffs, []
+        scored, engine.prompt_logprobs_out = engine.prompt_logprobs_out, []
         if leader:
             finished = [(s.id, s.finish_reason, s.num_cached, s.stop_reason) for s in done]
-            link.send("events", (tokens, finished, engine_stats(engine, load), handoffs))
+            link.send("events", (tokens, finished, engine_stats(engine, load), handoffs, scored))
     engine.links.flush()
 
 

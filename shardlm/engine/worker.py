@@ -30,6 +30,7 @@ class Completion:
     finish_reason: str | None  # set on every sequence a run returns (it finished or was aborted)
     logprobs: list[TokenLogprob] | None = None  # one per token, when its params asked for logprobs
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1, 2, ... when asked for
 
 
 def max_model_len(config: EngineConfig, max_positions: int) -> int:
@@ -159,7 +160,11 @@ class Worker:
             stats.expert_load = collect_load(self.model, self.dims).to_dict()
         return {
             s.id: Completion(
-                s.output_ids, s.finish_reason, s.logprobs if s.params.logprobs is not None else None, s.stop_reason
+                s.output_ids,
+                s.finish_reason,
+                s.logprobs if s.params.logprobs is not None else None,
+                s.stop_reason,
+                s.prompt_logprobs if s.params.prompt_logprobs is not None else None,
             )
             for s in seqs
         }, stats

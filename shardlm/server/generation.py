@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardlm.engine.async_llm import EngineDead, QueueFull, StreamOutput
 from shardlm.engine.sampling import TokenLogprob
@@ -31,6 +31,7 @@ class Delta:
     token_ids: list[int]  # tokens generated since the previous delta
     logprobs: list[TokenLogprob]  # theirs, when the request asked for logprobs
     finish_reason: str | None = None  # "stop" or "length" on the last delta
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... scored since
 
 
 class ClientGone(Exception):
@@ -40,7 +41,9 @@ class ClientGone(Exception):
 class Choice:
     """One choice's answer so far."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], keep: bool = True):
+        self.keep = keep  # False: the sampled tokens are dropped (echo with max_tokens 0 scores the prompt only)
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.stop_text = StopText(tokenizer, stops)
         self.text = ""  # what was handed out
         self.token_ids: list[int] = []
@@ -51,6 +54,10 @@ class Choice:
     def take(self, out: StreamOutput) -> Delta:
         """This output's delta: its text (held back while it may start a stop string; cut before
         one), its tokens and logprobs."""
+        self.prompt_logprobs += out.prompt_logprobs
+        if not self.keep:
+            self.finish_reason = out.finish_reason and "length"
+            return Delta(out.index, "", [], [], self.finish_reason, out.prompt_logprobs)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         # a stop token (EOS or stop_token_ids) ends the text without being part of it, as in vLLM;
@@ -63,13 +70,16 @@ class Choice:
         if self.stop_text.stopped or out.finish_reason is not None:
             self.finish_reason = "stop" if self.stop_text.stopped else out.finish_reason
         self.text += text
-        return Delta(out.index, text, out.token_ids, out.logprobs, self.finish_reason)
+        return Delta(out.index, text, out.token_ids, out.logprobs, self.finish_reason, out.prompt_logprobs)
 
 
 class Generation:
     def __init__(self, engine, prepared: Prepared, metrics, arrival: float):
         self.engine, self.prepared, self.metrics, self.arrival = engine, prepared, metrics, arrival
-        self.choices = [Choice(engine.tokenizer, prepared.params.stop) for _ in range(prepared.choices)]
+        self.choices = [
+            Choice(engine.tokenizer, prepared.params.stop, keep=not prepared.drop_sampled)
+            for _ in range(prepared.choices)
+        ]
         self.first: float | None = None  # time.perf_counter() of the first and the latest token
         self.last: float | None = None
 

@@ -60,7 +60,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
-    "prompt_logprobs": (0,),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "logits_processors": (),
@@ -96,7 +95,6 @@ CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
     "mm_processor_kwargs": (),
 }
 COMPLETION_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
     "add_special_tokens": (True,),  # what the completions endpoint does
@@ -122,6 +120,7 @@ class _Sampling(_declared("_NotImplemented", NOT_IMPLEMENTED)):  # type: ignore[
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -148,6 +147,7 @@ class ChatRequest(_Sampling, _declared("_ChatNotImplemented", CHAT_NOT_IMPLEMENT
 class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLETION_NOT_IMPLEMENTED)):  # type: ignore[misc]
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -211,6 +211,9 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     logprobs: int | None  # top logprobs per token in the answer (None: no logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: top logprobs per prompt token, in their own field
+    echo: list[str] | None = None  # completions: each prompt's text, which leads its choices (and its logprobs)
+    drop_sampled: bool = False  # echo with max_tokens 0: the prompt only (the one token run is dropped)
 
     @property
     def choices(self) -> int:
@@ -249,10 +252,14 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     name, max_tokens = ("max_tokens", req.max_tokens)
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    drop_sampled = echo and max_tokens == 0  # scoring a prompt (lm-eval's loglikelihood): no new token
+    if drop_sampled:
+        max_tokens = 1
     if max_tokens is None:
         max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     elif max_tokens < 1:
-        raise bad_request(f"{name}={max_tokens} must be at least 1, e.g. 64", param=name)
+        raise bad_request(f"{name}={max_tokens} must be at least 1 (0 only with echo), e.g. 64", param=name)
     elif max_tokens > room:
         raise bad_request(
             f"{name}={max_tokens} does not fit: the {at} has {len(longest)} tokens and {why}, "
@@ -270,6 +277,11 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             param="seed",
         )
     logprobs = _logprobs(req)
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs={req.prompt_logprobs} must be in [0, {MAX_LOGPROBS}], e.g. 1", param="prompt_logprobs"
+        )
+    scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     structured = _structured(req, engine)
     try:
         params = SamplingParams(
@@ -289,6 +301,7 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
             logprobs=logprobs,
+            prompt_logprobs=max(scored) if scored else None,
             structured_outputs=structured,
         )
     except UsageError as e:  # its message names the value (top_p, top_k, ...)
@@ -308,6 +321,11 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         include_usage=bool(req.stream and options and options.include_usage),
         return_token_ids=bool(req.return_token_ids),
         logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        echo=[p if isinstance(p, str) else engine.tokenizer.decode(p) for p in completion_prompts(req)]
+        if isinstance(req, CompletionRequest) and echo
+        else None,
+        drop_sampled=drop_sampled,
     )
 
 
@@ -448,12 +466,15 @@ def _chat_ids(
         raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
 
 
-def _completion_ids(req: CompletionRequest, engine) -> list[list[int]]:
-    """The prompt's ids: one text or list of ids, or several of either (a batch)."""
+def completion_prompts(req: CompletionRequest) -> list:
+    """The request's prompts: one text or list of ids, or several of either (a batch)."""
     prompt = req.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+def _completion_ids(req: CompletionRequest, engine) -> list[list[int]]:
     out = []
-    for p in batch:
+    for p in completion_prompts(req):
         if isinstance(p, str):
             out.append(engine.tokenizer.encode(p))
         else:

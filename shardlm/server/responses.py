@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from typing import cast
 
 from starlette.responses import Response
 
@@ -31,42 +32,69 @@ class Shape:
         self.created = int(time.time())
         self.include_usage = generation.prepared.include_usage
         self.offsets = [0] * generation.prepared.choices  # completions' text_offset: each choice's so far
+        self.started: set[int] = set()  # choices whose first chunk went out (it carries the echo)
         self.token_text = generation.engine.tokenizer.decode
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, content, finish_reason: str | None, token_ids, logprobs) -> dict:
+    def prompt_ids(self, index: int) -> list[int]:
+        p = self.gen.prepared
+        return p.prompts[index // p.params.n]
+
+    def _choice(self, index: int, content, finish_reason: str | None, token_ids, logprobs, lead: bool) -> dict:
+        p = self.gen.prepared
+        if lead and p.echo is not None:  # the prompt leads the text
+            content = p.echo[index // p.params.n] + content
         choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        if lead and p.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(index)
         return self._ids(choice, index, token_ids)
 
     def _ids(self, choice: dict, index: int, token_ids: list[int] | None) -> dict:
-        p = self.gen.prepared
-        if p.return_token_ids and token_ids is not None:
-            choice["prompt_token_ids"], choice["token_ids"] = p.prompts[index // p.params.n], token_ids
+        if self.gen.prepared.return_token_ids and token_ids is not None:
+            choice["prompt_token_ids"], choice["token_ids"] = self.prompt_ids(index), token_ids
         return choice
 
-    def logprobs(self, index: int, token_ids: list[int], entries: list[TokenLogprob]) -> dict | None:
-        """OpenAI's completions logprobs for these tokens of choice ``index``."""
-        if self.gen.prepared.logprobs is None:
+    def prompt_logprobs(self, index: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+        {token id: {"logprob", "rank", "decoded_token"}} for it and the top k."""
+        k = cast(int, self.gen.prepared.prompt_logprobs)
+        out: list[dict | None] = [None]
+        for token, e in zip(self.prompt_ids(index)[1:], self.gen.choices[index].prompt_logprobs):
+            entry = {str(token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": self.token_text([token])}}
+            for rank, (i, v) in enumerate(e.top[:k], 1):
+                entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": self.token_text([i])})
+            out.append(entry)
+        return out
+
+    def logprobs(self, index: int, token_ids: list[int], entries: list[TokenLogprob], lead: bool) -> dict | None:
+        """OpenAI's completions logprobs for these tokens of choice ``index`` (with echo, the
+        prompt's tokens lead; the first has no logprob)."""
+        p = self.gen.prepared
+        if p.logprobs is None:
             return None
-        tokens = [self.token_text([t]) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text([i]): v for i, v in e.top} for e in entries],
-            "text_offset": offsets,
-        }
+        pairs: list[tuple[int, TokenLogprob | None]] = list(zip(token_ids, entries))
+        if lead and p.echo is not None:
+            ids = self.prompt_ids(index)
+            pairs = [(ids[0], None), *zip(ids[1:], self.gen.choices[index].prompt_logprobs), *pairs]
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, e in pairs:
+            text = self.token_text([token])
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(text)
+            out["token_logprobs"].append(None if e is None else e.logprob)
+            out["top_logprobs"].append(None if e is None else {self.token_text([i]): v for i, v in e.top[: p.logprobs]})
+        return out
 
     def full(self) -> dict:
         return {
             **self._head(self.object),
             "choices": [
-                self._choice(i, c.text, c.finish_reason, c.token_ids, self.logprobs(i, c.token_ids, c.logprobs))
+                self._choice(
+                    i, c.text, c.finish_reason, c.token_ids, self.logprobs(i, c.token_ids, c.logprobs, True), True
+                )
                 for i, c in enumerate(self.gen.choices)
             ],
             "usage": self.gen.usage(),
@@ -77,21 +105,28 @@ class Shape:
         return []
 
     def chunk(self, delta: Delta) -> dict | None:
-        """A chunk for this delta, or None when it has nothing to say."""
+        """A chunk for this delta, or None when it has nothing to say (the first chunk of a choice
+        carries what leads it: the echoed prompt, prompt logprobs)."""
         p = self.gen.prepared
-        if not (delta.text or delta.finish_reason is not None or p.return_token_ids or p.logprobs is not None):
+        if not delta.token_ids and delta.finish_reason is None:
+            return None  # prompt logprobs alone: they go out with the choice's first chunk
+        lead = delta.index not in self.started
+        if not (delta.text or delta.finish_reason is not None or p.return_token_ids or p.logprobs is not None or lead):
             return None
-        logprobs = self.logprobs(delta.index, delta.token_ids, delta.logprobs)
+        self.started.add(delta.index)
+        logprobs = self.logprobs(delta.index, delta.token_ids, delta.logprobs, lead)
         body = {
             **self._head(self.chunk_object),
-            "choices": [self._chunk_choice(delta.index, delta.text, delta.finish_reason, delta.token_ids, logprobs)],
+            "choices": [
+                self._chunk_choice(delta.index, delta.text, delta.finish_reason, delta.token_ids, logprobs, lead)
+            ],
         }
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
-    def _chunk_choice(self, index: int, text: str, finish_reason: str | None, token_ids, logprobs) -> dict:
-        return self._choice(index, text, finish_reason, token_ids, logprobs)
+    def _chunk_choice(self, index: int, text: str, finish_reason: str | None, token_ids, logprobs, lead: bool) -> dict:
+        return self._choice(index, text, finish_reason, token_ids, logprobs, lead)
 
     def usage_chunk(self) -> dict:
         return {**self._head(self.chunk_object), "choices": [], "usage": self.gen.usage()}
@@ -100,7 +135,7 @@ class Shape:
 class ChatShape(Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def _choice(self, index, content, finish_reason, token_ids, logprobs):
+    def _choice(self, index, content, finish_reason, token_ids, logprobs, lead):
         choice = {
             "index": index,
             "message": {"role": "assistant", "content": content},
@@ -109,7 +144,20 @@ class ChatShape(Shape):
         }
         return self._ids(choice, index, token_ids)
 
-    def logprobs(self, index, token_ids, entries):
+    def full(self) -> dict:
+        body = super().full()
+        if self.gen.prepared.prompt_logprobs is not None:  # vLLM's: one prompt, beside the choices
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
+        return body
+
+    def chunk(self, delta: Delta) -> dict | None:
+        lead = not self.started
+        body = super().chunk(delta)
+        if body is not None and lead and self.gen.prepared.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
+        return body
+
+    def logprobs(self, index, token_ids, entries, lead):
         """OpenAI's chat logprobs: each token with its text, bytes and top alternatives."""
         if self.gen.prepared.logprobs is None:
             return None
@@ -142,7 +190,7 @@ class ChatShape(Shape):
             bodies.append(body)
         return bodies
 
-    def _chunk_choice(self, index, text, finish_reason, token_ids, logprobs):
+    def _chunk_choice(self, index, text, finish_reason, token_ids, logprobs, lead):
         delta = {"content": text} if text or finish_reason is None else {}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._ids(choice, index, token_ids)

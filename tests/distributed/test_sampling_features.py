@@ -191,3 +191,34 @@ def test_min_p_keeps_tokens_above_the_fraction_of_the_top(hf_llama):
     assert 1 < len(allowed) < 20
     seen = {llm.generate(prompt, dataclasses.replace(params, seed=s))[0].token_ids[0] for s in range(40)}
     assert seen <= allowed and len(seen) > 1
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(dict(max_num_batched_tokens=8), id="chunked"),
+        pytest.param(dict(pp=2, max_num_batched_tokens=8), id="pp2"),
+        pytest.param(dict(tp=2, dp=2), id="dp2xtp2"),
+    ],
+)
+def test_prompt_logprobs_equal_hf_log_softmax(hf_llama, layout):
+    """Every prompt token after the first, scored in chunks of 8 (the prompt of 33 spans five
+    steps), through the pipeline's token message, and again for a repeat of the prompt whose
+    blocks sit in the prefix cache (a scored prompt is computed whole)."""
+    ref, model = hf_llama
+    prompts = [PROMPTS[3], PROMPTS[2], PROMPTS[3]]
+    with LLM(str(ref.path), threads=1, block_size=4, **layout) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=TOP))
+        again = llm.generate(prompts[:1], SamplingParams(max_tokens=4, prompt_logprobs=0))[0]
+    for prompt, out in [*zip(prompts, outs), (prompts[0], again)]:
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        scored = out.prompt_logprobs
+        assert scored[0] is None and len(scored) == len(prompt)
+        for q in range(1, len(prompt)):
+            entry, row = scored[q], want[q - 1]
+            assert abs(entry[prompt[q]].logprob - row[prompt[q]].item()) < LOGPROB_ATOL
+            assert entry[prompt[q]].rank == int((row > row[prompt[q]]).sum()) + 1
+            top = torch.topk(row, TOP).indices.tolist() if out is not again else []
+            assert set(top) <= set(entry)
+        assert out.token_ids == ref.tokens[PROMPTS.index(prompt)][:4]  # sampling goes on as ever

@@ -12,6 +12,7 @@ import signal
 import threading
 import urllib.request
 import uuid
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -49,6 +50,7 @@ def reference():
         ref["chat_ids"] = {q: llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS}
         ref["logprobs"] = llm.chat(chat(QUESTIONS[0]), SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))[0].outputs[0]
         ref["penalized"] = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True, **PENALTIES))[0].text
+        ref["scored"] = llm.generate(RAW, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
         return ref
 
 
@@ -207,6 +209,31 @@ def test_logprobs_match_offline_in_openai_shapes(client, reference):
     assert len(tokens) == 6 and "".join(tokens) == "".join(c.text for c in chunks)
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]  # where each token starts in the text
     assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in chunks)
+
+
+def test_echo_scores_the_prompt_as_offline(client, reference, tok):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0."""
+    want = reference["scored"]
+    ids = want.prompt_token_ids
+    r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=0, echo=True, logprobs=2)
+    choice = r.choices[0]
+    assert choice.text == RAW and r.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [tok.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    for got, token, entry in zip(choice.logprobs.token_logprobs[1:], ids[1:], want.prompt_logprobs[1:], strict=True):
+        assert got == pytest.approx(entry[token].logprob, abs=1e-3)
+    streamed = list(
+        client.completions.create(model="smollm2", prompt=RAW, max_tokens=2, echo=True, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == RAW + tok.decode(reference[RAW][0][:2])
+    status, body = post(server_of(client), "/v1/completions", {"prompt": RAW, "max_tokens": 1, "prompt_logprobs": 1})
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert status == 200 and scored[0] is None and len(scored) == len(ids)
+    assert scored[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]].logprob, abs=1e-3)
+
+
+def server_of(client) -> SimpleNamespace:
+    return SimpleNamespace(root=str(client.base_url).rstrip("/").removesuffix("/v1"))
 
 
 def test_n_choices_and_several_prompts(client, reference, tok):

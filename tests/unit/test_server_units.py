@@ -168,7 +168,9 @@ def test_parameters_reach_sampling(engine):
         (lambda: CompletionRequest(prompt=[-1]), "prompt", "outside the vocabulary"),
         (lambda: CompletionRequest(prompt=["a", ""]), "prompt", "prompt[1] encodes to no tokens"),
         (lambda: CompletionRequest(prompt=""), "prompt", "no tokens"),
-        (lambda: CompletionRequest(prompt="Hi", echo=True), "echo", "not supported"),
+        (lambda: chat(echo=True), "echo", "not supported"),
+        (lambda: CompletionRequest(prompt="Hi", max_tokens=0), "max_tokens", "0 only with echo"),
+        (lambda: chat(prompt_logprobs=21), "prompt_logprobs", "[0, 20]"),
     ],
 )
 def test_refusals_name_the_field(engine, req, param, words):
@@ -225,7 +227,7 @@ IMPLEMENTED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "logprobs",
-    "top_logprobs", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "top_logprobs", "prompt_logprobs", "echo", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
 }  # fmt: skip
 """The request fields prepare() honours (user: accepted, documented as not used)."""
@@ -266,7 +268,6 @@ def test_unimplemented_fields_are_refused_by_name_unless_neutral(engine, endpoin
 @pytest.mark.parametrize(
     "field, value, neutral",
     [
-        ("prompt_logprobs", 1, 0),
         ("structural_tag", {"type": "structural_tag"}, None),
     ],
 )
@@ -383,6 +384,15 @@ def test_structured_fields_reach_sampling(engine, fields, want):
 def test_structured_refusals_name_the_field(engine, fields, param, words):
     e = refused(engine, chat(**fields))
     assert e.param == param and words in e.message, e.message
+
+
+def test_echo_and_prompt_logprobs_reach_sampling(engine, tok):
+    p = prepare(CompletionRequest(prompt=["Hi", "Yo"], echo=True, logprobs=2, max_tokens=0), engine, "smollm2")
+    assert p.echo == ["Hi", "Yo"] and p.drop_sampled and p.params.max_tokens == 1  # scores the prompt only
+    assert p.params.prompt_logprobs == 2 and p.prompt_logprobs is None  # for the echo, not vLLM's own field
+    q = prepare(CompletionRequest(prompt=tok.encode("Hi"), prompt_logprobs=3, logprobs=1), engine, "smollm2")
+    assert q.echo is None and q.params.prompt_logprobs == q.prompt_logprobs == 3 and not q.drop_sampled
+    assert prepare(chat(prompt_logprobs=0), engine, "smollm2").params.prompt_logprobs == 0
 
 
 def test_structured_outputs_are_refused_with_speculation(engine):
