@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 
@@ -46,8 +47,32 @@ def json_object(text: str) -> dict:
     return value
 
 
+LOG = logging.getLogger("shardlm")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A progress line of a command (stderr, through ``logging``: ``--log-level warning`` hides it)."""
+    LOG.info(msg)
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="what goes to stderr: info (default) shows progress and, under serve, one line per request; "
+        "warning and error only problems; debug everything",
+    )
+
+
+def setup_logging(level: str) -> None:
+    """Plain lines on stderr at ``level`` for shardlm's loggers (libraries keep their own)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    LOG.handlers[:] = [handler]
+    LOG.setLevel(level.upper())
+    LOG.propagate = False
 
 
 def add_axis_args(p: argparse.ArgumentParser, offered: tuple[str, ...], default: int | None = 1) -> None:

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from shardlm.args import add_layout_args, byte_size, layout_options, log
+from shardlm.args import add_layout_args, add_log_level, byte_size, layout_options, log, setup_logging
 from shardlm.engine.config import AXES as ENGINE_AXES
 
 
@@ -173,11 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlm.train.cli import add_parser as add_train
 
     add_train(sub)
+    for command in ("generate", "serve", "train"):
+        add_log_level(sub.choices[command])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(getattr(args, "log_level", "info"))
     from shardlm.errors import RankFailure, UsageError
 
     try:

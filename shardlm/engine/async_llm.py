@@ -44,6 +44,7 @@ class StreamOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last output)
     stop_reason: int | str | None = None  # the stop token id or string that ended it (on the last output)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... as scored
+    queue_s: float | None = None  # seconds it waited for its first step on its replica (on the last output)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class AsyncLLM(EngineFront):
             "spec_draft_tokens": 0,
             "spec_accepted_tokens": 0,
             "handoffs_recomputed": 0,
+            "num_preemptions": 0,
             "expert_load": None,
         }
         self._replica_stats = [dict(self.stats) for _ in self._replica_leaders]
@@ -237,9 +239,9 @@ class AsyncLLM(EngineFront):
             out.token_ids.append(tok)
             if logprob is not None:
                 out.logprobs.append(logprob)
-        for rid, reason, cached, stop_reason in finished:
+        for rid, reason, cached, stop_reason, queue_s in finished:
             out = outs.setdefault(rid, StreamOutput([]))
-            out.finish_reason, out.cached_tokens, out.stop_reason = reason, cached, stop_reason
+            out.finish_reason, out.cached_tokens, out.stop_reason, out.queue_s = reason, cached, stop_reason, queue_s
         with self._lock:
             targets = [(self._streams.get(rid), out) for rid, out in outs.items()]
         for stream, out in targets:

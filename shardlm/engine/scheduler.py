@@ -17,6 +17,7 @@ allow (drafts never preempt anyone); the step then emits one to k + 1 tokens for
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.draft_tokens = 0  # speculative decoding: drafts fed so far
         self.accepted_tokens = 0  # of those, the ones the target model accepted
+        self.preemptions = 0  # running sequences sent back to the queue for lack of blocks
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; refuse one that could not finish even with the whole cache."""
@@ -164,6 +166,7 @@ class Scheduler:
                 break
             self.blocks.grow(seq, seq.num_computed + n)
             self.blocks.count_lookup(seq)
+            seq.scheduled_time = seq.scheduled_time or time.perf_counter()
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
             chunks.append((seq, n))
@@ -206,6 +209,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING

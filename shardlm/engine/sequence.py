@@ -51,6 +51,7 @@ class Sequence:
         self.stop_text = stop_text  # the text so far, when params.stop lists strings
         self.guide: Guide | None = None  # structured outputs: the grammar state, on the ranks that sample
         self.arrival = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admitted to a batch (queue time: from arrival)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

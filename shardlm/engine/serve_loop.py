@@ -93,9 +93,14 @@ def serve(worker, link) -> None:
         handoffs, engine.handoffs = engine.handoffs, []
         scored, engine.prompt_logprobs_out = engine.prompt_logprobs_out, []
         if leader:
-            finished = [(s.id, s.finish_reason, s.num_cached, s.stop_reason) for s in done]
+            finished = [(s.id, s.finish_reason, s.num_cached, s.stop_reason, queue_time(s)) for s in done]
             link.send("events", (tokens, finished, engine_stats(engine, load), handoffs, scored))
     engine.links.flush()
+
+
+def queue_time(seq) -> float | None:
+    """Seconds from its arrival on this replica to its first step (None: never scheduled)."""
+    return None if seq.scheduled_time is None else seq.scheduled_time - seq.arrival
 
 
 def engine_stats(engine, expert_load: dict | None) -> dict:
@@ -110,5 +115,6 @@ def engine_stats(engine, expert_load: dict | None) -> dict:
         "prefix_cache_hits": blocks.hits,
         "prefix_cache_queries": blocks.queries,
         "handoffs_recomputed": engine.recomputed_handoffs,
+        "num_preemptions": sum(s.preemptions for s in engine.scheds),
         **dict(zip(("spec_draft_tokens", "spec_accepted_tokens"), engine.speculation())),
     }

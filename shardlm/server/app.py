@@ -33,7 +33,7 @@ def build_app(engine, *, model_name: str, api_key: str | None = None) -> FastAPI
     app = FastAPI(title="shardlm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.model_name = model_name
-    app.state.metrics = metrics = Metrics(engine)
+    app.state.metrics = metrics = Metrics(engine, model_name)
     app.state.created = int(time.time())
     # Starlette types a handler as taking any Exception; each of these takes the class it is registered for
     app.add_exception_handler(errors.APIError, errors.api_error)  # type: ignore[arg-type]

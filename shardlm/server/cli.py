@@ -86,10 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds to keep answering 503 after a rank dies, before exiting (default 3)",
     )
     p.add_argument(
-        "--log-level",
+        "--uvicorn-log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
-        help="uvicorn's log level (info logs every request)",
+        help="uvicorn's log level (vLLM's flag; info adds its access log); shardlm's own: --log-level",
     )
     p.set_defaults(func=run)
     return p
@@ -202,10 +202,10 @@ async def _serve(app, engine, sock: socket.socket, args) -> bool:
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=5,
             lifespan="off",
-            access_log=args.log_level in ("debug", "info"),
+            access_log=args.uvicorn_log_level in ("debug", "info"),
         )
     )
     died = False

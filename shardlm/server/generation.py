@@ -12,7 +12,9 @@ its client hangs up, also while it is still waiting in the queue.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 
@@ -22,6 +24,8 @@ from shardlm.engine.text import StopText
 from shardlm.errors import UsageError
 from shardlm.server.errors import APIError
 from shardlm.server.protocol import Prepared
+
+LOG = logging.getLogger("shardlm.requests")
 
 
 @dataclass
@@ -74,8 +78,11 @@ class Choice:
 
 
 class Generation:
-    def __init__(self, engine, prepared: Prepared, metrics, arrival: float):
+    def __init__(self, engine, prepared: Prepared, metrics, arrival: float, endpoint: str = ""):
         self.engine, self.prepared, self.metrics, self.arrival = engine, prepared, metrics, arrival
+        self.endpoint = endpoint  # for the request's log line
+        self.id = uuid.uuid4().hex  # the response's id carries it too
+        self.queue_s: float | None = None  # the first choice's wait for its first step
         self.choices = [
             Choice(engine.tokenizer, prepared.params.stop, keep=not prepared.drop_sampled)
             for _ in range(prepared.choices)
@@ -113,6 +120,8 @@ class Generation:
                 if out.token_ids:
                     self.last = time.perf_counter()
                     self.first = self.first or self.last
+                if out.queue_s is not None and self.queue_s is None:
+                    self.queue_s = out.queue_s
                 choice = self.choices[out.index]
                 if choice.finish_reason is not None:
                     continue  # cut by a stop string already
@@ -123,6 +132,7 @@ class Generation:
             raise EngineDead("the engine's stream ended without a finish reason")
         except UsageError as e:
             outcome = None
+            self._log("refused", 400)
             raise APIError(400, str(e)) from None
         except QueueFull as e:
             outcome = None
@@ -138,8 +148,26 @@ class Generation:
             if outcome is not None:
                 self.metrics.cached_tokens.inc(self.usage()["prompt_tokens_details"]["cached_tokens"])
                 self.metrics.observe(
-                    arrival=self.arrival, first=self.first, last=self.last, tokens=self.token_count, reason=outcome
+                    arrival=self.arrival,
+                    first=self.first,
+                    last=self.last,
+                    tokens=self.token_count,
+                    reason=outcome,
+                    queue=self.queue_s,
                 )
+                self._log(outcome)
+
+    def _log(self, outcome: str, status: int = 200) -> None:
+        """One line per request at info: what it asked, how it ended, how long it took."""
+        if not LOG.isEnabledFor(logging.INFO):
+            return
+        u, at = self.usage(), lambda t: "-" if t is None else f"{t - self.arrival:.3f}s"
+        queue = "-" if self.queue_s is None else f"{self.queue_s:.3f}s"
+        LOG.info(
+            f"{self.endpoint} {self.id[:12]} {status} {outcome}: {len(self.choices)} choice(s), prompt "
+            f"{u['prompt_tokens']} (cached {u['prompt_tokens_details']['cached_tokens']}), generated "
+            f"{u['completion_tokens']}, queue {queue}, ttft {at(self.first)}, e2e {at(self.last)}"
+        )
 
 
 async def until_disconnect(work: Awaitable, receive):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import cast
 
@@ -28,7 +27,7 @@ class Shape:
 
     def __init__(self, model: str, generation: Generation):
         self.model, self.gen = model, generation
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{generation.id}"
         self.created = int(time.time())
         self.include_usage = generation.prepared.include_usage
         self.offsets = [0] * generation.prepared.choices  # completions' text_offset: each choice's so far

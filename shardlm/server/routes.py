@@ -64,7 +64,7 @@ async def _complete(
     state = request.app.state
     req = await _parse(request, schema)
     prepared = prepare(req, state.engine, state.model_name)
-    gen = Generation(state.engine, prepared, state.metrics, arrival)
+    gen = Generation(state.engine, prepared, state.metrics, arrival, endpoint=request.url.path)
     shape = shape_type(state.model_name, gen)
     deltas = gen.deltas()
     try:

@@ -324,6 +324,21 @@ def test_seed_top_k_and_temperature(client, reference, tok):
     assert len({sample(temperature=1.5, seed=s) for s in range(4)}) > 1  # and sampling does sample
 
 
+def test_vllm_metric_names_and_one_log_line_per_request(server, client):
+    before = metrics(server.root)
+    r = client.completions.create(model="smollm2", prompt=RAW, max_tokens=2, temperature=0)
+    after = metrics(server.root)
+    key = 'vllm:generation_tokens_total{model_name="smollm2"}'
+    assert after[key] - before.get(key, 0) == 2
+    assert 0 <= after['vllm:kv_cache_usage_perc{model_name="smollm2"}'] <= 1
+    assert after['vllm:request_queue_time_seconds_count{model_name="smollm2"}'] >= 1
+    assert 'vllm:num_requests_waiting{model_name="smollm2"}' in after
+    line = wait_for(
+        lambda: next((x for x in server.lines if r.id.removeprefix("cmpl-")[:12] in x), None), 10, "its log line"
+    )
+    assert line.startswith("/v1/completions ") and " 200 length: 1 choice(s), prompt " in line and "generated 2" in line
+
+
 def test_prefix_cache_hit_is_reported(server, client):
     system = f"Session {uuid.uuid4().hex}. " + "You are a careful assistant who answers briefly. " * 8
     usage = []

@@ -357,7 +357,7 @@ def test_preemption_takes_the_newest_running_sequences_first():
     assert d.steps[0] == [(0, 2), (1, 2), (2, 2)] and d.bm.num_free == 0  # seq 3 waits for blocks
     d.step()
     # seq 0 needs a second block: seq 2 (newest) goes; seq 1 then needs one: seq 1 is the newest
-    assert d.s.preempted == [2, 1]
+    assert d.s.preempted == [2, 1] and d.s.preemptions == 2  # counted for vllm:num_preemptions
     assert d.steps[1] == [(0, 1)]
     # back at the front of the queue, in admission order, ahead of the never-admitted seq 3
     assert [x.id for x in d.s.waiting] == [1, 2, 3]

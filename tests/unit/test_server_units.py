@@ -398,3 +398,34 @@ def test_echo_and_prompt_logprobs_reach_sampling(engine, tok):
 def test_structured_outputs_are_refused_with_speculation(engine):
     engine.config.speculative_config = {"method": "ngram"}
     assert "speculative" in refused(engine, chat(guided_regex="a+")).message
+
+
+# ---- metrics under vLLM's names, and the request log line ------------------------------------
+
+
+def test_metrics_are_also_exported_under_vllms_names():
+    from shardlm.server.metrics import VLLM_NAMES, Metrics
+
+    stats = dict.fromkeys(
+        ("waiting", "running", "kv_blocks_used", "prefix_cache_hits", "prefix_cache_queries", "spec_draft_tokens",
+         "spec_accepted_tokens", "kv_handoffs", "kv_transfer_bytes", "handoffs_recomputed", "num_preemptions"), 0
+    )  # fmt: skip
+    stats.update(running=3, kv_blocks_used=5, kv_blocks_total=20, num_preemptions=2)
+    engine = SimpleNamespace(stats=stats, max_queue=8, healthy=True)
+    m = Metrics(engine, "tiny")
+    m.observe(arrival=0.0, first=0.5, last=1.5, tokens=3, reason="stop", queue=0.25)
+    m.prompt_tokens.inc(7)
+    text = m.render().decode()
+    got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] not in "#"}
+    assert got['vllm:num_requests_running{model_name="tiny"}'] == 3
+    assert got['vllm:kv_cache_usage_perc{model_name="tiny"}'] == 0.25
+    assert got['vllm:num_preemptions_total{model_name="tiny"}'] == 2
+    assert got['vllm:prompt_tokens_total{model_name="tiny"}'] == 7
+    assert got['vllm:request_success_total{finished_reason="stop",model_name="tiny"}'] == 1
+    assert got['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == 1
+    assert got['vllm:request_queue_time_seconds_sum{model_name="tiny"}'] == 0.25
+    assert got["shardlm_request_queue_time_seconds_sum"] == 0.25  # shardlm's own names stay
+    exported = {name.split("{")[0] for name in got}
+    for ours, theirs in VLLM_NAMES.items():  # every alias has a source: none is dead
+        assert any(n.startswith(ours) for n in exported), ours
+        assert any(n.startswith(theirs) for n in exported), theirs
