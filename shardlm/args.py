@@ -105,7 +105,17 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     p.add_argument(
         "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto (default, as vLLM): the checkpoint's dtype (float32 for GGUF), bfloat16 on a GPU for a float32 one",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's flag: MoE experts split over all dp x tp ranks (ep = dp*tp, etp = 1); dense models: no effect",
+    )
     p.add_argument(
         "--quantization",
         default=None,
@@ -153,6 +163,7 @@ def layout_options(args) -> dict:
         pp_layers=args.pp_layers,
         micro_batches=args.micro_batches,
         dtype=args.dtype,
+        enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,

@@ -45,7 +45,7 @@ def add_generate(sub) -> None:
 
 def run_generate(args) -> int:
     from shardlm.engine.config import EngineConfig
-    from shardlm.engine.llm import LLM, check_layout
+    from shardlm.engine.llm import LLM, check_layout, settle
     from shardlm.engine.sampling import SamplingParams
     from shardlm.launch import torchrun_env
     from shardlm.models.loader import open_checkpoint
@@ -77,13 +77,14 @@ def run_generate(args) -> int:
     )
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
-    layout = check_layout(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
+    config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
+    layout = check_layout(config, ckpt)
     if speaker:
         world = layout.world_size
         axes = ", ".join(f"{a}={getattr(layout, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(layout, a) > 1)
         log(
             f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
-            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {args.dtype})"
+            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {config.dtype})"
         )
     with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
         for p, c in zip(prompts, conversations):  # reject a prompt that does not fit before generating
@@ -137,7 +138,7 @@ def run_generate(args) -> int:
             "pp": args.pp,
             "dp": args.dp,
             "ep": args.ep,
-            "dtype": args.dtype,
+            "dtype": llm.config.dtype,
             "param_bytes_per_rank": llm.param_bytes,
         }
         if s.expert_load is not None:  # MoE: tokens per expert / ep rank and max/mean imbalance per layer

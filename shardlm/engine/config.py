@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
 from shardlm.models.attention import INT8_SCALED
+from shardlm.models.config import ModelConfig
 from shardlm.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,8 +42,13 @@ class EngineConfig:
     """Serving, MoE: re-place experts from the observed load every this many rounds (0: never)."""
     eplb_redundant: int = 0
     """Serving, MoE: extra expert slots per layer for replicas of the hottest experts (EPLB)."""
-    dtype: str = "float32"
-    """Weights, activations and KV cache: float32, bfloat16 or float16."""
+    dtype: str = "auto"
+    """Weights, activations and KV cache: float32, bfloat16, float16, or 'auto' (vLLM's default):
+    the checkpoint's dtype (``ModelConfig.checkpoint_dtype``; float32 for GGUF), except that a
+    float32 checkpoint runs in bfloat16 on a GPU."""
+    enable_expert_parallel: bool = False
+    """vLLM's flag: MoE layers split their experts over all dp x tp ranks of a stage (ep = dp x tp,
+    etp = 1) instead of the ep / etp given; no effect on a dense model."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; default: the model's max_position_embeddings."""
     kv_cache_memory: int = 2 << 30
@@ -99,8 +106,8 @@ class EngineConfig:
         if not isinstance(self.parallel, ParallelDims):
             raise UsageError(f"parallel={self.parallel!r} must be a ParallelDims, e.g. ParallelDims(tp=2)")
         self.parallel.refuse_beyond(AXES, "the inference engine")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise UsageError(f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}")
         if self.quantization not in (None, "int8"):
             raise UsageError(f"quantization={self.quantization!r} is not supported; use 'int8' (weight-only) or None")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -139,8 +146,29 @@ class EngineConfig:
         """The layout, without a mesh: each rank builds its own on a copy."""
         return self.parallel.unbuilt()
 
+    def for_model(self, model: ModelConfig, device_type: str) -> EngineConfig:
+        """This config with what depends on the model and the device settled: dtype 'auto', and
+        ``enable_expert_parallel``'s ep (idempotent)."""
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = model.checkpoint_dtype
+            if device_type == "cuda" and dtype == "float32":
+                dtype = "bfloat16"
+        parallel = self.parallel
+        if self.enable_expert_parallel and model.is_moe:
+            n = parallel.dp * parallel.tp
+            if parallel.ep not in (1, n) or parallel.etp != 1:
+                raise UsageError(
+                    f"enable_expert_parallel puts the experts on all dp x tp = {n} ranks (ep={n}, etp=1), but "
+                    f"ep={parallel.ep}, etp={parallel.etp} were given; drop one or the other"
+                )
+            parallel = ParallelDims.take({**parallel.sizes(), "ep": n, "etp": 1})
+        return dataclasses.replace(self, dtype=dtype, parallel=parallel)
+
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is settled by EngineConfig.for_model(model, device) first")
         return DTYPES[self.dtype]
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from shardlm.engine.config import EngineConfig
+from shardlm.engine.config import EngineConfig, resolve_device
 from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.structured import check_grammar
@@ -79,6 +79,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def settle(config: EngineConfig, ckpt: Checkpoint) -> EngineConfig:
+    """``config`` for this model on the device its ranks will pick (each host's alike): dtype
+    'auto' and enable_expert_parallel settled (EngineConfig.for_model)."""
+    env = torchrun_env()
+    local_world = env["local_world"] if env is not None else config.dims().world_size
+    return config.for_model(ckpt.config, resolve_device(config.device, local_world))
+
+
 def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     """Reject a layout the model cannot take, before any rank starts."""
     dims = config.dims()
@@ -108,7 +116,7 @@ class EngineFront:
 
     def __init__(self, model: str | Checkpoint, options: dict, tokenizer=None):
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-        self.config = EngineConfig.of(model=str(ckpt.path), **options)
+        self.config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
         self.checkpoint = ckpt
         self.dims = check_layout(self.config, ckpt)
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)

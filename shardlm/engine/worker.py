@@ -58,9 +58,10 @@ class Worker:
             self.device = torch.device("cpu")
         if world > 1:
             init_distributed(rank, world, init_method, device_type, config.timeout_s)
+        self.checkpoint = ckpt = open_checkpoint(config.model)
+        config = config.for_model(ckpt.config, device_type)
         self.dims = config.dims().build_mesh(device_type)
         self.config = config
-        self.checkpoint = ckpt = open_checkpoint(config.model)
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
         self.layers = stage_layers(ckpt.config, self.dims.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()

@@ -90,6 +90,13 @@ class ModelConfig:
     v_head_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The weights' dtype as the checkpoint states it (config.json's torch_dtype, or dtype as
+        transformers >= 5 writes it); float32 where it states none, as for GGUF's dequantized weights."""
+        stated = self.extra.get("torch_dtype") or self.extra.get("dtype")
+        return stated if stated in ("float32", "bfloat16", "float16") else "float32"
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)

@@ -155,6 +155,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _start_engine(args):
     from shardlm.engine.async_llm import AsyncLLM
+    from shardlm.engine.config import EngineConfig
+    from shardlm.engine.llm import settle
     from shardlm.models.loader import open_checkpoint
 
     ckpt = open_checkpoint(args.model)
@@ -171,11 +173,12 @@ def _start_engine(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_replicas=args.prefill_replicas,
     )
-    world = args.tp * args.pp * args.dp
-    axes = ", ".join(f"{a}={getattr(args, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(args, a) > 1)
+    config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
+    world, dims = config.dims().world_size, config.parallel
+    axes = ", ".join(f"{a}={getattr(dims, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(dims, a) > 1)
     log(
         f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
-        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {args.dtype})"
+        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {config.dtype})"
     )
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
     if args.prefill_replicas:

@@ -27,7 +27,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_tiny_models_on_cuda_match_hf(tiny, name):
     ref = tiny(name)
     [(tokens, logits, _)] = run_ranks_on(
-        "nccl", 1, greedy_and_logits, str(ref.path), 1, PROMPTS, NEW_TOKENS, device="cuda"
+        "nccl", 1, greedy_and_logits, str(ref.path), 1, PROMPTS, NEW_TOKENS, device="cuda", dtype="float32"
     )
     assert tokens == ref.tokens
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
@@ -36,7 +36,9 @@ def test_tiny_models_on_cuda_match_hf(tiny, name):
 @needs_cuda
 def test_smollm2_on_cuda_matches_hf(smollm2):
     path, prompts, ref, _ = smollm2
-    [(tokens, logits, _)] = run_ranks_on("nccl", 1, greedy_and_logits, path, 1, prompts, NEW_TOKENS, device="cuda")
+    [(tokens, logits, _)] = run_ranks_on(
+        "nccl", 1, greedy_and_logits, path, 1, prompts, NEW_TOKENS, device="cuda", dtype="float32"
+    )
     assert tokens == ref.tokens
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
 
@@ -47,7 +49,7 @@ def test_compiled_decode_on_cuda_matches_hf(tmp_path):
     recompiled over other batches, contexts and early finishes (as test_compile on CPU)."""
     ref = build_tiny("mistral", tmp_path, num_hidden_layers=2)
     [(runs, classes, graphs)] = run_ranks_on(
-        "nccl", 1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, device="cuda"
+        "nccl", 1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, device="cuda", dtype="float32"
     )
     assert classes == {False, True} and graphs == 2
     for indices, max_tokens, tokens in runs:
@@ -58,7 +60,7 @@ def test_compiled_decode_on_cuda_matches_hf(tmp_path):
 def test_llm_without_process_group_runs_on_cuda(tiny):
     """The public API in one process: device='auto' picks the GPU and gives HF's tokens."""
     ref = tiny("llama")
-    with LLM(str(ref.path)) as llm:
+    with LLM(str(ref.path), dtype="float32") as llm:  # auto would pick bfloat16 on a GPU
         assert llm.worker.device.type == "cuda"
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens

@@ -76,7 +76,9 @@ def test_quantized_cache_keeps_prompts_eager(tiny):
 def test_cuda_graphs_match_hf(tiny, name):
     """On the GPU: each class captured once, replayed for every later step of its shape."""
     ref = tiny(name)
-    [(runs, classes, captured)] = run_ranks_on("nccl", 1, graph_runs, str(ref.path), THREE, NEW_TOKENS, device="cuda")
+    [(runs, classes, captured)] = run_ranks_on(
+        "nccl", 1, graph_runs, str(ref.path), THREE, NEW_TOKENS, device="cuda", dtype="float32"
+    )
     _check(ref, runs, classes)
     assert captured == len(classes)
 
@@ -84,7 +86,7 @@ def test_cuda_graphs_match_hf(tiny, name):
 @needs_cuda
 def test_enforce_eager_captures_nothing(tiny):
     ref = tiny("llama")
-    with LLM(str(ref.path), device="cuda", enforce_eager=True) as llm:
+    with LLM(str(ref.path), device="cuda", dtype="float32", enforce_eager=True) as llm:
         assert llm.worker.runner.graphs is None
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens

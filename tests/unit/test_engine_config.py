@@ -1,0 +1,53 @@
+"""EngineConfig.for_model: what depends on the model and the device (dtype 'auto', vLLM's
+--enable-expert-parallel), settled before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlm.engine.config import EngineConfig
+from shardlm.errors import UsageError
+from shardlm.models.config import ModelConfig
+
+BASE = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+)
+MOE = dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize(
+    "stated, device, want",
+    [
+        ({}, "cpu", "float32"),  # nothing stated (GGUF): float32
+        ({}, "cuda", "bfloat16"),  # a float32 checkpoint runs in bfloat16 on a GPU, as vLLM's auto
+        ({"torch_dtype": "float32"}, "cpu", "float32"),
+        ({"torch_dtype": "bfloat16"}, "cpu", "bfloat16"),
+        ({"dtype": "float16"}, "cuda", "float16"),  # transformers >= 5 writes "dtype"
+        ({"torch_dtype": "float8_e4m3fn"}, "cpu", "float32"),  # not one the engine computes in
+    ],
+)
+def test_dtype_auto_is_the_checkpoints(stated, device, want):
+    model = ModelConfig.from_hf({**BASE, **stated})
+    assert EngineConfig().for_model(model, device).dtype == want
+    assert EngineConfig(dtype="float32").for_model(model, device).dtype == "float32"  # given: kept
+
+
+def test_torch_dtype_needs_auto_settled():
+    with pytest.raises(ValueError, match="for_model"):
+        _ = EngineConfig().torch_dtype
+
+
+def test_enable_expert_parallel_spreads_experts_over_dp_x_tp():
+    moe, dense = ModelConfig.from_hf(MOE), ModelConfig.from_hf(BASE)
+    config = EngineConfig.of(tp=2, dp=2, enable_expert_parallel=True)
+    settled = config.for_model(moe, "cpu").parallel
+    assert (settled.ep, settled.etp, settled.tp, settled.dp) == (4, 1, 2, 2)
+    assert config.for_model(moe, "cpu").for_model(moe, "cpu").parallel.ep == 4  # idempotent (ranks settle again)
+    assert config.for_model(dense, "cpu").parallel.ep == 1  # a dense model: no effect, as in vLLM
+    with pytest.raises(UsageError, match=r"ep=4, etp=1\), but ep=2"):
+        EngineConfig.of(tp=2, dp=2, ep=2, enable_expert_parallel=True).for_model(moe, "cpu")
