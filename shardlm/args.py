@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+from pathlib import Path
 
 from shardlm.parallel.dims import axes, axis_help, vllm_name
 
@@ -147,6 +148,20 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
         help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)",
     )
     p.add_argument(
+        "--chat-template",
+        type=chat_template,
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) instead of the model's (vLLM's flag)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,DIR}",
+        help="default sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+        "from generation_config.json: auto (the model's, default), vllm (none), or a directory holding one",
+    )
+    p.add_argument(
         "--speculative-config",
         type=json_object,
         default=None,
@@ -154,6 +169,23 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
         help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(drafts looked up in each sequence's history; greedy output unchanged)",
     )
+
+
+def chat_template(value: str) -> str:
+    """--chat-template (vLLM's): a file holding a Jinja chat template, or the template itself."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither a file nor a Jinja template; give a path, or the template in one line"
+    )
+
+
+def front_options(args) -> dict:
+    """The options of ``LLM`` / ``AsyncLLM`` themselves (not of the ranks) that add_layout_args' flags set."""
+    return {"chat_template": args.chat_template, "generation_config": args.generation_config}
 
 
 def layout_options(args) -> dict:

@@ -12,7 +12,15 @@ import os
 import sys
 import time
 
-from shardlm.args import add_layout_args, add_log_level, byte_size, layout_options, log, setup_logging
+from shardlm.args import (
+    add_layout_args,
+    add_log_level,
+    byte_size,
+    front_options,
+    layout_options,
+    log,
+    setup_logging,
+)
 from shardlm.engine.config import AXES as ENGINE_AXES
 
 
@@ -66,6 +74,7 @@ def run_generate(args) -> int:
     )
     ckpt = open_checkpoint(args.model)
     tokenizer = ckpt.tokenizer()
+    tokenizer.chat_template = args.chat_template or tokenizer.chat_template
     chat = not args.no_chat and bool(tokenizer.chat_template)
     conversations = [[{"role": "user", "content": p}] for p in prompts]
     options = dict(
@@ -86,7 +95,7 @@ def run_generate(args) -> int:
             f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
             f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {config.dtype})"
         )
-    with LLM(ckpt, tokenizer=tokenizer, **options) as llm:
+    with LLM(ckpt, tokenizer=tokenizer, **options, **front_options(args)) as llm:
         for p, c in zip(prompts, conversations):  # reject a prompt that does not fit before generating
             if chat:
                 llm.encode_chat(c)

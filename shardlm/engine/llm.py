@@ -9,9 +9,11 @@ same script and calls ``generate`` with the same prompts (SPMD).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 from shardlm.engine.config import EngineConfig, resolve_device
@@ -79,6 +81,34 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+GENERATION_DEFAULTS = {  # generation_config.json's name -> SamplingParams' (the fields vLLM takes from it)
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(generation_config: str, ckpt: Checkpoint) -> dict:
+    """Default sampling fields from ``generation_config.json`` (vLLM's ``--generation-config``):
+    'auto' reads the model directory's, 'vllm' none, any other value names a directory holding one."""
+    if generation_config == "vllm":
+        return {}
+    folder = ckpt.path if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+        raise UsageError(
+            f"generation_config={generation_config!r}: no generation_config.json there; give 'auto' (the "
+            f"model's), 'vllm' (none) or a directory that holds one"
+        )
+    file = folder / "generation_config.json"
+    if not folder.is_dir() or not file.is_file():
+        return {}  # a GGUF file, or a directory without one
+    given = json.loads(file.read_text())
+    return {ours: given[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if given.get(theirs) is not None}
+
+
 def settle(config: EngineConfig, ckpt: Checkpoint) -> EngineConfig:
     """``config`` for this model on the device its ranks will pick (each host's alike): dtype
     'auto' and enable_expert_parallel settled (EngineConfig.for_model)."""
@@ -115,18 +145,27 @@ class EngineFront:
     _ranks: LocalRanks | None = None  # the rank processes this front started (None: it runs in them)
 
     def __init__(self, model: str | Checkpoint, options: dict, tokenizer=None):
+        self.chat_template: str | None = options.pop("chat_template", None)  # overrides the model's
+        generation_config = options.pop("generation_config", "auto")
         ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
         self.checkpoint = ckpt
         self.dims = check_layout(self.config, ckpt)
         self.max_model_len = max_model_len(self.config, ckpt.config.max_position_embeddings)
+        self.sampling_defaults = sampling_defaults(generation_config, ckpt)
         self._tokenizer = tokenizer
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             self._tokenizer = self.checkpoint.tokenizer()
+        if self.chat_template is not None:
+            self._tokenizer.chat_template = self.chat_template
         return self._tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation_config.json defaults (``generation_config``)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def check_params(self, p: SamplingParams) -> None:
         """Refuse sampling params this model or layout cannot honour, before any rank sees them."""
@@ -199,11 +238,12 @@ class LLM(EngineFront):
         """A prompt's ids (text is encoded as the model's tokenizer does, special tokens added)."""
         return self._fits(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template) -> list[int]:
         """A conversation's ids: its chat template rendered and encoded as HF's
-        ``apply_chat_template(..., tokenize=True)`` does (``Tokenizer.encode_chat``)."""
-        self.chat_prompt(messages)  # says so when the model has no template
-        return self._fits(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
+        ``apply_chat_template(..., tokenize=True)`` does (``Tokenizer.encode_chat``); ``template``:
+        ``chat_template`` (instead of the model's) and the template's variables."""
+        self.chat_prompt(messages, add_generation_prompt, **template)  # says so when there is no template
+        return self._fits(self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **template))
 
     def _fits(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -216,10 +256,12 @@ class LLM(EngineFront):
             )
         return ids
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        if not self.tokenizer.chat_template:
-            raise UsageError(f"model {self.config.model!r} has no chat template; pass raw prompts instead")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **template) -> str:
+        if not (template.get("chat_template") or self.tokenizer.chat_template):
+            raise UsageError(
+                f"model {self.config.model!r} has no chat template; pass raw prompts, or chat_template=..."
+            )
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **template)
 
     # ---- generation ----------------------------------------------------------------
     def generate(
@@ -235,7 +277,7 @@ class LLM(EngineFront):
         return self._generate(items, [self.encode(p) for p in items], params, on_token)
 
     def _generate(self, prompts: list, prompt_ids: list[list[int]], params, on_token) -> list[RequestOutput]:
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         param_list: list[SamplingParams] = (
             list(params) if isinstance(params, (list, tuple)) else [cast(SamplingParams, params)] * len(prompts)
         )
@@ -300,14 +342,21 @@ class LLM(EngineFront):
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_token: Callable[[int, int], None] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each conversation (a list of messages) after its chat template's generation prompt."""
+        """Complete each conversation (a list of messages) after its chat template's generation
+        prompt (vLLM's keywords: another ``chat_template``, variables for it, no generation prompt)."""
         convs = cast(
             "list[list[dict]]",
             [conversations] if conversations and isinstance(conversations[0], dict) else conversations,
         )
-        ids = [self.encode_chat(c) for c in convs]  # not the rendered text: its BOS is in it already
-        return self._generate([self.chat_prompt(c) for c in convs], ids, params, on_token)
+        template = {**(chat_template_kwargs or {}), **({"chat_template": chat_template} if chat_template else {})}
+        # the ids, not the rendered text encoded again: its BOS is in it already
+        ids = [self.encode_chat(c, add_generation_prompt, **template) for c in convs]
+        texts = [self.chat_prompt(c, add_generation_prompt, **template) for c in convs]
+        return self._generate(texts, ids, params, on_token)
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once

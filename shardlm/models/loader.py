@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,11 +140,17 @@ class Checkpoint:
         return Tokenizer.from_gguf(GGUFFile(self.path))
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def open_checkpoint(model: str | Path) -> Checkpoint:
-    """Resolve ``smollm2``, a HF directory, or a ``.gguf`` file; read only its metadata."""
+    """Resolve ``smollm2``, a HF directory, a ``.gguf`` file, or a HF hub id found in the local HF
+    cache (never downloaded); read only its metadata."""
     from shardlm.models import registry
 
     path = registry.resolve(str(model)) if str(model) in registry.MODELS else Path(model)
+    if not path.exists() and HUB_ID.fullmatch(str(model)):
+        path = from_hub_cache(str(model))
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"{str(path)!r} has no config.json; give a HF model directory, a .gguf file or 'smollm2'")
@@ -160,6 +167,22 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
         f"model {str(model)!r} not found: give 'smollm2' (the embedded SmolLM2-135M-Instruct), "
         f"a HF directory with config.json and *.safetensors, or a .gguf file"
     )
+
+
+def from_hub_cache(repo_id: str) -> Path:
+    """The local snapshot of a HF hub model, as ``vllm serve ORG/NAME`` finds it once downloaded
+    (``HF_HUB_CACHE`` / ``HF_HOME`` are honoured); shardlm never downloads."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"model {repo_id!r} is not a local path and is not in the HF cache {cache}; shardlm does not "
+            f"download: fetch it first (huggingface-cli download {repo_id}) or give its directory"
+        ) from None
 
 
 def load_model(

@@ -14,7 +14,7 @@ import asyncio
 import signal
 import socket
 
-from shardlm.args import add_layout_args, byte_size, layout_options, log
+from shardlm.args import add_layout_args, byte_size, front_options, layout_options, log
 from shardlm.engine.config import AXES as ENGINE_AXES
 
 
@@ -180,7 +180,7 @@ def _start_engine(args):
         f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
         f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {config.dtype})"
     )
-    engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options)
+    engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options, **front_options(args))
     if args.prefill_replicas:
         span = lambda a, b: str(a) if a == b else f"{a}-{b}"
         log(

@@ -86,11 +86,8 @@ CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
     "web_search_options": (),
     "verbosity": (),
     "echo": (False,),
-    "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "add_special_tokens": (False,),  # what the chat endpoint does (the template writes them)
-    "chat_template": (),
-    "chat_template_kwargs": (),
     "documents": (),
     "mm_processor_kwargs": (),
 }
@@ -142,6 +139,9 @@ class ChatRequest(_Sampling, _declared("_ChatNotImplemented", CHAT_NOT_IMPLEMENT
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLETION_NOT_IMPLEMENTED)):  # type: ignore[misc]
@@ -226,7 +226,8 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
     if isinstance(req, ChatRequest):
-        prompts, where = [_chat_ids(req, engine.tokenizer)], "messages"
+        generation_prompt = req.add_generation_prompt is not False
+        prompts, where = [_chat_ids(req, engine.tokenizer, generation_prompt)], "messages"
     else:
         prompts, where = _completion_ids(req, engine), "prompt"
     for i, ids in enumerate(prompts):
@@ -256,8 +257,9 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
     drop_sampled = echo and max_tokens == 0  # scoring a prompt (lm-eval's loglikelihood): no new token
     if drop_sampled:
         max_tokens = 1
+    defaults = engine.sampling_defaults  # the model's generation_config.json (serve --generation-config)
     if max_tokens is None:
-        max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+        max_tokens = min(defaults.get("max_tokens", room if chat else DEFAULT_COMPLETION_TOKENS), room)
     elif max_tokens < 1:
         raise bad_request(f"{name}={max_tokens} must be at least 1 (0 only with echo), e.g. 64", param=name)
     elif max_tokens > room:
@@ -267,10 +269,11 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             param=name,
             code="context_length_exceeded",
         )
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
     if temperature < 0:
         raise bad_request(f"temperature={temperature} must be >= 0 (0 is greedy), e.g. 0.7", param="temperature")
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    top_k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
+    top_k = 0 if top_k == -1 else top_k
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise bad_request(
             f"seed={req.seed} is out of range; torch seeds are 64-bit: use an integer in [-2**63, 2**64), e.g. 42",
@@ -288,12 +291,14 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
             top_k=top_k,
-            min_p=req.min_p or 0.0,
+            min_p=defaults.get("min_p", 0.0) if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=defaults.get("repetition_penalty", 1.0)
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias, engine),
             min_tokens=req.min_tokens or 0,
             seed=req.seed,
@@ -456,14 +461,23 @@ def _chat_ids(
         if m.name is not None:
             message["name"] = m.name
         messages.append(message)
-    if not tokenizer.chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions with a raw prompt", param="messages")
+    template: dict[str, Any] = {}  # vLLM's per-request chat_template and its variables (chat requests)
+    if isinstance(req, ChatRequest):
+        template = dict(req.chat_template_kwargs or {})
+        if req.chat_template:
+            template["chat_template"] = req.chat_template
+    if not (template.get("chat_template") or tokenizer.chat_template):
+        raise bad_request(
+            "this model has no chat template; use /v1/completions with a raw prompt, or give chat_template",
+            param="messages",
+        )
     try:
         if add_special_tokens:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt))
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt, **template))
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **template)
     except Exception as e:
-        raise bad_request(f"the chat template refused these messages: {e}", param="messages") from None
+        where = "chat_template" if "chat_template" in template else "messages"
+        raise bad_request(f"the chat template refused these messages: {e}", param=where) from None
 
 
 def completion_prompts(req: CompletionRequest) -> list:

@@ -61,6 +61,7 @@ def engine(tok):
         max_model_len=64,
         kv_blocks=100,
         config=SimpleNamespace(block_size=16, speculative_config=None),
+        sampling_defaults={},
         checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)),
     )
     fake.room = lambda prompt_len: AsyncLLM.room(fake, prompt_len)  # the engine's own rule
@@ -227,7 +228,8 @@ IMPLEMENTED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "seed", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "logprobs",
-    "top_logprobs", "prompt_logprobs", "echo", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "top_logprobs", "prompt_logprobs", "echo", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
 }  # fmt: skip
 """The request fields prepare() honours (user: accepted, documented as not used)."""
@@ -242,7 +244,9 @@ def test_every_declared_field_is_implemented_or_in_a_refusal_table():
 
     assert set(ChatRequest.model_fields) == IMPLEMENTED - {"prompt"} | set(NOT_IMPLEMENTED) | set(CHAT_NOT_IMPLEMENTED)
     assert set(CompletionRequest.model_fields) == (
-        IMPLEMENTED - {"messages", "max_completion_tokens", "top_logprobs"}
+        IMPLEMENTED
+        - {"messages", "max_completion_tokens", "top_logprobs", "chat_template", "chat_template_kwargs"}
+        - {"add_generation_prompt"}
         | set(NOT_IMPLEMENTED)
         | set(COMPLETION_NOT_IMPLEMENTED)
     )
@@ -429,3 +433,24 @@ def test_metrics_are_also_exported_under_vllms_names():
     for ours, theirs in VLLM_NAMES.items():  # every alias has a source: none is dead
         assert any(n.startswith(ours) for n in exported), ours
         assert any(n.startswith(theirs) for n in exported), theirs
+
+
+def test_generation_config_defaults_fill_absent_fields(engine):
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 7}
+    p = prepare(chat(), engine, "smollm2").params
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.9, 20, 7)
+    q = prepare(chat(temperature=0, top_p=1.0, top_k=-1, max_tokens=3), engine, "smollm2").params
+    assert (q.temperature, q.top_p, q.top_k, q.max_tokens) == (0, 1.0, 0, 3)  # the request's own win
+
+
+def test_chat_template_fields_reach_the_template(engine, tok):
+    plain = prepare(chat(chat_template="{{ messages[0]['content'] }}!"), engine, "smollm2").prompts[0]
+    assert plain == tok.encode("Hi!", add_special_tokens=False)
+    custom = "{{ greeting }} {{ messages[0]['content'] }}{% if add_generation_prompt %}>{% endif %}"
+    got = prepare(chat(chat_template=custom, chat_template_kwargs={"greeting": "Yo"}), engine, "smollm2").prompts[0]
+    assert got == tok.encode("Yo Hi>", add_special_tokens=False)
+    bare = prepare(chat(chat_template=custom, add_generation_prompt=False, chat_template_kwargs={"greeting": "Yo"}),
+                   engine, "smollm2").prompts[0]  # fmt: skip
+    assert bare == tok.encode("Yo Hi", add_special_tokens=False)
+    e = refused(engine, chat(chat_template="{% if %}"))
+    assert e.param == "chat_template" and "refused" in e.message
