@@ -148,6 +148,14 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
         help="no CUDA graphs (by default a GPU replays one per decode shape class; tp=1, dense models)",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="on a GPU: the KV cache gets what is left of this fraction of its memory after the weights "
+        "(vLLM's flag; instead of --kv-cache-memory)",
+    )
+    p.add_argument(
         "--chat-template",
         type=chat_template,
         default=None,
@@ -196,6 +204,7 @@ def layout_options(args) -> dict:
         micro_batches=args.micro_batches,
         dtype=args.dtype,
         enable_expert_parallel=args.enable_expert_parallel,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,

@@ -53,6 +53,10 @@ class EngineConfig:
     """Longest prompt + output in tokens; default: the model's max_position_embeddings."""
     kv_cache_memory: int = 2 << 30
     """Bytes of KV cache per rank (an upper bound; pages are touched only as used)."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's flag, on a GPU: the KV cache takes what is left of this fraction of the GPU's memory
+    once the weights are loaded (``kv_budget``; instead of kv_cache_memory); the rest stays free
+    for activations and workspace. Refused on CPU."""
     quantization: str | None = None
     """'int8': weight-only int8 for the linear layers (each output row with its own scale, absmax /
     127 of the whole row, so every layout holds the same int8 weights), computed by each rank on its
@@ -117,6 +121,9 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not supported; use auto, cpu or cuda")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1):
+            raise UsageError(f"gpu_memory_utilization={util!r} must be in (0, 1], e.g. 0.9")
         for name in ("eplb_interval", "eplb_redundant"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise UsageError(f"{name}={getattr(self, name)!r} must be a non-negative integer (0 turns it off)")
@@ -149,6 +156,11 @@ class EngineConfig:
     def for_model(self, model: ModelConfig, device_type: str) -> EngineConfig:
         """This config with what depends on the model and the device settled: dtype 'auto', and
         ``enable_expert_parallel``'s ep (idempotent)."""
+        if self.gpu_memory_utilization is not None and device_type != "cuda":
+            raise UsageError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} sizes the KV cache from GPU memory, but "
+                f"this run is on {device_type}; give kv_cache_memory (--kv-cache-memory) instead"
+            )
         dtype = self.dtype
         if dtype == "auto":
             dtype = model.checkpoint_dtype
@@ -174,6 +186,21 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
+
+
+def kv_budget(utilization: float, free: int, total: int) -> int:
+    """KV-cache bytes for ``gpu_memory_utilization``: the fraction of the GPU's ``total`` bytes
+    less what is already in use (``total - free``: this rank's weights, the CUDA context, any other
+    process), as SGLang's static memory fraction; raises when nothing is left."""
+    used = total - free
+    budget = int(utilization * total) - used
+    if budget <= 0:
+        raise UsageError(
+            f"gpu_memory_utilization={utilization} allows {utilization * total / 2**30:.2f} GiB of this GPU's "
+            f"{total / 2**30:.2f} GiB, but {used / 2**30:.2f} GiB are in use already (weights, CUDA context, other "
+            f"processes); raise it, or spread the model over more GPUs"
+        )
+    return budget
 
 
 def resolve_device(device: str, local_world: int) -> str:

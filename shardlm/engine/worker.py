@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.engine.block_manager import BlockManager
-from shardlm.engine.config import EngineConfig, resolve_device
+from shardlm.engine.config import EngineConfig, kv_budget, resolve_device
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, TokenLogprob
@@ -79,7 +79,10 @@ class Worker:
         bs = config.block_size
         self.kv_block_bytes = per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
         needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
-        self.num_blocks = max(1, min(config.kv_cache_memory // max(per_block, 1), needed))
+        budget = config.kv_cache_memory
+        if config.gpu_memory_utilization is not None:  # for_model refused it off a GPU
+            budget = kv_budget(config.gpu_memory_utilization, *torch.cuda.mem_get_info(self.device))
+        self.num_blocks = max(1, min(budget // max(per_block, 1), needed))
         self.moe = bool(moe_blocks(self.model))
         # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)
         graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == 1 and not self.moe

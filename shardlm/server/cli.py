@@ -188,12 +188,16 @@ def _start_engine(args):
             f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)"
         )
     bs = engine.config.block_size
+    sizing = (
+        f"--gpu-memory-utilization {args.gpu_memory_utilization}"
+        if args.gpu_memory_utilization is not None
+        else f"--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank"
+    )
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
     log(
         f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
-        f"(--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank, {engine.config.kv_torch_dtype} "
-        f"elements)"
+        f"({sizing}, {engine.config.kv_torch_dtype} elements)"
     )
     return engine
 

@@ -51,3 +51,16 @@ def test_enable_expert_parallel_spreads_experts_over_dp_x_tp():
     assert config.for_model(dense, "cpu").parallel.ep == 1  # a dense model: no effect, as in vLLM
     with pytest.raises(UsageError, match=r"ep=4, etp=1\), but ep=2"):
         EngineConfig.of(tp=2, dp=2, ep=2, enable_expert_parallel=True).for_model(moe, "cpu")
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_what_is_left():
+    from shardlm.engine.config import kv_budget
+
+    gib = 1 << 30
+    assert kv_budget(0.9, free=70 * gib, total=80 * gib) == int(0.9 * 80 * gib) - 10 * gib  # 62 GiB for KV
+    with pytest.raises(UsageError, match=r"allows 7.20 GiB of this GPU's 8.00 GiB, but 7.50 GiB are in use"):
+        kv_budget(0.9, free=gib // 2, total=8 * gib)
+    with pytest.raises(UsageError, match="sizes the KV cache from GPU memory, but this run is on cpu"):
+        EngineConfig(gpu_memory_utilization=0.9).for_model(ModelConfig.from_hf(BASE), "cpu")
+    with pytest.raises(UsageError, match=r"must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=1.5)
