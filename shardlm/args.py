@@ -62,7 +62,8 @@ def add_log_level(p: argparse.ArgumentParser) -> None:
         "--log-level",
         choices=LOG_LEVELS,
         default="info",
-        help="what goes to stderr: info (default) shows progress and, under serve, one line per request; "
+        metavar="LEVEL",
+        help="debug, info, warning or error: what goes to stderr; info (default) shows progress and, under serve, one line per request; "
         "warning and error only problems; debug everything",
     )
 

@@ -81,6 +81,13 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def best(done: list[Completion], p: SamplingParams) -> list[Completion]:
+    """best_of: the ``p.n`` completions with the highest cumulative logprob (logprobs dropped again
+    unless ``p`` asked for them)."""
+    ranked = sorted(done, key=lambda c: -sum(e.logprob for e in c.logprobs or []))[: p.n]
+    return ranked if p.logprobs is not None else [dataclasses.replace(c, logprobs=None) for c in ranked]
+
+
 GENERATION_DEFAULTS = {  # generation_config.json's name -> SamplingParams' (the fields vLLM takes from it)
     "temperature": "temperature",
     "top_p": "top_p",
@@ -290,15 +297,17 @@ class LLM(EngineFront):
             if p.max_tokens > room:
                 p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
             first = len(requests)
-            for j in range(p.n):  # n choices: seeds seed, seed + 1, ...; the first computes the prompt
+            for j in range(p.generated):  # n choices: seeds seed, seed + 1, ...; the first computes the prompt
                 seed = p.seed + j if p.seed is not None else self.config.seed + len(requests)
-                requests.append(Request(ids, p, seed, after=first if j else None))
+                requests.append(Request(ids, p.for_engine(), seed, after=first if j else None))
         completions = iter(self._run(requests, on_token))
         outputs = []
         for pr, ids, p in zip(prompts, prompt_ids, param_list):
             text = isinstance(pr, str)  # prompts given as token ids get token ids back
-            done = [next(completions) for _ in range(p.n)]
+            done = [next(completions) for _ in range(p.generated)]
             scored = done[0].prompt_logprobs
+            if p.generated > p.n:  # best_of: the n most likely, most likely first
+                done = best(done, p)
             outputs.append(
                 RequestOutput(
                     prompt=pr if text else None,

@@ -14,6 +14,7 @@ raw logits before any processor (vLLM's default ``raw_logprobs``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from shardlm.errors import UsageError
 class SamplingParams:
     n: int = 1
     """Completions of each prompt, each with its own seed stream; the prompt is computed once."""
+    best_of: int | None = None
+    """Generate this many (>= n) and return the n with the highest cumulative logprob (OpenAI's)."""
     max_tokens: int = 64
     """Most new tokens to generate (the CLI's --max-new-tokens)."""
     temperature: float = 0.0
@@ -74,6 +77,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", {int(k): v for k, v in dict(self.logit_bias).items()})
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise UsageError(f"n={self.n!r} must be a positive integer (completions per prompt), e.g. 4")
+        if self.best_of is not None and (not _count(self.best_of) or self.best_of < self.n):
+            raise UsageError(f"best_of={self.best_of!r} must be an integer >= n={self.n}, e.g. {self.n + 2}")
+
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
@@ -106,6 +112,17 @@ class SamplingParams:
                 raise UsageError(f"logit_bias token id {token!r} must be a non-negative integer")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                 raise UsageError(f"logit_bias[{token}]={bias!r} must be a number in [-100, 100] (OpenAI's range)")
+
+    @property
+    def generated(self) -> int:
+        """Completions generated per prompt (best_of, else n)."""
+        return self.best_of or self.n
+
+    def for_engine(self) -> SamplingParams:
+        """With best_of, what each generated completion needs: its cumulative logprob (logprobs >= 0)."""
+        if self.generated == self.n or self.logprobs is not None:
+            return self
+        return dataclasses.replace(self, logprobs=0)
 
     @property
     def greedy(self) -> bool:

@@ -83,32 +83,49 @@ class Generation:
         self.endpoint = endpoint  # for the request's log line
         self.id = uuid.uuid4().hex  # the response's id carries it too
         self.queue_s: float | None = None  # the first choice's wait for its first step
-        self.choices = [
+        self.generated = [
             Choice(engine.tokenizer, prepared.params.stop, keep=not prepared.drop_sampled)
             for _ in range(prepared.choices)
         ]
+        self.choices = self.generated  # what the answer holds: fewer with best_of (keep_best)
         self.first: float | None = None  # time.perf_counter() of the first and the latest token
         self.last: float | None = None
 
     @property
+    def per_prompt(self) -> int:
+        """Choices answered per prompt (n; best_of generates more, ``keep_best`` keeps n)."""
+        return len(self.choices) // len(self.prepared.prompts)
+
+    def keep_best(self) -> None:
+        """best_of: keep each prompt's n choices with the highest cumulative logprob, most likely first."""
+        params = self.prepared.params
+        if params.generated == params.n:
+            return
+        every = params.generated
+        groups = [self.generated[i : i + every] for i in range(0, len(self.generated), every)]
+        self.choices = [
+            c for group in groups for c in sorted(group, key=lambda c: -sum(e.logprob for e in c.logprobs))[: params.n]
+        ]
+
+    @property
     def token_count(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(len(c.token_ids) for c in self.generated)  # best_of: every generated token counts
 
     def usage(self) -> dict:
         prompt, done = sum(len(p) for p in self.prepared.prompts), self.token_count
-        n = self.prepared.params.n  # a prompt's first choice computed it; the others found it cached
+        every = self.prepared.params.generated  # a prompt's first choice computed it; the others found it cached
         return {
             "prompt_tokens": prompt,
             "completion_tokens": done,
             "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices[::n])},
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.generated[::every])},
         }
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Every choice's deltas as they come, until each has finished.
         Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
         p = self.prepared
-        stream = self.engine.generate_choices(p.prompts, p.params)
+        stream = self.engine.generate_choices(p.prompts, p.params.for_engine())
         outcome: str | None = "abort"  # until it finishes; None when the engine refused it
         started = False
         self.metrics.in_flight.inc()

@@ -93,7 +93,6 @@ CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 COMPLETION_NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
-    "best_of": (1,),
     "add_special_tokens": (True,),  # what the completions endpoint does
 }
 
@@ -148,6 +147,7 @@ class CompletionRequest(_Sampling, _declared("_CompletionNotImplemented", COMPLE
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    best_of: int | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -217,7 +217,8 @@ class Prepared:
 
     @property
     def choices(self) -> int:
-        return len(self.prompts) * self.params.n
+        """Completions the engine generates (best_of of them per prompt with best_of)."""
+        return len(self.prompts) * self.params.generated
 
 
 def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> Prepared:
@@ -286,9 +287,15 @@ def prepare(req: ChatRequest | CompletionRequest, engine, served_model: str) -> 
         )
     scored = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     structured = _structured(req, engine)
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    if best_of is not None and best_of > (req.n or 1) and req.stream:
+        raise bad_request(
+            f"best_of={best_of} cannot be streamed (as at OpenAI); drop stream or best_of", param="best_of"
+        )
     try:
         params = SamplingParams(
             n=1 if req.n is None else req.n,
+            best_of=best_of,
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,

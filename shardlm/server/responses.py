@@ -39,12 +39,12 @@ class Shape:
 
     def prompt_ids(self, index: int) -> list[int]:
         p = self.gen.prepared
-        return p.prompts[index // p.params.n]
+        return p.prompts[index // self.gen.per_prompt]
 
     def _choice(self, index: int, content, finish_reason: str | None, token_ids, logprobs, lead: bool) -> dict:
         p = self.gen.prepared
         if lead and p.echo is not None:  # the prompt leads the text
-            content = p.echo[index // p.params.n] + content
+            content = p.echo[index // self.gen.per_prompt] + content
         choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         if lead and p.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(index)

@@ -71,6 +71,7 @@ async def _complete(
         first = await until_disconnect(anext(deltas), request.receive)
         if not prepared.stream:
             await until_disconnect(_rest(deltas), request.receive)
+            gen.keep_best()
             return JSONResponse(shape.full())
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)

@@ -222,3 +222,15 @@ def test_prompt_logprobs_equal_hf_log_softmax(hf_llama, layout):
             top = torch.topk(row, TOP).indices.tolist() if out is not again else []
             assert set(top) <= set(entry)
         assert out.token_ids == ref.tokens[PROMPTS.index(prompt)][:4]  # sampling goes on as ever
+
+
+def test_best_of_keeps_the_n_most_likely(hf_llama):
+    ref, _ = hf_llama
+    prompt = PROMPTS[2]
+    with LLM(str(ref.path), threads=1) as llm:
+        every = llm.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=9, logprobs=0))[0]
+        best = llm.generate(prompt, SamplingParams(n=2, best_of=4, max_tokens=8, temperature=1.0, seed=9))[0]
+    ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.token_ids for c in ranked[:2]] != [c.token_ids for c in every.outputs[:2]]  # can fail: not the first two
+    assert best.outputs[0].logprobs is None  # not asked for

@@ -256,6 +256,15 @@ def test_n_choices_and_several_prompts(client, reference, tok):
     assert [c.message.content for c in greedy.choices] == [reference[QUESTIONS[0]][1]] * 3
 
 
+def test_best_of_returns_the_most_likely_of_its_samples(client):
+    body = dict(model="smollm2", prompt=RAW, max_tokens=6, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
+    every = client.completions.create(n=4, logprobs=0, **body).choices
+    best = client.completions.create(n=2, best_of=4, **body)
+    ranked = sorted(every, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 4 * 6  # every sample is billed
+
+
 def test_penalties_and_logit_bias_match_offline(client, reference):
     r = client.completions.create(
         model="smollm2", prompt=RAW, max_tokens=16, temperature=0, extra_body={"ignore_eos": True, **PENALTIES}

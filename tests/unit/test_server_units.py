@@ -153,6 +153,8 @@ def test_parameters_reach_sampling(engine):
         (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
         (lambda: CompletionRequest(prompt="Hi", logprobs=-1), "logprobs", "[0, 20]"),
         (lambda: chat(stop_token_ids=[99999]), "stop_token_ids", "outside the vocabulary"),
+        (lambda: CompletionRequest(prompt="Hi", n=3, best_of=2), "best_of", "must be an integer >= n=3"),
+        (lambda: CompletionRequest(prompt="Hi", best_of=2, stream=True), "best_of", "cannot be streamed"),
         (lambda: chat(max_tokens=0), "max_tokens", "at least 1"),
         (lambda: chat(max_tokens=60), "max_tokens", "lower max_tokens to"),
         (lambda: chat(temperature=-0.1), "temperature", ">= 0"),
@@ -229,7 +231,7 @@ IMPLEMENTED = {
     "stream_options", "ignore_eos", "return_token_ids", "user", "messages", "max_completion_tokens", "prompt",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "logprobs",
     "top_logprobs", "prompt_logprobs", "echo", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",
 }  # fmt: skip
 """The request fields prepare() honours (user: accepted, documented as not used)."""
@@ -242,7 +244,9 @@ def both_requests(**kw):
 def test_every_declared_field_is_implemented_or_in_a_refusal_table():
     from shardlm.server.protocol import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 
-    assert set(ChatRequest.model_fields) == IMPLEMENTED - {"prompt"} | set(NOT_IMPLEMENTED) | set(CHAT_NOT_IMPLEMENTED)
+    assert set(ChatRequest.model_fields) == IMPLEMENTED - {"prompt", "best_of"} | set(NOT_IMPLEMENTED) | set(
+        CHAT_NOT_IMPLEMENTED
+    )
     assert set(CompletionRequest.model_fields) == (
         IMPLEMENTED
         - {"messages", "max_completion_tokens", "top_logprobs", "chat_template", "chat_template_kwargs"}
