@@ -33,10 +33,11 @@ def add_generate(sub) -> None:
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text; several prompts run as one batch")
     add_layout_args(p, ENGINE_AXES)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    # unset: the model's generation_config.json (--generation-config), else the defaults named here
+    p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens to generate per prompt (128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1] (default 1)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0: all, default)")
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling")
     p.add_argument(
         "--no-chat",
@@ -53,7 +54,7 @@ def add_generate(sub) -> None:
 
 def run_generate(args) -> int:
     from shardlm.engine.config import EngineConfig
-    from shardlm.engine.llm import LLM, check_layout, settle
+    from shardlm.engine.llm import LLM, check_layout, sampling_defaults, settle
     from shardlm.engine.sampling import SamplingParams
     from shardlm.launch import torchrun_env
     from shardlm.models.loader import open_checkpoint
@@ -63,16 +64,14 @@ def run_generate(args) -> int:
     prompts = args.prompts or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
     if not prompts:
         raise_usage('give at least one prompt, e.g. shardlm generate "Hello" (or pipe one on stdin)')
-    if args.max_new_tokens < 1:
-        raise_usage(f"--max-new-tokens {args.max_new_tokens} must be at least 1, e.g. --max-new-tokens 128")
-    params = SamplingParams(
-        max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed if args.temperature > 0 else None,
-    )
     ckpt = open_checkpoint(args.model)
+    given = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k}  # fmt: skip
+    fields = {"max_tokens": 128, "temperature": 0.0, **sampling_defaults(args.generation_config, ckpt)}
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if fields["max_tokens"] < 1:
+        raise_usage(f"--max-new-tokens {fields['max_tokens']} must be at least 1, e.g. --max-new-tokens 128")
+    params = SamplingParams(**fields, seed=args.seed if fields["temperature"] > 0 else None)
     tokenizer = ckpt.tokenizer()
     tokenizer.chat_template = args.chat_template or tokenizer.chat_template
     chat = not args.no_chat and bool(tokenizer.chat_template)

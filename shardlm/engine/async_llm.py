@@ -136,8 +136,7 @@ class AsyncLLM(EngineFront):
             yield out
 
     async def generate_choices(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[StreamOutput]:
-        """Stream ``params.generated`` completions of each prompt (n, or best_of: the caller keeps the
-        best n), interleaved as they come: completion j of
+        """Stream ``params.n`` completions of each prompt, interleaved as they come: completion j of
         prompt i has ``index`` i * n + j (OpenAI's numbering). A prompt's n completions go to one
         replica, where the later ones find the prompt in the prefix cache (``Request.after``); their
         seeds are ``params.seed`` + j. Leaving the loop early cancels whatever has not finished."""
@@ -146,7 +145,12 @@ class AsyncLLM(EngineFront):
         self.check_params(params)
         for ids in prompts:
             self.check(ids, params)
-        n = params.generated  # best_of: that many, the caller keeps the best n
+        if params.generated > params.n:
+            raise UsageError(
+                f"best_of={params.best_of}: AsyncLLM streams every completion; ask for n={params.best_of} "
+                "and keep the best yourself (/v1/completions does)"
+            )
+        n = params.n
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         adds = []

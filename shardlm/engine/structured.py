@@ -2,11 +2,11 @@
 
 A request names what its answer must be: a JSON schema, any JSON object, a regular expression,
 one of a list of strings, or a Lark grammar (vLLM's ``StructuredOutputsParams``). The grammar
-engine is llguidance (https://github.com/guidance-ai/llguidance): Rust, on the CPU, a mask in
-tens of microseconds per token for JSON schemas, so the ranks that sample (the last pipeline
-stage's) compute it between the forward pass and the draw, without a GPU kernel. Chosen over
-xgrammar for that reason (xgrammar's mask also runs on the CPU, but it pins torch and ships
-CUDA kernels this engine would not use); ``benchmarks/structured.py`` measures the cost.
+engine is llguidance (https://github.com/guidance-ai/llguidance): Rust, on the CPU, so the ranks
+that sample (the last pipeline stage's) compute the mask between the forward pass and the draw,
+without a GPU kernel. Chosen over xgrammar because xgrammar pins torch and ships CUDA kernels this
+engine would not use; the mask's cost per token is measured by ``benchmarks/structured.py``
+(figures: docs/performance.md).
 
 The front end compiles and checks a request's grammar once (``check_grammar``: a bad schema or
 regex is refused before any rank sees it); each sampling rank then keeps a matcher per sequence

@@ -12,6 +12,7 @@ its client hangs up, also while it is still waiting in the queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -60,7 +61,7 @@ class Choice:
         one), its tokens and logprobs."""
         self.prompt_logprobs += out.prompt_logprobs
         if not self.keep:
-            self.finish_reason = out.finish_reason and "length"
+            self.finish_reason = "length" if out.finish_reason is not None else None
             return Delta(out.index, "", [], [], self.finish_reason, out.prompt_logprobs)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -125,7 +126,8 @@ class Generation:
         """Every choice's deltas as they come, until each has finished.
         Raises APIError: 400 (the engine refused the request), 429 (queue full), 503 (engine dead)."""
         p = self.prepared
-        stream = self.engine.generate_choices(p.prompts, p.params.for_engine())
+        every = p.params.for_engine()  # best_of: all its samples as n, then keep_best picks
+        stream = self.engine.generate_choices(p.prompts, dataclasses.replace(every, n=every.generated, best_of=None))
         outcome: str | None = "abort"  # until it finishes; None when the engine refused it
         started = False
         self.metrics.in_flight.inc()
