@@ -36,8 +36,8 @@ def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
 
 def timed(llm: LLM, prompts, max_tokens: int) -> tuple[float, int]:
     """(wall seconds, generated tokens) of one generate; every prompt runs to max_tokens."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     out = llm.generate(prompts, params)
     return time.perf_counter() - start, sum(len(o.token_ids) for o in out)

@@ -81,7 +81,7 @@ def synchronize() -> None:
 
 def runner(llm: LLM, ids: list[int]):
     def run(n: int) -> None:
-        llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+        llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
 
     return run
 

@@ -41,7 +41,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> str:
 def batch_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     """Decode tok/s over all of ``prompts`` decoding together (prefill and first token excluded)."""
     return len(prompts) * decode_rate(
-        lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)), tokens
+        lambda n: llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)), tokens
     )
 
 

@@ -46,7 +46,7 @@ def main() -> None:
     print(
         f"SmolLM2 {args.dtype}, one sequence at a time, {args.max_tokens} new tokens, greedy; {load_note()}", flush=True
     )
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llms = {
         "plain": LLM("smollm2", dtype=args.dtype),
         "ngram": LLM("smollm2", dtype=args.dtype, speculative_config={"num_speculative_tokens": args.k}),

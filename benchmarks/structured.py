@@ -43,8 +43,10 @@ def main() -> None:
     print(f"SmolLM2 float32, batch {args.batch}, up to {args.max_tokens} new tokens, greedy; {load_note()}", flush=True)
     convs = [[{"role": "user", "content": f"Describe a {JOBS[i % len(JOBS)]} as JSON."}] for i in range(args.batch)]
     runs = {
-        "free": SamplingParams(max_tokens=args.max_tokens),
-        "schema": SamplingParams(max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+        "free": SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+        "schema": SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
     }
     with LLM("smollm2", max_model_len=1024) as llm:
         rates: dict[str, list[float]] = {name: [] for name in runs}

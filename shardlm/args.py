@@ -107,6 +107,11 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     p.add_argument(
         "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
     )
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank (default 2GiB)")
+    p.add_argument("--seed", type=int, default=0, help="base seed for requests that give none (default 0)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -212,4 +217,20 @@ def layout_options(args) -> dict:
         compile=args.compile,
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        threads=args.threads,
+        **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory is not None else {}),
+    )
+
+
+def loading_line(model: str, ckpt, config) -> str:
+    """The first log line of generate and serve: what loads, on how many ranks, in which layout."""
+    dims = config.parallel
+    world = config.dims().world_size
+    axes = ", ".join(f"{a}={getattr(dims, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(dims, a) > 1)
+    return (
+        f"loading {model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
+        f"rank{'s' if world > 1 else ''} ({axes or 'one process'}, {config.dtype})"
     )

@@ -15,9 +15,9 @@ import time
 from shardlm.args import (
     add_layout_args,
     add_log_level,
-    byte_size,
     front_options,
     layout_options,
+    loading_line,
     log,
     setup_logging,
 )
@@ -38,17 +38,12 @@ def add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1] (default 1)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0: all, default)")
-    p.add_argument("--seed", type=int, default=0, help="base seed for sampling")
     p.add_argument(
         "--no-chat",
         action="store_true",
         help="encode prompts as-is, as the model's HF tokenizer does, instead of applying the chat template",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a timing line")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank, e.g. 2GiB")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
     p.set_defaults(func=run_generate)
 
 
@@ -76,24 +71,11 @@ def run_generate(args) -> int:
     tokenizer.chat_template = args.chat_template or tokenizer.chat_template
     chat = not args.no_chat and bool(tokenizer.chat_template)
     conversations = [[{"role": "user", "content": p}] for p in prompts]
-    options = dict(
-        layout_options(args),
-        seed=args.seed,
-        timeout_s=args.timeout,
-        threads=args.threads,
-        max_model_len=args.max_model_len,
-    )
-    if args.kv_cache_memory:
-        options["kv_cache_memory"] = args.kv_cache_memory
+    options = layout_options(args)
     config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
-    layout = check_layout(config, ckpt)
+    check_layout(config, ckpt)
     if speaker:
-        world = layout.world_size
-        axes = ", ".join(f"{a}={getattr(layout, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(layout, a) > 1)
-        log(
-            f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) "
-            f"on {world} rank{'s' if world > 1 else ''} ({axes or 'one process'}, {config.dtype})"
-        )
+        log(loading_line(args.model, ckpt, config))
     with LLM(ckpt, tokenizer=tokenizer, **options, **front_options(args)) as llm:
         for p, c in zip(prompts, conversations):  # reject a prompt that does not fit before generating
             if chat:

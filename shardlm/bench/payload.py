@@ -55,7 +55,7 @@ def payload_errors(
 
     llm = LLM("smollm2", dtype="float32")
     ids = llm.encode_chat([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     reference = llm.generate([ids], params)[0].token_ids
     worker = llm.worker
     assert worker is not None  # one process: the worker runs in this one

@@ -30,10 +30,10 @@ class SamplingParams:
     """Completions of each prompt, each with its own seed stream; the prompt is computed once."""
     best_of: int | None = None
     """Generate this many (>= n) and return the n with the highest cumulative logprob (OpenAI's)."""
-    max_tokens: int = 64
-    """Most new tokens to generate (the CLI's --max-new-tokens)."""
-    temperature: float = 0.0
-    """0 is greedy (argmax); higher values flatten the distribution."""
+    max_tokens: int = 16
+    """Most new tokens to generate (the CLI's --max-new-tokens; vLLM's default of 16)."""
+    temperature: float = 1.0
+    """0 is greedy (argmax); higher values flatten the distribution (vLLM's default of 1: sampling)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability mass reaches top_p (1 keeps all)."""
     top_k: int = 0

@@ -135,7 +135,7 @@ class Worker:
         """Logits [len(prompt_ids), vocab] at every position of one prompt (one-stage layouts;
         for tests and scoring). ``chunk``: feed this many tokens a step, so that each step reads
         the earlier tokens' keys and values back from the KV cache, as decoding does."""
-        seq = Sequence(-1, prompt_ids, SamplingParams(max_tokens=1))
+        seq = Sequence(-1, prompt_ids, SamplingParams(temperature=0.0, max_tokens=1))
         blocks = self.engine.blocks
         blocks.grow(seq, seq.num_tokens)
         out = []

@@ -14,7 +14,7 @@ import asyncio
 import signal
 import socket
 
-from shardlm.args import add_layout_args, byte_size, front_options, layout_options, log
+from shardlm.args import add_layout_args, front_options, layout_options, loading_line, log
 from shardlm.engine.config import AXES as ENGINE_AXES
 
 
@@ -61,8 +61,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="prefill/decode disaggregation: the first P of the --dp replicas compute prompts, the "
         "others decode, receiving each prompt's KV cache (default 0: every replica does both)",
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30, help="KV cache per rank (default 2GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together per replica")
     p.add_argument(
         "--max-num-batched-tokens",
@@ -76,9 +74,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=1024,
         help="requests in flight (queued or running) beyond which new ones get 429",
     )
-    p.add_argument("--seed", type=int, default=0, help="base seed for requests that give none")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before the run fails")
     p.add_argument(
         "--grace",
         type=float,
@@ -164,22 +159,12 @@ def _start_engine(args):
         layout_options(args),
         eplb_interval=args.eplb_interval,
         eplb_redundant=args.eplb_redundant,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        threads=args.threads,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_replicas=args.prefill_replicas,
     )
     config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
-    world, dims = config.dims().world_size, config.parallel
-    axes = ", ".join(f"{a}={getattr(dims, a)}" for a in ("dp", "pp", "tp", "ep") if getattr(dims, a) > 1)
-    log(
-        f"loading {args.model} ({ckpt.kind}, {ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
-        f"rank{'s' if world > 1 else ''} ({axes or 'tp=1'}, {config.dtype})"
-    )
+    log(loading_line(args.model, ckpt, config))
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options, **front_options(args))
     if args.prefill_replicas:
         span = lambda a, b: str(a) if a == b else f"{a}-{b}"
@@ -191,7 +176,7 @@ def _start_engine(args):
     sizing = (
         f"--gpu-memory-utilization {args.gpu_memory_utilization}"
         if args.gpu_memory_utilization is not None
-        else f"--kv-cache-memory {args.kv_cache_memory / 2**30:.2f} GiB per rank"
+        else f"--kv-cache-memory {engine.config.kv_cache_memory / 2**30:.2f} GiB per rank"
     )
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")

@@ -62,7 +62,7 @@ def test_llm_without_process_group_runs_on_cuda(tiny):
     ref = tiny("llama")
     with LLM(str(ref.path), dtype="float32") as llm:  # auto would pick bfloat16 on a GPU
         assert llm.worker.device.type == "cuda"
-        out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
+        out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens
 
 

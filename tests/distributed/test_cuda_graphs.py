@@ -88,5 +88,5 @@ def test_enforce_eager_captures_nothing(tiny):
     ref = tiny("llama")
     with LLM(str(ref.path), device="cuda", dtype="float32", enforce_eager=True) as llm:
         assert llm.worker.runner.graphs is None
-        out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
+        out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens

@@ -37,7 +37,10 @@ def serve(path: str, params: list[SamplingParams], cancelled: int = 0, **layout)
     engine = AsyncLLM(path, threads=1, timeout_s=60, **layout)
 
     async def run():
-        leaving = [_collect(engine, PROMPTS[-1], SamplingParams(max_tokens=50), stop_after=1) for _ in range(cancelled)]
+        leaving = [
+            _collect(engine, PROMPTS[-1], SamplingParams(temperature=0.0, max_tokens=50), stop_after=1)
+            for _ in range(cancelled)
+        ]
         out = await asyncio.gather(*[_collect(engine, p, sp) for p, sp in zip(PROMPTS, params)], *leaving)
         for _ in range(100):  # aborts are applied in the replicas' next round
             if engine.stats["running"] == engine.stats["waiting"] == engine.stats["kv_blocks_used"] == 0:
@@ -58,7 +61,11 @@ def test_disaggregated_serving_matches_hf(tiny, layout):
     side they are then)."""
     ref = tiny("llama")
     tokens, stats = serve(
-        str(ref.path), [SamplingParams(max_tokens=n) for n in MAX_TOKENS], cancelled=2, prefill_replicas=1, **layout
+        str(ref.path),
+        [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS],
+        cancelled=2,
+        prefill_replicas=1,
+        **layout,
     )
     assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
     assert stats["kv_handoffs"] >= len(PROMPTS), stats  # every answer longer than one token was handed off
@@ -87,7 +94,7 @@ def test_decode_replica_without_room_recomputes(tiny):
     ref = tiny("llama")
     tokens, stats = serve(
         str(ref.path),
-        [SamplingParams(max_tokens=30)] * len(PROMPTS),
+        [SamplingParams(temperature=0.0, max_tokens=30)] * len(PROMPTS),
         dp=2,
         prefill_replicas=1,
         block_size=4,

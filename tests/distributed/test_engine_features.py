@@ -46,7 +46,7 @@ def test_chunked_prefill_matches_hf(tiny):
     ref = tiny("llama")
     llm = LLM(str(ref.path), threads=1, max_num_batched_tokens=8, block_size=4)
     seen = record_batches(llm)
-    out = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens
     # the 17- and 33-token prompts were cut into chunks of at most the budget...
     assert all(sum(counts) <= 8 for counts, _ in seen)  # 4 sequences never need more than the budget
@@ -61,10 +61,10 @@ def test_prefix_cache_reuses_blocks_and_matches_hf(tiny):
     prompts = [shared + [9, 8, 7], shared + [1, 2], shared[:13] + [42]]
     want = hf_greedy(ref.path, prompts)
     llm = LLM(str(ref.path), threads=1, block_size=4)
-    first = llm.generate(prompts[:1], SamplingParams(max_tokens=NEW_TOKENS))
+    first = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     blocks = llm.worker.engine.blocks
     hits_before = blocks.hits
-    rest = llm.generate(prompts[1:], SamplingParams(max_tokens=NEW_TOKENS))
+    rest = llm.generate(prompts[1:], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in first + rest] == want
     # the second prompt found its 24 shared tokens (6 blocks) and the third its first 3 blocks
     assert blocks.hits - hits_before == 24 + 12

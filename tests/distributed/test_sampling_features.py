@@ -68,7 +68,7 @@ def test_logprobs_equal_hf_log_softmax(hf_llama, layout):
     ref, model = hf_llama
     prompts = PROMPTS[1:]
     with LLM(str(ref.path), threads=1, **layout) as llm:
-        greedy = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, logprobs=TOP))
+        greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP))
         sampled = llm.generate(prompts[:1], SamplingParams(max_tokens=12, logprobs=0, temperature=1.0, seed=5))
     for prompt, out, want in zip(prompts, greedy, ref.tokens[1:]):
         assert out.token_ids == want
@@ -80,7 +80,9 @@ def test_logprobs_equal_hf_log_softmax(hf_llama, layout):
 
 def test_no_logprobs_unless_asked(hf_llama):
     ref, _ = hf_llama
-    out = LLM(str(ref.path), threads=1).generate(PROMPTS[1], SamplingParams(max_tokens=4))[0].outputs[0]
+    out = (
+        LLM(str(ref.path), threads=1).generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+    )
     assert out.logprobs is None and out.cumulative_logprob is None
 
 
@@ -149,7 +151,9 @@ def formula_greedy(model, prompt, n, *, frequency: float, presence: float) -> li
 def test_processors_equal_hf(hf_llama, params, hf_kw):
     ref, model = hf_llama
     prompts = PROMPTS[1:3]
-    out = LLM(str(ref.path), threads=1).generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, **params))
+    out = LLM(str(ref.path), threads=1).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, **params)
+    )
     wants = [hf_generate(model, prompt, NEW_TOKENS, **hf_kw) for prompt in prompts]
     assert [o.token_ids for o in out] == wants
     assert wants != ref.tokens[1:3]  # can fail: the processor changes these tokens
@@ -160,7 +164,9 @@ def test_frequency_and_presence_penalties_equal_the_formula(hf_llama):
     prompt = PROMPTS[2]
     llm = LLM(str(ref.path), threads=1)
     for frequency, presence in [(1.5, 0.0), (0.0, 2.0), (0.7, -0.5)]:
-        params = SamplingParams(max_tokens=NEW_TOKENS, frequency_penalty=frequency, presence_penalty=presence)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, frequency_penalty=frequency, presence_penalty=presence
+        )
         got = llm.generate(prompt, params)[0].token_ids
         assert got == formula_greedy(model, prompt, NEW_TOKENS, frequency=frequency, presence=presence)
     assert got != ref.tokens[2]  # can fail: the penalties change the tokens
@@ -172,9 +178,11 @@ def test_min_tokens_masks_stop_tokens_as_hf_min_new_tokens(hf_llama):
     stop = plain[3]  # without min_tokens the answer ends at its fourth token
     assert stop not in plain[:3]
     llm = LLM(str(ref.path), threads=1)
-    short = llm.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop,)))[0]
+    short = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(stop,)))[0]
     assert short.token_ids == plain[:4] and short.outputs[0].stop_reason == stop
-    long = llm.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop,), min_tokens=10))[0]
+    long = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(stop,), min_tokens=10)
+    )[0]
     want = hf_generate(model, prompt, NEW_TOKENS, eos_token_id=stop, min_new_tokens=10)
     assert long.token_ids == want and len(want) > 10
     assert stop not in long.token_ids[:10]
@@ -208,8 +216,8 @@ def test_prompt_logprobs_equal_hf_log_softmax(hf_llama, layout):
     ref, model = hf_llama
     prompts = [PROMPTS[3], PROMPTS[2], PROMPTS[3]]
     with LLM(str(ref.path), threads=1, block_size=4, **layout) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=TOP))
-        again = llm.generate(prompts[:1], SamplingParams(max_tokens=4, prompt_logprobs=0))[0]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=TOP))
+        again = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0))[0]
     for prompt, out in [*zip(prompts, outs), (prompts[0], again)]:
         with torch.no_grad():
             want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)

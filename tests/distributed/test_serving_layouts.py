@@ -26,7 +26,7 @@ def serve_all(path: str, max_tokens=MAX_TOKENS, **layout) -> tuple[list[list[int
 
     async def one(ids, n):
         out = []
-        async for chunk in engine.generate(ids, SamplingParams(max_tokens=n)):
+        async for chunk in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n)):
             out += chunk.token_ids
         return out
 
@@ -57,7 +57,10 @@ def test_speculative_serving_streams_the_offline_tokens(tiny):
     from shardlm import LLM
 
     ref = tiny("llama")
-    plain = [o.token_ids for o in LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(max_tokens=200))]
+    plain = [
+        o.token_ids
+        for o in LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=200))
+    ]
     tokens, stats = serve_all(
         str(ref.path), [200] * len(PROMPTS), dp=2, speculative_config={"num_speculative_tokens": 3}
     )
@@ -76,3 +79,22 @@ def test_moe_serving_matches_hf(tmp_path_factory, layout):
     tokens, stats = serve_all(str(ref.path), **layout)
     assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0  # everything freed
+
+
+def test_best_of_is_refused_and_the_engine_serves_on(tiny):
+    """AsyncLLM streams every completion it generates, so best_of > n (keep the best, drop the
+    rest) is the caller's to do: refused in one line, and the next request is served."""
+    from shardlm.errors import UsageError
+
+    ref = tiny("llama")
+    engine = AsyncLLM(str(ref.path), threads=1, timeout_s=60)
+
+    async def tokens(params):
+        return [t async for chunk in engine.generate_choices([PROMPTS[0]], params) for t in chunk.token_ids]
+
+    try:
+        with pytest.raises(UsageError, match="best_of=3.*ask for n=3"):
+            asyncio.run(tokens(SamplingParams(n=1, best_of=3)))
+        assert asyncio.run(tokens(SamplingParams(temperature=0.0, max_tokens=4))) == ref.tokens[0][:4]
+    finally:
+        engine.shutdown()

@@ -48,9 +48,9 @@ def test_greedy_verify_accepts_drafts_while_the_model_agrees():
     logits = torch.full((4, 10), -1.0)
     for row, best in enumerate([3, 4, 7, 2]):
         logits[row, best] = 1.0
-    assert verify(logits, [3, 4, 5], SamplingParams(), None) == [3, 4, 7]  # third draft wrong: 7 instead
-    assert verify(logits, [3, 4, 7], SamplingParams(), None) == [3, 4, 7, 2]  # all right: one more
-    assert verify(logits, [0, 4, 7], SamplingParams(), None) == [3]
+    assert verify(logits, [3, 4, 5], SamplingParams(temperature=0.0), None) == [3, 4, 7]  # third draft wrong: 7 instead
+    assert verify(logits, [3, 4, 7], SamplingParams(temperature=0.0), None) == [3, 4, 7, 2]  # all right: one more
+    assert verify(logits, [0, 4, 7], SamplingParams(temperature=0.0), None) == [3]
 
 
 def test_sampled_verify_keeps_the_target_distribution():
@@ -84,9 +84,9 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
     predict."""
     ref = tiny("llama")
     n = [200] * len(PROMPTS)
-    plain = LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(max_tokens=200))
+    plain = LLM(str(ref.path), threads=1).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=200))
     spec = LLM(str(ref.path), threads=1, speculative_config={"num_speculative_tokens": 3})
-    out = spec.generate(PROMPTS, SamplingParams(max_tokens=200))
+    out = spec.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=200))
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert [o.token_ids[:32] for o in out] == ref.tokens  # and HF's own greedy tokens
     stats = spec.last_stats
@@ -102,7 +102,7 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
 def test_smollm2_repeating_text_takes_fewer_steps_for_the_same_tokens():
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     chat = [{"role": "user", "content": "Repeat this code exactly, then add a mul function:\n" + code}]
-    params = SamplingParams(max_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
     with LLM("smollm2", threads=2) as plain:
         ids = plain.encode_chat(chat)
         want = plain.generate([ids], params)[0].token_ids

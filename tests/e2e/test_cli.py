@@ -26,7 +26,7 @@ def rank_processes() -> list[str]:
 def single_rank_tokens():
     """Greedy tokens of the one-process path (itself checked against HF in test_smollm2)."""
     with LLM("smollm2", threads=1) as llm:
-        return llm.generate(PROMPT, SamplingParams(max_tokens=8))[0].token_ids
+        return llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
 
 
 def test_json_contract_at_tp2(single_rank_tokens):
@@ -126,7 +126,7 @@ def test_a_killed_rank_ends_the_run_with_a_message():
 
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank [01] (died|failed)"):
-        llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), on_token=kill_after_two)
+        llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), on_token=kill_after_two)
     assert time.monotonic() - start < 60
     assert len(seen) < 200
     assert all(p.poll() is not None for p in llm._ranks.procs) if llm._ranks else True

@@ -41,16 +41,23 @@ def reference():
     """Offline greedy answers: {question or RAW: (token ids, text, finish reason)} (RAW: 16 tokens, no EOS),
     and {question: chat prompt ids}."""
     with LLM("smollm2", kv_cache_memory=256 << 20, max_model_len=CONTEXT, threads=THREADS) as llm:
-        outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], SamplingParams(max_tokens=MAX_TOKENS))
-        raw = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True))[0]
+        outs = llm.chat(
+            [[{"role": "user", "content": q}] for q in QUESTIONS],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        )
+        raw = llm.generate(RAW, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
         first = [o.outputs[0] for o in outs]  # vLLM's shape of the same answers
         assert [(c.index, c.text, c.token_ids) for c in first] == [(0, o.text, o.token_ids) for o in outs]
         ref = {q: (o.token_ids, o.text, o.finish_reason) for q, o in zip(QUESTIONS, outs)}
         ref[RAW] = (raw.token_ids, raw.text, raw.finish_reason)
         ref["chat_ids"] = {q: llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS}
-        ref["logprobs"] = llm.chat(chat(QUESTIONS[0]), SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))[0].outputs[0]
-        ref["penalized"] = llm.generate(RAW, SamplingParams(max_tokens=16, ignore_eos=True, **PENALTIES))[0].text
-        ref["scored"] = llm.generate(RAW, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+        ref["logprobs"] = llm.chat(
+            chat(QUESTIONS[0]), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+        )[0].outputs[0]
+        ref["penalized"] = llm.generate(
+            RAW, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, **PENALTIES)
+        )[0].text
+        ref["scored"] = llm.generate(RAW, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
         return ref
 
 

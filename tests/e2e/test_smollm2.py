@@ -54,10 +54,10 @@ def test_stop_strings_end_generation_on_the_ranks(smollm2, layout):
     stop = next(full[i : i + 6] for i in range(len(full) // 2, len(full)) if full.count(full[i : i + 6]) == 1)
     end = next(n for n in range(1, NEW_TOKENS + 1) if stop in tok.decode(ref.tokens[0][:n]))
     with LLM(path, threads=1, **layout) as llm:
-        out = llm.generate(prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=["zzz-never", stop]))
+        out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=["zzz-never", stop]))
         text = "The capital of France is"  # a text prompt gets its text back, cut before the stop string
-        plain = llm.generate(text, SamplingParams(max_tokens=16, ignore_eos=True))[0].text
-        cut = llm.generate(text, SamplingParams(max_tokens=16, ignore_eos=True, stop=plain[8:12]))[0]
+        plain = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].text
+        cut = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=plain[8:12]))[0]
     assert cut.text == plain[: plain.find(plain[8:12])] and cut.finish_reason == "stop"
     choice = out[0].outputs[0]
     assert choice.token_ids == ref.tokens[0][:end] and end < NEW_TOKENS

@@ -38,12 +38,12 @@ def llm():
 
 
 def test_json_schema_answers_validate_for_20_prompts(llm):
-    params = SamplingParams(max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params = SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs = llm.chat([[{"role": "user", "content": q}] for q in PEOPLE], params)
     for q, out in zip(PEOPLE, outs):
         assert out.finish_reason == "stop", (q, out.text)  # the grammar ended it, not max_tokens
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    free = llm.chat([{"role": "user", "content": PEOPLE[0]}], SamplingParams(max_tokens=96))[0]
+    free = llm.chat([{"role": "user", "content": PEOPLE[0]}], SamplingParams(temperature=0.0, max_tokens=96))[0]
     with pytest.raises((ValueError, jsonschema.ValidationError)):  # can fail: unconstrained, it is not
         jsonschema.validate(json.loads(free.text), SCHEMA)
 
@@ -51,19 +51,28 @@ def test_json_schema_answers_validate_for_20_prompts(llm):
 def test_regex_choice_grammar_and_json_object(llm):
     ask = [{"role": "user", "content": "Give me a phone number."}]
     phone = llm.chat(
-        ask, SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+        ask,
+        SamplingParams(
+            temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")
+        ),
     )
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone[0].text)
     yes_no = [{"role": "user", "content": "Is the sky green? Answer."}]
     pick = llm.chat(
-        yes_no, SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        yes_no,
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
     )
     assert pick[0].text in ("yes", "no")
     lark = 'start: "color: " COLOR\nCOLOR: "red" | "green" | "blue"'
-    color = llm.chat(ask, SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(grammar=lark)))
+    color = llm.chat(
+        ask, SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(grammar=lark))
+    )
     assert color[0].text in ("color: red", "color: green", "color: blue")
     one_key = [{"role": "user", "content": "Give a JSON object with one key x set to 1."}]
-    obj = llm.chat(one_key, SamplingParams(max_tokens=64, structured_outputs=StructuredOutputsParams(json_object=True)))
+    obj = llm.chat(
+        one_key,
+        SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json_object=True)),
+    )
     assert obj[0].finish_reason == "stop" and isinstance(json.loads(obj[0].text), dict)
 
 
@@ -85,10 +94,10 @@ def test_bad_specs_are_refused_before_any_rank(llm):
     from shardlm.errors import UsageError
 
     with pytest.raises(UsageError, match="unclosed character class"):
-        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")))
+        llm.generate("x", SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[a-")))
     with pytest.raises(UsageError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(UsageError, match="speculative"):
         LLM("smollm2", threads=1, speculative_config={"method": "ngram"}).generate(
-            "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
+            "x", SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="a"))
         )

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from harness.cli import BIN
+from harness.cli import BIN, shardlm
 from harness.reference import NEW_TOKENS, PROMPTS
 
 QUICKSTART = """
@@ -83,3 +83,20 @@ def test_chat_template_and_generation_config(tmp_path):
         defaults = llm.get_default_sampling_params()
         assert (defaults.temperature, defaults.max_tokens) == (0.7, 5)
         assert len(llm.generate("Hello", None)[0].token_ids) == 5  # no params: the generation config's
+    # shardlm generate: the config's defaults where no flag is given, a flag over the config (greedy:
+    # the answer to "Hello" runs past 5 tokens)
+    for flags, tokens in [((), 5), (("--max-new-tokens", "3"), 3)]:
+        r = shardlm(
+            "generate",
+            "--generation-config",
+            str(gen),
+            "--json",
+            "--threads",
+            "1",
+            "--temperature",
+            "0",
+            *flags,
+            "Hello",
+        )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[0])["completion_tokens"] == tokens

@@ -29,7 +29,7 @@ def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens:
     from shardlm.engine.sampling import SamplingParams
 
     worker = make_worker(model, tp, **options)
-    params = SamplingParams(max_tokens=new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
     logits = worker.prompt_logits(prompts[-1]).cpu()  # a CUDA tensor would not cross to the test process
     return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
@@ -69,7 +69,7 @@ def llm_greedy(model: str, prompts: list[list[int]], new_tokens: int, **layout):
     from shardlm import LLM, SamplingParams
 
     llm = LLM(model, threads=1, **layout)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens))
     return [o.token_ids for o in outputs], llm.param_bytes, llm.worker.layers
 
 
@@ -78,7 +78,7 @@ def llm_generate(model: str, prompts: list[list[int]], max_tokens: list[int], **
     from shardlm import LLM, SamplingParams
 
     llm = LLM(model, threads=1, **layout)
-    outputs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens])
     return [o.token_ids for o in outputs], llm.last_stats.expert_load
 
 
@@ -92,7 +92,7 @@ def varied_runs(llm, prompts: list[list[int]], new_tokens: int, steady=contextli
     runs = []
 
     def run(indices, max_tokens):
-        out = llm.generate([prompts[i] for i in indices], [SamplingParams(max_tokens=n) for n in max_tokens])
+        out = llm.generate([prompts[i] for i in indices], [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens])
         runs.append((indices, max_tokens, [o.token_ids for o in out]))
 
     n = len(prompts)

@@ -22,7 +22,7 @@ A = list(range(100, 114))  # 14 tokens: with block_size 4, three full blocks and
 
 
 def admit(bm: BlockManager, tokens: list[int], sid: int = 0) -> Sequence:
-    seq = Sequence(sid, tokens, SamplingParams(max_tokens=4))
+    seq = Sequence(sid, tokens, SamplingParams(temperature=0.0, max_tokens=4))
     bm.reuse_prefix(seq)
     assert bm.can_grow(seq, seq.num_tokens)
     bm.grow(seq, seq.num_tokens)
@@ -174,7 +174,7 @@ def test_prefix_caching_off_shares_nothing():
 
 def test_sizes_and_errors():
     bm = BlockManager(3, 4)
-    s = Sequence(0, [1] * 5, SamplingParams())
+    s = Sequence(0, [1] * 5, SamplingParams(temperature=0.0))
     assert bm.blocks_needed(s, 5) == 2 and bm.can_grow(s, 12) and not bm.can_grow(s, 13)
     bm.grow(s, 5)
     assert bm.blocks_needed(s, 8) == 0 and bm.blocks_needed(s, 9) == 1 and bm.num_used == 2

@@ -81,6 +81,12 @@ def test_good_params_are_accepted():
         SamplingParams(64)  # type: ignore[misc]  # keyword-only
 
 
+def test_defaults_are_vllms():
+    """A vLLM user's SamplingParams() samples (temperature 1) and stops after 16 tokens."""
+    p = SamplingParams()
+    assert (p.temperature, p.max_tokens, p.top_p, p.top_k, p.n) == (1.0, 16, 1.0, 0, 1) and not p.greedy
+
+
 # ---- greedy -------------------------------------------------------------------------
 
 
@@ -88,14 +94,14 @@ def test_greedy_is_argmax_per_row():
     logits = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))
     want = logits.argmax(-1).tolist()
     assert len(set(want)) > 1  # rows disagree, so a row mix-up would show
-    got = sample(logits, [SamplingParams()] * 6, [None] * 6)
+    got = sample(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6)
     assert got == want
 
 
 def test_greedy_and_sampled_rows_mix():
     # row 0 greedy, row 1 sampled from a flat distribution over tokens 0..2 (the rest -inf-ish)
     logits = torch.cat([torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0]]), torch.full((2, 97), -1e9)], dim=1)
-    params = [SamplingParams(), SamplingParams(temperature=1.0)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
     gen = torch.Generator().manual_seed(0)
     outs = [sample(logits, params, [None, gen]) for _ in range(60)]
     assert all(o[0] == 1 for o in outs)  # the greedy row never samples

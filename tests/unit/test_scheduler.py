@@ -59,7 +59,7 @@ def prompt(i: int, n: int) -> list[int]:
 
 def seq(i: int, n: int | list[int], max_tokens: int = 8, eos=(), **kw) -> Sequence:
     ids = prompt(i, n) if isinstance(n, int) else n
-    return Sequence(i, ids, SamplingParams(max_tokens=max_tokens, **kw), eos_ids=eos)
+    return Sequence(i, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), eos_ids=eos)
 
 
 class CheckedScheduler(Scheduler):
@@ -474,7 +474,7 @@ def test_a_request_that_needs_exactly_the_whole_cache_runs():
 
 
 def test_stop_on_eos_stop_token_ids_and_max_tokens_through_the_scheduler():
-    free_run, _ = reference(prompt(0, 5), SamplingParams(max_tokens=10))
+    free_run, _ = reference(prompt(0, 5), SamplingParams(temperature=0.0, max_tokens=10))
     eos = free_run[2]  # what seq 0 generates third
     assert eos not in free_run[:2]
     d = Driver(32, 4)
@@ -498,12 +498,12 @@ def test_stop_on_eos_stop_token_ids_and_max_tokens_through_the_scheduler():
 
 
 def test_stop_token_that_is_also_the_last_allowed_one_reports_stop():
-    x = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=2), eos_ids=(7,))
+    x = Sequence(0, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), eos_ids=(7,))
     x.append(4)
     assert x.status is Status.WAITING and x.finish_reason is None
     x.append(7)
     assert (x.status, x.finish_reason) == (Status.FINISHED, "stop")
-    y = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=2), eos_ids=(7,))
+    y = Sequence(0, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), eos_ids=(7,))
     y.append(4)
     y.append(5)
     assert y.finish_reason == "length"
@@ -547,6 +547,7 @@ def random_workload(rng: random.Random):
         if rng.random() < 0.4:
             p += [rng.randrange(VOCAB) for _ in range(rng.randint(0, nb * bs))]
         params = SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(1, 10),
             ignore_eos=rng.random() < 0.2,
             stop_token_ids=(rng.randrange(VOCAB),) if rng.random() < 0.2 else (),
@@ -647,7 +648,9 @@ def test_drafts_stop_at_max_tokens_and_a_stop_token():
     # after the first token, 2 more may come: one draft and the model's own token at most
     assert all(n <= 2 for st in d.steps[1:] for _, n in st)
     # a stop token inside an accepted run ends the sequence there
-    for eos in set(reference([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=30), (), cyclic_next)[0][3:]):
+    for eos in set(
+        reference([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=30), (), cyclic_next)[0][3:]
+    ):
         d = Driver(1000, 4, model=cyclic_next, speculative=SpeculativeConfig(num_speculative_tokens=8))
         d.add(seq(0, [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=30, eos=(eos,)))
         d.run()

@@ -215,13 +215,13 @@ def test_the_engine_guards_the_same_bounds_for_python_callers(engine):
     from shardlm.errors import UsageError
 
     engine.kv_blocks = 2  # 32 slots: at most 33 tokens per request
-    AsyncLLM.check(engine, [1] * 30, SamplingParams(max_tokens=3))
+    AsyncLLM.check(engine, [1] * 30, SamplingParams(temperature=0.0, max_tokens=3))
     with pytest.raises(UsageError, match=r"max_tokens=4 does not fit.*the KV cache 32 tokens.*to 3 or less"):
-        AsyncLLM.check(engine, [1] * 30, SamplingParams(max_tokens=4))
+        AsyncLLM.check(engine, [1] * 30, SamplingParams(temperature=0.0, max_tokens=4))
     with pytest.raises(UsageError, match="leaves no room"):
-        AsyncLLM.check(engine, [1] * 33, SamplingParams(max_tokens=1))
+        AsyncLLM.check(engine, [1] * 33, SamplingParams(temperature=0.0, max_tokens=1))
     with pytest.raises(UsageError, match="empty"):
-        AsyncLLM.check(engine, [], SamplingParams(max_tokens=1))
+        AsyncLLM.check(engine, [], SamplingParams(temperature=0.0, max_tokens=1))
 
 
 # ---- every field OpenAI or vLLM defines is honoured or refused -------------------------------
