@@ -30,6 +30,7 @@ from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads
+from shardlm.train import state
 from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shardlm.train.schedule import StageIO, one_f_one_b
@@ -322,22 +323,17 @@ class Trainer:
         }  # Linux: KiB
 
     def save_state(self, directory: str) -> str:
-        """Write what resuming needs after the steps taken so far (collective): each rank its
-        own float32 shards and AdamW state in ``state/step-<n>/rank-<r>.pt`` (nothing gathered),
-        then rank 0 points ``state/meta.json`` at that folder and removes older ones. A run
-        killed while saving leaves meta.json naming the previous, complete folder."""
+        """Write what resuming needs after the steps taken so far (collective): float32 master
+        weights, AdamW moments and counters as a DCP checkpoint in ``state/step-<n>`` that any
+        layout can resume from (state.py: each rank writes what it holds, nothing gathered), then
+        rank 0 points ``state/meta.json`` at that folder and removes older ones. A run killed while
+        saving leaves meta.json naming the previous, complete folder."""
         root = Path(directory) / "state"
         folder = root / f"step-{self.steps}"
-        folder.mkdir(parents=True, exist_ok=True)
-        mine = folder / f"rank-{self.dims.global_rank}.pt"
-        masters = [m.detach().clone() for m in self.zero.shards()]  # a view would save its whole buffer
-        scaler = None if self.scaler is None else vars(self.scaler)
-        torch.save(
-            {"step": self.steps, "masters": masters, "optimizer": self.optimizer.state_dict(), "loss_scaler": scaler},
-            mine.with_suffix(".tmp"),
-        )
-        mine.with_suffix(".tmp").replace(mine)
-        _all_ranks_here()  # every rank's file is written before meta.json names the folder
+        if self.dims.global_rank == 0 and folder.exists():  # left by a run killed while saving it
+            shutil.rmtree(folder)
+        _all_ranks_here()
+        state.save(self, str(folder))  # collective: returns once every rank's part and the metadata are written
         if self.dims.global_rank == 0:
             meta = root / "meta.json"
             meta.with_suffix(".tmp").write_text(
@@ -351,9 +347,10 @@ class Trainer:
         return str(folder)
 
     def load_state(self, directory: str) -> int:
-        """Resume from ``save_state``'s files: this rank's shards and AdamW moments; returns the
-        number of steps they had taken. The layout must be the one they were saved with; the
-        hyperparameters (lr, betas, eps, weight decay) are this run's."""
+        """Resume from ``save_state``'s folder, saved at this layout or any other (dp, pp, cp, tp,
+        ZeRO stage, dtype): this rank reads its part of the masters and moments; returns the
+        number of steps they had taken. The hyperparameters (lr, betas, eps, weight decay) are
+        this run's."""
         root = Path(directory) / "state"
         try:
             meta = json.loads((root / "meta.json").read_text())
@@ -361,26 +358,11 @@ class Trainer:
             raise UsageError(
                 f"{directory!r} holds no training state (no state/meta.json); save one with save_state / --checkpoint"
             ) from None
-        if meta["layout"] != self._state_layout():
-            raise UsageError(
-                f"the training state in {directory!r} was saved with {meta['layout']}, this run is "
-                f"{self._state_layout()}; resume with the layout it was saved with"
-            )
-        saved = torch.load(root / meta["folder"] / f"rank-{self.dims.global_rank}.pt", weights_only=True)
-        if saved["step"] != meta["step"]:
-            raise UsageError(
-                f"{root / meta['folder']} holds step {saved['step']} for rank "
-                f"{self.dims.global_rank} but meta.json says {meta['step']}; the state is damaged"
-            )
-        self.zero.load_masters(saved["masters"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        steps = state.load(self, str(root / meta["folder"]), directory)
         c = self.config
         for group in self.optimizer.param_groups:  # this run's settings, not the saved ones
             group.update(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
-        if self.scaler is not None:
-            vars(self.scaler).update(saved["loss_scaler"])
-        self.steps = saved["step"]
-        return self.steps
+        return steps
 
     def _state_layout(self) -> dict:
         c = self.config

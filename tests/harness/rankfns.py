@@ -92,7 +92,9 @@ def varied_runs(llm, prompts: list[list[int]], new_tokens: int, steady=contextli
     runs = []
 
     def run(indices, max_tokens):
-        out = llm.generate([prompts[i] for i in indices], [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens])
+        out = llm.generate(
+            [prompts[i] for i in indices], [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
+        )
         runs.append((indices, max_tokens, [o.token_ids for o in out]))
 
     n = len(prompts)
@@ -217,21 +219,35 @@ def layer_activations_on_rank(model: str, tp: int, seq: int, batch: int, **optio
     return layer_activations(trainer, ids, layer=1)
 
 
-def train_resumed(model: str, batches, dp: int, tp: int, zero: int, directory: str, **options):
-    """Train on the first batches, save the state, then in a new Trainer load it and train on
-    the rest: (the resumed step's stats, this rank's weights as checkpoint pieces)."""
+def train_and_save_state(model: str, batches, directory: str, **options):
+    """Train on ``batches`` at this layout, save the training state: this rank's weights as
+    checkpoint pieces."""
     from shardlm.train.checkpoint import pieces
     from shardlm.train.trainer import TrainConfig, Trainer
 
-    config = TrainConfig.of(model=model, dp=dp, tp=tp, zero=zero, threads=1, **options)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    first = Trainer(config, rank=rank, world=world)
-    for b in batches[:-1]:
-        first.step(b)
-    first.save_state(directory)
-    del first
-    second = Trainer(config, rank=rank, world=world)
-    assert second.load_state(directory) == len(batches) - 1
-    stats = [second.step(batches[-1])]
-    with second.zero.full_weights():
-        return stats, pieces(second.model)
+    trainer = Trainer(
+        TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
+    )
+    for b in batches:
+        trainer.step(b)
+    trainer.save_state(directory)
+    with trainer.zero.full_weights():
+        return pieces(trainer.model)
+
+
+def resume_and_step(model: str, batch, directory: str, **options):
+    """A new Trainer at this layout loads the state and takes one step on ``batch``: (the steps
+    it says were taken, its weights as pieces right after loading, the step's stats, the weights
+    after it)."""
+    from shardlm.train.checkpoint import pieces
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(
+        TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
+    )
+    taken = trainer.load_state(directory)
+    with trainer.zero.full_weights():
+        loaded = pieces(trainer.model)
+    stats = trainer.step(batch)
+    with trainer.zero.full_weights():
+        return taken, loaded, stats, pieces(trainer.model)
