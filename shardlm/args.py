@@ -48,6 +48,72 @@ def json_object(text: str) -> dict:
     return value
 
 
+def add_config_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help='take flags from a TOML file, each flag a key (tp = 2, lr-schedule = "cosine"); flags on the '
+        "command line override it",
+    )
+
+
+def with_config_file(parser: argparse.ArgumentParser, command: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse ``argv`` again with the keys of ``--config``'s TOML file as ``command``'s defaults, so
+    that flags given on the command line win. A key is a flag's name without the dashes (``lr-schedule``
+    or ``lr_schedule``); an unknown key, or a value of the wrong kind, is refused naming it."""
+    import difflib
+
+    from shardlm.errors import UsageError
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib  # type: ignore[import-not-found]
+
+    path = Path(parser.parse_args(argv).config)
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"--config {str(path)!r}: {e.strerror}; give a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {str(path)!r} is not TOML: {e}") from None
+    actions: dict[str, argparse.Action] = {}  # by dest and by every long flag: tp, tensor_parallel_size, ...
+    for a in command._actions:
+        if a.option_strings and a.dest not in ("help", "config"):
+            for name in [a.dest] + [o.lstrip("-").replace("-", "_") for o in a.option_strings]:
+                actions.setdefault(name, a)
+    defaults = {}
+    for key, value in table.items():
+        action = actions.get(key.replace("-", "_"))
+        if action is None:
+            near = difflib.get_close_matches(key.replace("-", "_"), list(actions), n=1)
+            hint = f"did you mean {near[0].replace('_', '-')!r}?" if near else "each key is a flag of this command"
+            raise UsageError(f"--config {str(path)!r}: unknown key {key!r}; {hint}")
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # a switch such as --json
+            if not isinstance(value, bool):
+                raise UsageError(f"--config {str(path)!r}: {key} = {value!r} must be true or false, as {flag}")
+        else:
+            if isinstance(value, (dict, list, bool)):
+                raise UsageError(f"--config {str(path)!r}: {key} = {value!r} must be one value, as {flag} takes")
+            try:  # as if it came on the command line: the flag's type and choices apply
+                value = action.type(str(value)) if callable(action.type) else str(value)
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"--config {str(path)!r}: {key} = {table[key]!r}: {e}") from None
+            except ValueError:
+                kind = getattr(action.type, "__name__", "value")
+                raise UsageError(
+                    f"--config {str(path)!r}: {key} = {table[key]!r}: invalid {kind} value for {flag}"
+                ) from None
+            if action.choices is not None and value not in action.choices:
+                choices = ", ".join(map(str, action.choices))
+                raise UsageError(f"--config {str(path)!r}: {key} = {table[key]!r} is not one of {choices}")
+        defaults[action.dest] = value
+    command.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
 LOG = logging.getLogger("shardlm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

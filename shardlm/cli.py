@@ -20,6 +20,7 @@ from shardlm.args import (
     loading_line,
     log,
     setup_logging,
+    with_config_file,
 )
 from shardlm.engine.config import AXES as ENGINE_AXES
 
@@ -170,11 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(getattr(args, "log_level", "info"))
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from shardlm.errors import RankFailure, UsageError
 
     try:
+        if getattr(args, "config", None):
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            args = with_config_file(parser, commands.choices[args.command], argv)
+        setup_logging(getattr(args, "log_level", "info"))
         return args.func(args)
     except UsageError as e:
         print(f"shardlm: error: {e}", file=sys.stderr)

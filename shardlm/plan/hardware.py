@@ -108,6 +108,23 @@ def load_gpu(name: str) -> GpuSpec:
     )
 
 
+def datasheet_flops(device_name: str, dtype: str) -> float | None:
+    """The datasheet dense matmul FLOP/s (no efficiency applied: what MFU divides by) of the catalog
+    GPU that torch's ``device_name`` names (e.g. "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA
+    H100 PCIe" the PCIe one); None when the catalog has no such GPU or dtype."""
+    raw = _raw_catalog()
+    name = device_name.lower()
+    found = [k for k in gpu_names() if raw[k]["display"].split()[1].lower() in name]  # the model: H100, A100, ...
+    if len(found) > 1:  # the form factor decides (SXM unless the name says PCIe), then the memory
+        found = [k for k in found if ("pcie" in k) == ("pcie" in name)] or found
+        found = [k for k in found if f"{raw[k]['memory_gb']}gb" in name.replace(" ", "")] or found
+    if not found:
+        return None
+    base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+    tflops = raw[found[0]]["tflops"].get(base)
+    return None if tflops is None else tflops * 1e12
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     gpu: GpuSpec

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardlm.args import add_axis_args, axis_options, log
+from shardlm.args import LOG, add_axis_args, add_config_file, axis_options, log
 from shardlm.parallel.dims import ParallelDims
+from shardlm.train.progress import StepReport, flops_per_token, peak_flops
 from shardlm.train.trainer import AXES as TRAIN_AXES
 
 
@@ -24,7 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Next-token training on a text file; the model split over tp ranks, "
         "each batch over dp ranks, the model states sharded by ZeRO.",
     )
-    p.add_argument("--data", required=True, help="a UTF-8 text file to train on")
+    p.add_argument("--data", default=None, help="a UTF-8 text file to train on (required)")
+    add_config_file(p)
     p.add_argument(
         "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
     )
@@ -66,7 +70,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="selective: recompute the SwiGLU activation in backward (half the MLP's activations); "
         "full: each layer keeps only its inputs and runs its forward again in backward",
     )
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate (default 1e-4)")
+    p.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=["constant", "linear", "cosine"],
+        help="after the warm-up: constant (default), or a linear / cosine decay to --lr-min x lr at the last step",
+    )
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warm-up up to --lr (default 0)")
+    p.add_argument("--lr-min", type=float, default=0.0, help="where a decay ends, as a fraction of --lr (default 0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0, help="order of the windows (default 0)")
@@ -111,6 +123,8 @@ def run(args) -> int:
         raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")
     if args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be at least 1, e.g. 100")
+    if args.data is None:
+        raise UsageError('give the text to train on: --data FILE (or data = "FILE" in the --config file)')
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
@@ -123,6 +137,10 @@ def run(args) -> int:
         dtype=args.dtype,
         zero=args.zero,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        lr_min=args.lr_min,
+        total_steps=args.steps,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm or None,
         grad_accum=args.grad_accum,
@@ -188,12 +206,17 @@ def run(args) -> int:
         save_state = lambda d: ranks.call("save_state", d)
         load_state = lambda d: ranks.call("load_state", d)[0]
     history = []
+    report = None
     try:
         first = 0
         if resume:
             first = load_state(args.checkpoint)
             if speaker:
                 log(f"resumed from {args.checkpoint} after step {first}")
+        if speaker:
+            bar = sys.stderr.isatty() and not args.json and LOG.isEnabledFor(logging.INFO)
+            peak = peak_flops("cpu", args.dtype, world)
+            report = StepReport(args.steps, first, flops_per_token(ckpt.config, args.seq_len), peak, world, bar)
         for i in range(first, args.steps):
             s = step(batches(i))
             if args.checkpoint and ((i + 1) % args.checkpoint_every == 0 or i + 1 == args.steps):
@@ -201,20 +224,18 @@ def run(args) -> int:
                 if speaker:
                     (state / "batches.json").write_text(json.dumps(order))
             history.append({"step": i + 1, **s})
-            if not speaker:
+            if report is None:
                 continue
-            tok_s = s["tokens"] / s["seconds"]
             if args.json:
-                print(json.dumps({"step": i + 1, **s, "tokens_per_s": tok_s}), flush=True)
-            log(
-                f"step {i + 1}/{args.steps}  loss {s['loss']:.4f}  grad norm {s['grad_norm']:.3f}  "
-                f"{tok_s:.0f} tok/s  {s['seconds']:.2f} s"
-            )
+                print(json.dumps({"step": i + 1, **s, **report.numbers(s)}), flush=True)
+            report.step(i + 1, s)
         if args.save:
             save(args.save)
             if speaker:
                 log(f"saved the trained model to {args.save} (shardlm generate --model {args.save})")
     finally:
+        if report is not None:
+            report.close()
         close()
     if speaker and args.plot:
         log(f"wrote {loss_plot(history, args, Path(args.plot))}")

@@ -33,6 +33,7 @@ from shardlm.parallel.tensor import RowParallelLinear, partition_heads
 from shardlm.train import state
 from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shardlm.train.lr import SCHEDULES, lr_factor
 from shardlm.train.schedule import StageIO, one_f_one_b
 from shardlm.train.zero import STAGES, Zero
 
@@ -69,7 +70,16 @@ class TrainConfig:
     """float16: the initial loss scale; halved and the step skipped whenever a gradient overflows,
     doubled after 2000 steps in a row without (PyTorch GradScaler's defaults)."""
     lr: float = 1e-4
-    """AdamW learning rate (constant)."""
+    """AdamW's peak learning rate (``lr_schedule`` shapes it over the steps)."""
+    lr_schedule: str = "constant"
+    """After ``warmup_steps``: "constant", or a "linear" / "cosine" decay to ``lr_min`` x lr at the
+    last of ``total_steps`` (lr.py)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr / (warmup_steps + 1) up to lr."""
+    lr_min: float = 0.0
+    """The decay's end, as a fraction of lr (a decaying schedule only)."""
+    total_steps: int | None = None
+    """Steps of the whole run (what a decaying schedule decays over; resumed runs count the saved ones)."""
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -107,6 +117,24 @@ class TrainConfig:
             raise UsageError(f"cp_attention={self.cp_attention!r} is not supported; use one of {ALGORITHMS}")
         if self.recompute not in RECOMPUTE:
             raise UsageError(f"recompute={self.recompute!r} is not supported; use one of {RECOMPUTE}")
+        if self.lr_schedule not in SCHEDULES:
+            raise UsageError(f"lr_schedule={self.lr_schedule!r} is not a schedule; use one of {SCHEDULES}")
+        if not _count(self.warmup_steps):
+            raise UsageError(f"warmup_steps={self.warmup_steps!r} must be a non-negative integer, e.g. 100")
+        if self.lr_schedule != "constant" and not (
+            isinstance(self.total_steps, int) and self.total_steps > max(0, self.warmup_steps)
+        ):
+            raise UsageError(
+                f"lr_schedule={self.lr_schedule!r} decays over the steps after the warm-up: total_steps="
+                f"{self.total_steps!r} must be an integer above warmup_steps={self.warmup_steps}"
+            )
+        if not 0 <= self.lr_min < 1:
+            raise UsageError(f"lr_min={self.lr_min!r} is a fraction of lr in [0, 1), e.g. 0.1")
+        if self.lr_min and self.lr_schedule == "constant":
+            raise UsageError(
+                f"lr_min={self.lr_min} is where a decay ends, and lr_schedule='constant' does not decay; "
+                f"use lr_schedule='cosine' or 'linear', or drop lr_min"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise UsageError(f"max_grad_norm={self.max_grad_norm!r} must be positive, or None for no clipping")
         if not isinstance(self.parallel, ParallelDims):
@@ -121,6 +149,10 @@ class TrainConfig:
     def dims(self) -> ParallelDims:
         """The layout, without a mesh: each rank builds its own on a copy."""
         return self.parallel.unbuilt()
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def check_trainable(cfg, tp: int) -> None:
@@ -234,10 +266,15 @@ class Trainer:
 
     def step(self, batch: torch.Tensor | list[list[int]]) -> dict:
         """One optimizer step on a global batch of token ids [batch, seq_len + 1] (every rank passes
-        the same batch). Returns the batch's mean loss, the gradient norm before clipping, seconds, and
-        the bytes of weights, gradients (at their peak, after backward) and optimizer state held, and
-        the process's peak resident memory so far."""
+        the same batch). Returns the batch's mean loss, the gradient norm before clipping, the
+        learning rate it stepped with, seconds, the bytes of weights, gradients (at their peak,
+        after backward) and optimizer state held, the process's peak resident memory so far, and
+        both of those for the rank that holds the most (``heaviest_rank``)."""
         start = time.perf_counter()
+        c = self.config
+        lr = c.lr * lr_factor(
+            self.steps, schedule=c.lr_schedule, warmup=c.warmup_steps, total=c.total_steps, floor=c.lr_min
+        )
         batch = torch.as_tensor(batch)
         dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
         if batch.dim() != 2 or batch.shape[1] < 2:
@@ -304,6 +341,8 @@ class Trainer:
         else:
             if self.config.max_grad_norm:
                 self.zero.clip(self.config.max_grad_norm, norm)
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = lr
             self.optimizer.step()
             self.zero.after_step()
         self.steps += 1
@@ -312,15 +351,19 @@ class Trainer:
         )
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        heaviest = all_reduce(torch.tensor([float(sum(held.values())), float(rss)], dtype=torch.float64), None, "max")
         return {
             "loss": float(loss),
             "grad_norm": float(norm),
+            "lr": lr,
             "tokens": int(count),
             **extra,
             "seconds": time.perf_counter() - start,
             "state_bytes": held,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        }  # Linux: KiB
+            "max_rss_bytes": rss,
+            "heaviest_rank": {"state_bytes": int(heaviest[0]), "max_rss_bytes": int(heaviest[1])},
+        }
 
     def save_state(self, directory: str) -> str:
         """Write what resuming needs after the steps taken so far (collective): float32 master
