@@ -34,7 +34,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from shardlm.errors import RankFailure
+from shardlm.errors import RankFailure, UsageError
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -77,6 +77,28 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def resolve_device(device: str, local_world: int) -> str:
+    """'cpu' or 'cuda' for a rank of a run with ``local_world`` ranks on this host (see
+    EngineConfig.device, TrainConfig.device). Every rank of a host resolves alike, so a run never mixes devices."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    started = dist.get_backend_config() if dist.is_initialized() else None  # e.g. "cpu:gloo,cuda:nccl"
+    if device == "auto":
+        nccl = started is None or "nccl" in started
+        return "cuda" if gpus >= local_world and nccl else "cpu"
+    if device == "cuda":
+        if gpus < local_world:
+            raise UsageError(
+                f"device='cuda' with {local_world} rank(s) on this host needs as many GPUs, and it has "
+                f"{gpus}; use fewer ranks per host or device='cpu'"
+            )
+        if started is not None and "nccl" not in started:
+            raise UsageError(
+                f"device='cuda' but the process group was started with backends {started!r}, "
+                f"none of them NCCL; start it with 'nccl' (or 'cpu:gloo,cuda:nccl')"
+            )
+    return device
 
 
 def _free_port() -> int:

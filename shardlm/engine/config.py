@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
@@ -201,25 +200,3 @@ def kv_budget(utilization: float, free: int, total: int) -> int:
             f"processes); raise it, or spread the model over more GPUs"
         )
     return budget
-
-
-def resolve_device(device: str, local_world: int) -> str:
-    """'cpu' or 'cuda' for a rank of a run with ``local_world`` ranks on this host (see
-    EngineConfig.device). Every rank of a host resolves alike, so a run never mixes devices."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    started = dist.get_backend_config() if dist.is_initialized() else None  # e.g. "cpu:gloo,cuda:nccl"
-    if device == "auto":
-        nccl = started is None or "nccl" in started
-        return "cuda" if gpus >= local_world and nccl else "cpu"
-    if device == "cuda":
-        if gpus < local_world:
-            raise UsageError(
-                f"device='cuda' with {local_world} rank(s) on this host needs as many GPUs, and it has "
-                f"{gpus}; use fewer ranks per host or device='cpu'"
-            )
-        if started is not None and "nccl" not in started:
-            raise UsageError(
-                f"device='cuda' but the process group was started with backends {started!r}, "
-                f"none of them NCCL; start it with 'nccl' (or 'cpu:gloo,cuda:nccl')"
-            )
-    return device

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from shardlm.engine.config import EngineConfig, resolve_device
+from shardlm.engine.config import EngineConfig
 from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.structured import check_grammar
 from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
-from shardlm.launch import LocalRanks, torchrun_env
+from shardlm.launch import LocalRanks, resolve_device, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
 from shardlm.models.moe import check_expert_layout
 from shardlm.parallel.data import gather_replicas

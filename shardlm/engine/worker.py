@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.engine.block_manager import BlockManager
-from shardlm.engine.config import EngineConfig, kv_budget, resolve_device
+from shardlm.engine.config import EngineConfig, kv_budget
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, TokenLogprob
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.engine.speculative import SpeculativeConfig
-from shardlm.launch import cpu_threads, init_distributed
+from shardlm.launch import cpu_threads, init_distributed, resolve_device
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import moe_blocks, needs_lockstep
 from shardlm.parallel.data import ReplicaLink, assign

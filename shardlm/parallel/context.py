@@ -60,15 +60,15 @@ class ContextBatch:
     tiles: dict = field(default_factory=dict, repr=False)  # ring attention's work list per block
 
     @classmethod
-    def build(cls, group, batch: int, seq_len: int, algorithm: str = "all-gather") -> ContextBatch:
+    def build(cls, group, batch: int, seq_len: int, algorithm: str = "all-gather", device="cpu") -> ContextBatch:
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"cp attention {algorithm!r} is not one of {ALGORITHMS}; 'ring' passes key/value "
                 "blocks around the ring (less memory), 'all-gather' gathers them at once"
             )
         cp, rank = group_size(group), group_rank(group)
-        keys = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)])
-        return cls(group, batch, zigzag_positions(seq_len, cp, rank), keys, algorithm)
+        keys = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+        return cls(group, batch, zigzag_positions(seq_len, cp, rank).to(device), keys, algorithm)
 
 
 def context_attention(

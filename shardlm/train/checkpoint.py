@@ -52,7 +52,7 @@ def pieces(model: nn.Module) -> list[Piece]:
         elif isinstance(m, RMSNorm):
             out.append(Piece(f"{m.source}.weight", None, None, m.weight))
     for p in out:
-        p.tensor = p.tensor.detach().clone()
+        p.tensor = p.tensor.detach().to("cpu", copy=True)  # gathered as objects: no GPU tensor in a pickle
     return out
 
 

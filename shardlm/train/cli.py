@@ -58,10 +58,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on each dp rank (default 1)")
     p.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
         help="bfloat16 / float16: mixed precision, float32 master weights in the optimizer; float16 "
-        "with dynamic loss scaling (default float32)",
+        "with dynamic loss scaling; auto (default): bfloat16 on a GPU, float32 on CPU ranks",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto (default): cuda when this host has a GPU per rank (rank r on GPU r, NCCL), else cpu",
     )
     p.add_argument(
         "--recompute",
@@ -111,13 +117,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    import torch
+
     from shardlm.errors import UsageError
-    from shardlm.launch import LocalRanks, torchrun_env
+    from shardlm.launch import LocalRanks, resolve_device, torchrun_env
     from shardlm.models.loader import open_checkpoint
     from shardlm.parallel.context import zigzag_positions
     from shardlm.parallel.pipeline import stage_layers
     from shardlm.train.data import Batches
-    from shardlm.train.trainer import TrainConfig, Trainer, check_trainable
+    from shardlm.train.trainer import TrainConfig, Trainer, check_trainable, train_dtype
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")
@@ -135,6 +143,7 @@ def run(args) -> int:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         dtype=args.dtype,
+        device=args.device,
         zero=args.zero,
         lr=args.lr,
         lr_schedule=args.lr_schedule,
@@ -172,9 +181,11 @@ def run(args) -> int:
     env = torchrun_env()
     speaker = env is None or env["rank"] == 0
     world = config.dims().world_size
+    device = resolve_device(args.device, env["local_world"] if env else world)  # as every rank resolves it
+    dtype = train_dtype(args.dtype, device)
     if speaker:
         ring = " ring" if args.cp > 1 and args.cp_attention == "ring" else ""
-        layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}{ring}, tp={args.tp}, ZeRO-{args.zero}"
+        layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}{ring}, tp={args.tp}, ZeRO-{args.zero}, {device}, {dtype}"
         log(
             f"training {args.model} ({ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "
             f"rank{'s' if world > 1 else ''} ({layout}); "
@@ -215,7 +226,7 @@ def run(args) -> int:
                 log(f"resumed from {args.checkpoint} after step {first}")
         if speaker:
             bar = sys.stderr.isatty() and not args.json and LOG.isEnabledFor(logging.INFO)
-            peak = peak_flops("cpu", args.dtype, world)
+            peak = peak_flops(torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype, world)
             report = StepReport(args.steps, first, flops_per_token(ckpt.config, args.seq_len), peak, world, bar)
         for i in range(first, args.steps):
             s = step(batches(i))

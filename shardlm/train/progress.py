@@ -77,7 +77,7 @@ class StepReport:
         return (
             f"step {step}/{self.total}  loss {s['loss']:.4f}  grad norm {s['grad_norm']:.3f}  lr {s['lr']:.2e}  "
             f"{n['tokens_per_s']:.0f} tok/s  {speed}  state {heavy['state_bytes'] / GiB:.2f} GiB, "
-            f"peak {heavy['max_rss_bytes'] / GiB:.2f} GiB (heaviest rank)  {s['seconds']:.2f} s"
+            f"peak {heavy['peak_bytes'] / GiB:.2f} GiB (heaviest rank)  {s['seconds']:.2f} s"
         )
 
     def step(self, step: int, s: dict) -> None:

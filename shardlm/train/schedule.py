@@ -42,14 +42,15 @@ class StageIO(StageLinks):
     """A stage's activations in flight: what it received (to send back its gradient) and what it
     produced (to run backward from)."""
 
-    def __init__(self, dims: ParallelDims) -> None:
+    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu") -> None:
         super().__init__(dims)
+        self.device = device
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
         self.outputs: dict[int, tuple[Tensor, ...] | Tensor] = {}
 
     def receive(self, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Micro-batch i's (hidden, residual) from the previous stage, as leaves that keep their gradient."""
-        hidden, residual = (recv(shape, dtype, self.stage - 1, self.group).requires_grad_() for _ in range(2))
+        hidden, residual = (self.recv_hidden(shape, dtype, self.device).requires_grad_() for _ in range(2))
         self.inputs[i] = (hidden, residual)
         return hidden, residual
 
@@ -66,7 +67,7 @@ class StageIO(StageLinks):
         if isinstance(out, Tensor):  # the last stage's loss
             out.backward()
         else:
-            grads = [recv(t.shape, t.dtype, self.stage + 1, self.group) for t in out]
+            grads = [recv(t.shape, t.dtype, self.stage + 1, self.group, device=t.device) for t in out]
             torch.autograd.backward(list(out), grads)
         if not self.first:
             for t in self.inputs.pop(i):

@@ -18,8 +18,11 @@ reads as an HF-named state dict (``torch.distributed.checkpoint.format_utils.dcp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -280,11 +283,22 @@ def _record(trainer: Trainer) -> str:
     )
 
 
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what a one-rank run is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def save(trainer: Trainer, folder: str) -> None:
     """Write this rank's part of the state into DCP folder ``folder`` (collective)."""
     mine, extent = chunks(trainer, saving=True)
     planner = _SavePlanner(mine, _global_extents(extent))
-    dcp.save({"trainer": _record(trainer)}, checkpoint_id=folder, planner=planner, no_dist=not dist.is_initialized())
+    with _one_process_is_meant():
+        dcp.save(
+            {"trainer": _record(trainer)}, checkpoint_id=folder, planner=planner, no_dist=not dist.is_initialized()
+        )
 
 
 def load(trainer: Trainer, folder: str, source: str) -> int:
@@ -306,7 +320,7 @@ def load(trainer: Trainer, folder: str, source: str) -> int:
                 f"needs it to reach {end}: it was saved for another model"
             )
     state = {"trainer": ""}
-    with torch.no_grad():
+    with torch.no_grad(), _one_process_is_meant():
         dcp.load(state, checkpoint_id=folder, planner=_LoadPlanner(mine), no_dist=not dist.is_initialized())
     record = json.loads(state["trainer"])
     for unit in trainer.zero.units:

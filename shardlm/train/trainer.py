@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from shardlm.errors import UsageError
-from shardlm.launch import cpu_threads, init_distributed
+from shardlm.launch import cpu_threads, init_distributed, resolve_device, torchrun_env
 from shardlm.models.attention import causal_metadata
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.transformer import MLP, RMSNorm
@@ -62,10 +62,13 @@ class TrainConfig:
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
-    dtype: str = "float32"
+    dtype: str = "auto"
     """Weights, activations and gradients: float32, or bfloat16 / float16 with float32 master
     weights in the optimizer (mixed precision; gradients are summed over ranks in float32);
-    float16 with dynamic loss scaling."""
+    float16 with dynamic loss scaling. "auto": bfloat16 on a GPU, float32 on CPU ranks."""
+    device: str = "auto"
+    """"cuda": rank r on its host's GPU ``local_rank`` (NCCL for GPU tensors, gloo for the rest);
+    "cpu"; "auto": cuda when this host has a GPU per rank, else cpu."""
     loss_scale: float = 2.0**16
     """float16: the initial loss scale; halved and the step skipped whenever a gradient overflows,
     doubled after 2000 steps in a row without (PyTorch GradScaler's defaults)."""
@@ -109,8 +112,12 @@ class TrainConfig:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32, bfloat16 or float16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise UsageError(
+                f"dtype={self.dtype!r} is not supported for training; use auto, float32, bfloat16 or float16"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"device={self.device!r} is not a device; use auto, cpu or cuda")
         if not self.loss_scale > 0:
             raise UsageError(f"loss_scale={self.loss_scale!r} must be positive, e.g. 65536")
         if self.cp_attention not in ALGORITHMS:
@@ -149,6 +156,14 @@ class TrainConfig:
     def dims(self) -> ParallelDims:
         """The layout, without a mesh: each rank builds its own on a copy."""
         return self.parallel.unbuilt()
+
+
+def train_dtype(dtype: str, device_type: str) -> str:
+    """TrainConfig.dtype settled: "auto" is bfloat16 on a GPU (mixed precision, as torchtitan and
+    Megatron train), float32 on CPU ranks (whose bfloat16 matmuls are slower)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 def _count(v) -> bool:
@@ -224,19 +239,33 @@ def _all_ranks_here() -> None:
 
 class Trainer:
     def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
-        torch.set_num_threads(config.threads or cpu_threads(world))
+        env = torchrun_env()  # torchrun's local rank; ranks this process started share its host
+        local_rank, local_world = (env["local_rank"], env["local_world"]) if env else (rank, world)
+        device_type = resolve_device(config.device, local_world)
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            torch.set_num_threads(config.threads or cpu_threads(local_world))
+            self.device = torch.device("cpu")
         if world > 1:
-            init_distributed(rank, world, init_method, "cpu", config.timeout_s)
+            init_distributed(rank, world, init_method, device_type, config.timeout_s)
         dims = config.dims()
         dims.check_world_size(world)
-        self.dims = dims = dims.build_mesh("cpu")
+        self.dims = dims = dims.build_mesh(device_type)
         self.config = config
         self.checkpoint = ckpt = open_checkpoint(config.model)
         check_trainable(ckpt.config, dims.tp)
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype_name = train_dtype(config.dtype, device_type)
+        self.dtype = getattr(torch, self.dtype_name)
         self.model = model = load_model(
-            ckpt, dims, dtype=self.dtype, layers=layers, sequence_parallel=config.sequence_parallel
+            ckpt,
+            dims,
+            dtype=self.dtype,
+            device=self.device,
+            layers=layers,
+            sequence_parallel=config.sequence_parallel,
         )
         model.train().requires_grad_(True)
         self.vocab_start = model.lm_head.rows.start if model.last else 0
@@ -255,7 +284,7 @@ class Trainer:
             self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
-        self.scaler = LossScaler(config.loss_scale) if config.dtype == "float16" else None
+        self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:
@@ -299,12 +328,16 @@ class Trainer:
         meta = (
             causal_metadata([seq_len] * micros[0][0].shape[0])
             if self.dims.cp == 1
-            else ContextBatch.build(self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention)
+            else ContextBatch.build(
+                self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention, self.device
+            )
         )
-        io = StageIO(self.dims)
+        io = StageIO(self.dims, self.device)
         scale = self.scaler.scale if self.scaler else 1.0
         hidden = self.checkpoint.config.hidden_size
-        total = torch.zeros((), dtype=torch.float64)  # the loss summed over this rank's tokens (last stage)
+        total = torch.zeros(
+            (), dtype=torch.float64, device=self.device
+        )  # the loss summed over this rank's tokens (last stage)
 
         def forward(i: int) -> None:
             nonlocal total
@@ -351,7 +384,11 @@ class Trainer:
         )
         loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
         extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        rss = (  # the process's peak: on a GPU its memory's, on CPU ranks resident memory (Linux: KiB)
+            torch.cuda.max_memory_allocated(self.device)
+            if self.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
         heaviest = all_reduce(torch.tensor([float(sum(held.values())), float(rss)], dtype=torch.float64), None, "max")
         return {
             "loss": float(loss),
@@ -362,7 +399,7 @@ class Trainer:
             "seconds": time.perf_counter() - start,
             "state_bytes": held,
             "max_rss_bytes": rss,
-            "heaviest_rank": {"state_bytes": int(heaviest[0]), "max_rss_bytes": int(heaviest[1])},
+            "heaviest_rank": {"state_bytes": int(heaviest[0]), "peak_bytes": int(heaviest[1])},
         }
 
     def save_state(self, directory: str) -> str:
@@ -409,7 +446,8 @@ class Trainer:
 
     def _state_layout(self) -> dict:
         c = self.config
-        return {"model": str(c.model), **{a: getattr(c.parallel, a) for a in AXES}, "zero": c.zero, "dtype": c.dtype}
+        axes = {a: getattr(c.parallel, a) for a in AXES}
+        return {"model": str(c.model), **axes, "zero": c.zero, "dtype": self.dtype_name, "device": self.device.type}
 
     def save(self, directory: str) -> str:
         """Write the trained model as a HF directory (collective; rank 0 writes, see checkpoint.py)."""
@@ -423,5 +461,6 @@ class Trainer:
         seq_len = ids.shape[1] - 1
         positions = (
             torch.arange(seq_len) if self.dims.cp == 1 else zigzag_positions(seq_len, self.dims.cp, self.dims.cp_rank)
-        )
+        ).to(self.device)
+        ids = ids.to(self.device)
         return ids[:, positions], ids[:, positions + 1], positions

@@ -16,8 +16,8 @@ from harness.multirank import run_ranks, run_ranks_on
 from harness.rankfns import compiled_runs, greedy_and_logits, worker_device
 from harness.reference import NEW_TOKENS, PROMPTS, TINY_MODELS, build_tiny
 from shardlm import LLM, SamplingParams
-from shardlm.engine.config import resolve_device
 from shardlm.errors import UsageError
+from shardlm.launch import resolve_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness.cli import main_exit, shardlm
-from harness.multirank import run_ranks
+from harness.multirank import run_ranks, run_ranks_on
 from harness.rankfns import (
     layer_activations_on_rank,
     resume_and_step,
@@ -364,6 +364,36 @@ def test_state_of_another_model_is_refused(hf_run, tiny, tmp_path):
     other = Trainer(TrainConfig(model=str(tiny("qwen2").path), **OPTIM))
     with pytest.raises(UsageError, match="saved for another model"):
         other.load_state(str(tmp_path))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("zero", [1, 3])
+def test_training_on_cuda_matches_hf(hf_run, zero):
+    """The same trainer on a GPU (world size 1 under NCCL: one GPU here; multi-rank layouts are
+    the CPU ranks' tests): HF's steps within test_layout_matches_hf's tolerances (float32, no TF32:
+    torch's default)."""
+    path, batches = hf_run[:2]
+    results = run_ranks_on("nccl", 1, train_steps, path, batches, 1, 1, zero, device="cuda", dtype="float32", **OPTIM)
+    check_against_hf(results, hf_run)
+
+
+@needs_cuda
+def test_cuda_trains_bfloat16_by_default_and_resumes_a_cpu_state(hf_run, tmp_path):
+    from shardlm.train.checkpoint import assemble
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    path, batches = hf_run[:2]
+    assert Trainer(TrainConfig(model=path, device="cuda")).dtype_name == "bfloat16"
+    kept = run_ranks(2, train_and_save_state, path, batches[:2], str(tmp_path), device="cpu", dp=2, zero=3, **OPTIM)
+    [(taken, loaded, stats, _)] = run_ranks_on(
+        "nccl", 1, resume_and_step, path, batches[2], str(tmp_path), device="cuda", dtype="float32", **OPTIM
+    )
+    want = assemble([p for part in kept for p in part])
+    assert taken == 2 and all(torch.equal(assemble(loaded)[k], want[k]) for k in want)
+    torch.testing.assert_close(stats["loss"], hf_run[2][2][0], rtol=1e-5, atol=0)
 
 
 def test_float16_skips_an_overflowing_step_and_halves_the_scale(hf_run, tmp_path):

@@ -115,7 +115,7 @@ def test_step_line_and_progress_bar(monkeypatch):
 
     s = {
         "loss": 2.5, "grad_norm": 0.75, "lr": 1e-4, "tokens": 1000, "seconds": 0.5,
-        "heaviest_rank": {"state_bytes": 3 * 2**30, "max_rss_bytes": 5 * 2**30},
+        "heaviest_rank": {"state_bytes": 3 * 2**30, "peak_bytes": 5 * 2**30},
     }  # fmt: skip
     with_peak = StepReport(10, 0, tokens_flops=1e9, peak=8e12, ranks=2, bar=False)
     assert with_peak.numbers(s) == pytest.approx({"tokens_per_s": 2000, "tflops_per_rank": 1.0, "mfu": 0.125})
