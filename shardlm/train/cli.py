@@ -110,6 +110,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="steps between training-state saves (default 100)",
     )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps and at the end, the loss on held-out text: the last --eval-fraction of --data, "
+        "never trained on (default 0: off)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.05,
+        metavar="F",
+        help="the share of --data's tokens (its tail) held out for --eval-every (default 0.05)",
+    )
     p.add_argument("--plot", metavar="DIR", default=None, help="write loss.png (loss per step) into DIR")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     p.set_defaults(func=run)
@@ -129,6 +144,10 @@ def run(args) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be at least 1, e.g. --steps 20")
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every {args.eval_every} must be 0 (off) or a number of steps, e.g. 50")
+    if not 0 < args.eval_fraction < 1:
+        raise UsageError(f"--eval-fraction {args.eval_fraction} must be in (0, 1), e.g. 0.05")
     if args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be at least 1, e.g. 100")
     if args.data is None:
@@ -167,8 +186,16 @@ def run(args) -> int:
             f"evenly; choose --batch-size, --grad-accum and --seq-len so that tp divides them"
         )
     ids = ckpt.tokenizer().encode(data.read_text(encoding="utf-8"))
+    held_out: list = []
+    if args.eval_every:  # the text's tail, never trained on: its windows do not overlap the training ones
+        cut = int(len(ids) * (1 - args.eval_fraction))
+        ids, tail = ids[:cut], ids[cut:]
+        where = f"the last {args.eval_fraction:g} of {data}'s tokens (--eval-fraction)"
+        held_out = Batches(tail, seq_len=args.seq_len, batch_size=args.batch_size, source=where).in_order()
     batches = Batches(ids, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, source=str(data))
     order = {"data": str(data.resolve()), "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed}
+    if args.eval_every:
+        order["eval_fraction"] = args.eval_fraction
     state = Path(args.checkpoint or ".") / "state"
     resume = args.checkpoint is not None and (state / "meta.json").is_file()
     if resume:  # before any rank starts
@@ -197,9 +224,11 @@ def run(args) -> int:
     save: Callable[[str], Any]
     save_state: Callable[[str], Any]
     load_state: Callable[[str], int]
+    evaluate: Callable[[Any], dict]
     if env is not None:  # under torchrun: this process is one rank
         trainer = Trainer(config, rank=env["rank"], world=env["world"], init_method="env://")
         step, save, save_state, load_state = trainer.step, trainer.save, trainer.save_state, trainer.load_state
+        evaluate = trainer.evaluate
         close = lambda: None
     else:
         ranks = LocalRanks(world, Trainer.spawned, (config,), timeout_s=config.timeout_s)
@@ -216,7 +245,9 @@ def run(args) -> int:
         save = lambda d: ranks.call("save", d)[0]
         save_state = lambda d: ranks.call("save_state", d)
         load_state = lambda d: ranks.call("load_state", d)[0]
-    history = []
+        evaluate = lambda b: ranks.call("evaluate", b.tolist())[0]
+    history: list[dict] = []
+    evals: list[dict] = []  # held-out loss after some steps (--eval-every)
     report = None
     try:
         first = 0
@@ -235,11 +266,19 @@ def run(args) -> int:
                 if speaker:
                     (state / "batches.json").write_text(json.dumps(order))
             history.append({"step": i + 1, **s})
-            if report is None:
-                continue
-            if args.json:
-                print(json.dumps({"step": i + 1, **s, **report.numbers(s)}), flush=True)
-            report.step(i + 1, s)
+            if report is not None:
+                if args.json:
+                    print(json.dumps({"step": i + 1, **s, **report.numbers(s)}), flush=True)
+                report.step(i + 1, s)
+            if args.eval_every and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
+                results = [evaluate(b) for b in held_out]  # collective: every rank evaluates
+                tokens = sum(r["tokens"] for r in results)
+                loss = sum(r["loss"] * r["tokens"] for r in results) / tokens
+                evals.append({"step": i + 1, "loss": loss})
+                if report is not None:
+                    if args.json:
+                        print(json.dumps({"step": i + 1, "eval_loss": loss, "eval_tokens": tokens}), flush=True)
+                    report.note(f"eval after step {i + 1}: loss {loss:.4f} on {tokens} held-out tokens")
         if args.save:
             save(args.save)
             if speaker:
@@ -249,17 +288,20 @@ def run(args) -> int:
             report.close()
         close()
     if speaker and args.plot:
-        log(f"wrote {loss_plot(history, args, Path(args.plot))}")
+        log(f"wrote {loss_plot(history, evals, args, Path(args.plot))}")
     return 0
 
 
-def loss_plot(history: list[dict], args, directory: Path) -> Path:
+def loss_plot(history: list[dict], evals: list[dict], args, directory: Path) -> Path:
     from shardlm.plan.plot import pyplot
 
     plt = pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([s["step"] for s in history], [s["loss"] for s in history], marker="o", markersize=3)
+    ax.plot([s["step"] for s in history], [s["loss"] for s in history], marker="o", markersize=3, label="training")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], marker="s", label="held out (--eval-every)")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean next-token cross-entropy)")
     ax.set_title(

@@ -28,3 +28,8 @@ class Batches:
         epoch, i = divmod(step, self.per_epoch)
         order = torch.randperm(len(self.windows), generator=torch.Generator().manual_seed(self.seed + epoch))
         return self.windows[order[i * self.batch_size : (i + 1) * self.batch_size]]
+
+    def in_order(self) -> list[torch.Tensor]:
+        """Every whole batch of windows in the text's order (held-out evaluation: the same each time)."""
+        b = self.batch_size
+        return [self.windows[i * b : (i + 1) * b] for i in range(self.per_epoch)]

@@ -89,6 +89,13 @@ class StepReport:
         numbers = f"loss {s['loss']:.4f}  lr {s['lr']:.2e}  {n['tokens_per_s']:.0f} tok/s  {speed}"
         self.bar.update(self.task, completed=step, numbers=numbers)
 
+    def note(self, text: str) -> None:
+        """A line of its own (an evaluation), above the bar on a terminal."""
+        if self.bar is None:
+            log(text)
+        else:
+            self.bar.console.print(text)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()

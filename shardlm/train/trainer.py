@@ -13,6 +13,7 @@ import json
 import resource
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,6 +238,17 @@ def _all_ranks_here() -> None:
         dist.barrier()
 
 
+@dataclass
+class _Pass:
+    """A global batch laid out for one pass through this rank's stage (``Trainer._pass``)."""
+
+    micros: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (inputs, targets, positions) each
+    count: torch.Tensor  # target tokens of the whole global batch
+    io: StageIO
+    total: torch.Tensor  # the loss summed over this rank's tokens (last stage), filled by forward
+    forward: Callable[[int], None]
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
         env = torchrun_env()  # torchrun's local rank; ranks this process started share its host
@@ -304,56 +316,10 @@ class Trainer:
         lr = c.lr * lr_factor(
             self.steps, schedule=c.lr_schedule, warmup=c.warmup_steps, total=c.total_steps, floor=c.lr_min
         )
-        batch = torch.as_tensor(batch)
-        dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
-        if batch.dim() != 2 or batch.shape[1] < 2:
-            raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")
-        if batch.shape[0] % (dp * self.config.grad_accum):
-            raise UsageError(
-                f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
-                f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
-                f"{dp * self.config.grad_accum}"
-            )
-        seq_len = batch.shape[1] - 1
-        micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
-        tokens = micros[0][0].numel()  # per micro-batch on this rank
-        sp = self.config.sequence_parallel and self.dims.tp > 1
-        if sp and tokens % self.dims.tp:
-            raise UsageError(
-                f"sequence parallelism splits a micro-batch's {tokens} tokens over tp={self.dims.tp} "
-                f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them"
-            )
-        group = self.dims.dp_cp_group  # the ranks that sum gradients: dp, and cp under context parallelism
-        count = all_reduce(torch.stack([(t != IGNORE_INDEX).sum() for _, t, _ in micros]).sum().double(), group)
-        meta = (
-            causal_metadata([seq_len] * micros[0][0].shape[0])
-            if self.dims.cp == 1
-            else ContextBatch.build(
-                self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention, self.device
-            )
-        )
-        io = StageIO(self.dims, self.device)
         scale = self.scaler.scale if self.scaler else 1.0
-        hidden = self.checkpoint.config.hidden_size
-        total = torch.zeros(
-            (), dtype=torch.float64, device=self.device
-        )  # the loss summed over this rank's tokens (last stage)
-
-        def forward(i: int) -> None:
-            nonlocal total
-            inputs, targets, positions = micros[i]
-            b = inputs.shape[0]
-            local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
-            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), self.dtype)
-            out = self.zero.forward(
-                x, positions.repeat(b), meta, [None] * len(self.model.layers), local_logits=True
-            )  # last stage: [tokens, local vocab] logits
-            if io.last:
-                loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
-                total += loss.detach().sum().double()
-                out = loss.sum() / count * scale
-            io.produced(i, out)
-
+        run = self._pass(batch, scale)
+        io, micros, count, total = run.io, run.micros, run.count, run.total
+        forward = run.forward
         self.zero.start_backward()
         one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, io.backward)
         io.flush()
@@ -382,7 +348,7 @@ class Trainer:
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
             t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
         )
-        loss = all_reduce(all_reduce(total, self.dims.pp_group), group) / count
+        loss = all_reduce(all_reduce(total, self.dims.pp_group), self.dims.dp_cp_group) / count
         extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
         rss = (  # the process's peak: on a GPU its memory's, on CPU ranks resident memory (Linux: KiB)
             torch.cuda.max_memory_allocated(self.device)
@@ -401,6 +367,73 @@ class Trainer:
             "max_rss_bytes": rss,
             "heaviest_rank": {"state_bytes": int(heaviest[0]), "peak_bytes": int(heaviest[1])},
         }
+
+    def _pass(self, batch: torch.Tensor | list[list[int]], scale: float) -> _Pass:
+        """Check a global batch and lay out this rank's share of it for one pass: micro-batch i's
+        forward is ``forward(i)`` (on the last stage its loss, divided by the global target count
+        and multiplied by ``scale``, is what backward starts from)."""
+        batch = torch.as_tensor(batch)
+        dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
+        if batch.dim() != 2 or batch.shape[1] < 2:
+            raise UsageError(f"a batch is [sequences, seq_len + 1] token ids; got shape {tuple(batch.shape)}")
+        if batch.shape[0] % (dp * self.config.grad_accum):
+            raise UsageError(
+                f"batch of {batch.shape[0]} sequences does not split into dp={dp} x "
+                f"grad_accum={self.config.grad_accum} equal micro-batches; use a multiple of "
+                f"{dp * self.config.grad_accum}"
+            )
+        seq_len = batch.shape[1] - 1
+        micros = [self._local(m) for m in batch.chunk(dp)[r].chunk(self.config.grad_accum)]
+        tokens = micros[0][0].numel()  # per micro-batch on this rank
+        sp = self.config.sequence_parallel and self.dims.tp > 1
+        if sp and tokens % self.dims.tp:
+            raise UsageError(
+                f"sequence parallelism splits a micro-batch's {tokens} tokens over tp={self.dims.tp} "
+                f"ranks evenly; choose batch size, grad_accum and seq_len so that tp divides them"
+            )
+        # the ranks that sum gradients (dp, and cp under context parallelism) count the batch's targets
+        targets = torch.stack([(t != IGNORE_INDEX).sum() for _, t, _ in micros]).sum().double()
+        count = all_reduce(targets, self.dims.dp_cp_group)
+        meta = (
+            causal_metadata([seq_len] * micros[0][0].shape[0])
+            if self.dims.cp == 1
+            else ContextBatch.build(
+                self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention, self.device
+            )
+        )
+        io = StageIO(self.dims, self.device)
+        hidden = self.checkpoint.config.hidden_size
+        total = torch.zeros(
+            (), dtype=torch.float64, device=self.device
+        )  # the loss summed over this rank's tokens (last stage)
+
+        def forward(i: int) -> None:
+            inputs, targets, positions = micros[i]
+            b = inputs.shape[0]
+            local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
+            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), self.dtype)
+            out = self.zero.forward(
+                x, positions.repeat(b), meta, [None] * len(self.model.layers), local_logits=True
+            )  # last stage: [tokens, local vocab] logits
+            if io.last:
+                loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
+                total.add_(loss.detach().sum().double())
+                out = loss.sum() / count * scale
+            io.produced(i, out)
+
+        return _Pass(micros, count, io, total, forward)
+
+    def evaluate(self, batch: torch.Tensor | list[list[int]]) -> dict:
+        """The mean next-token loss of a global batch [batch, seq_len + 1] without training
+        (collective, as ``step``: every rank passes the same batch): every micro-batch's forward,
+        through the stages in order, and nothing kept for backward."""
+        with torch.no_grad():
+            run = self._pass(batch, 1.0)
+            for i in range(len(run.micros)):
+                run.forward(i)
+            run.io.flush()
+        loss = all_reduce(all_reduce(run.total, self.dims.pp_group), self.dims.dp_cp_group) / run.count
+        return {"loss": float(loss), "tokens": int(run.count)}
 
     def save_state(self, directory: str) -> str:
         """Write what resuming needs after the steps taken so far (collective): float32 master

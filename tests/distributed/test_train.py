@@ -22,6 +22,7 @@ import torch
 from harness.cli import main_exit, shardlm
 from harness.multirank import run_ranks, run_ranks_on
 from harness.rankfns import (
+    evaluate_and_step,
     layer_activations_on_rank,
     resume_and_step,
     train_and_save,
@@ -366,6 +367,22 @@ def test_state_of_another_model_is_refused(hf_run, tiny, tmp_path):
         other.load_state(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [dict(), dict(pp=2, tp=2, zero=3, grad_accum=2), dict(dp=2, cp=2, zero=2)],
+    ids=["one", "pp2-tp2", "dp2-cp2"],
+)
+def test_evaluate_is_hfs_loss_and_trains_nothing(hf_run, layout):
+    """Trainer.evaluate (--eval-every): HF's loss on the batch, over every token of it, and the
+    training step after it is HF's first step (evaluation left no gradient or state behind)."""
+    path, batches, hf_stats = hf_run[:3]
+    for ev, stats in run_ranks(_world(layout), evaluate_and_step, path, batches[0], **OPTIM, **layout):
+        assert ev["tokens"] == BATCH * SEQ
+        torch.testing.assert_close(ev["loss"], hf_stats[0][0], rtol=1e-5, atol=0)
+        torch.testing.assert_close((stats["loss"], stats["grad_norm"]), hf_stats[0], rtol=1e-5, atol=0)
+    assert hf_stats[0][0] != hf_stats[1][0]  # can fail: another batch's loss differs
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -509,12 +526,18 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     config.write_text(
         f'data = "{data}"\ncp = 2\ncp-attention = "ring"\nzero = 2\nbatch_size = 2\nseq-len = 16\n'
         'lr = 2e-4\nlr-schedule = "cosine"\nwarmup-steps = 1\nthreads = 1\njson = true\nsteps = 99\n'
+        "eval-every = 2\neval-fraction = 0.2\n"
     )
     common = ["train", "--config", str(config), "--checkpoint", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     r = shardlm(*common, "--steps", "3", "--plot", str(tmp_path), "--save", str(tmp_path / "trained"))
     assert r.returncode == 0, r.stderr
-    steps = [json.loads(line) for line in r.stdout.splitlines()]
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    steps = [x for x in records if "loss" in x]
     assert [s["step"] for s in steps] == [1, 2, 3]  # the command line's --steps over the file's
+    # the held-out tail (a fifth of the text: 2 batches of 2 x 16 tokens) after step 2 and at the end
+    evals = [x for x in records if "eval_loss" in x]
+    assert [(e["step"], e["eval_tokens"]) for e in evals] == [(2, 64), (3, 64)]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"] and "eval after step 3: loss" in r.stderr
     assert all(s["tokens"] == 2 * 16 for s in steps)
     # torchtitan's warm-up (1/2 of lr), then cosine over the 2 steps left: 1, then 0.5
     assert [s["lr"] for s in steps] == pytest.approx([1e-4, 2e-4, 1e-4], rel=1e-12)
@@ -528,7 +551,7 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     again = shardlm(*common, "--steps", "4")
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stderr and "after step 3" in again.stderr
-    resumed = [json.loads(line) for line in again.stdout.splitlines()]
+    resumed = [x for x in map(json.loads, again.stdout.splitlines()) if "loss" in x]
     assert [s["step"] for s in resumed] == [4] and resumed[0]["lr"] == pytest.approx(0.5e-4, rel=1e-12)
     other = shardlm(*common, "--steps", "5", "--seed", "1")  # another data order: refused before any rank starts
     assert other.returncode == 2 and "resume with the same --data, --seq-len, --batch-size and --seed" in other.stderr

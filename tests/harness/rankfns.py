@@ -251,3 +251,13 @@ def resume_and_step(model: str, batch, directory: str, **options):
     stats = trainer.step(batch)
     with trainer.zero.full_weights():
         return taken, loaded, stats, pieces(trainer.model)
+
+
+def evaluate_and_step(model: str, batch, **options):
+    """A new Trainer's held-out loss on ``batch``, then its training step on the same batch."""
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(
+        TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
+    )
+    return trainer.evaluate(batch), trainer.step(batch)
