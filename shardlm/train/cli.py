@@ -64,6 +64,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with dynamic loss scaling; auto (default): bfloat16 on a GPU, float32 on CPU ranks",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer's forward and backward (a one-time compile, then fused kernels)",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
@@ -163,6 +168,7 @@ def run(args) -> int:
         recompute=args.recompute,
         dtype=args.dtype,
         device=args.device,
+        compile=args.compile,
         zero=args.zero,
         lr=args.lr,
         lr_schedule=args.lr_schedule,

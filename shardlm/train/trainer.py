@@ -98,6 +98,9 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per step on each dp rank (gradient accumulation; with pp, at least pp keeps
     every stage busy)."""
+    compile: bool = False
+    """Run each decoder layer's forward and backward through torch.compile (inductor: fused
+    kernels; a one-time compile of two graphs, the first layer's and the others')."""
     threads: int | None = None
     """CPU threads per rank (default: this host's cores shared among its ranks)."""
     timeout_s: float = 300.0
@@ -292,6 +295,9 @@ class Trainer:
         if config.recompute == "full":  # around ZeRO-3's gathering wrapper: the recomputation gathers again
             for i, layer in enumerate(model.layers):
                 model.layers[i] = Recomputed(layer)
+        if config.compile:  # the outermost wrapper: ZeRO-3's gathering and recomputation compile with the layer
+            for layer in model.layers:
+                layer.compile()
         self.optimizer = torch.optim.AdamW(
             self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
         )

@@ -383,6 +383,19 @@ def test_evaluate_is_hfs_loss_and_trains_nothing(hf_run, layout):
     assert hf_stats[0][0] != hf_stats[1][0]  # can fail: another batch's loss differs
 
 
+@pytest.mark.slow
+def test_compiled_layers_take_hfs_steps(hf_run):
+    """--compile at tp=2 (its all-reduces inside the compiled graphs), ZeRO-2 and selective
+    recomputation: HF's steps as eager (test_layout_matches_hf's tolerances)."""
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    path, batches = hf_run[:2]
+    results = run_ranks(2, train_steps, path, batches, 1, 2, 2, compile=True, recompute="selective", **OPTIM)
+    check_against_hf(results, hf_run)
+    layers = Trainer(TrainConfig(model=path, compile=True)).model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)  # compiled, not eager
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
