@@ -190,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardlm: interrupted; all ranks stopped", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # under torchrun a collective raises where a peer is lost
+        from shardlm.launch import peer_failure
+
+        if (line := peer_failure(e)) is None:
+            raise
+        print(f"shardlm: error: rank {os.environ.get('RANK', '?')}: {line}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. piped into `head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,6 +78,50 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+    if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
+        here = (socket.gethostname(), _address())
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, here)
+        HOSTS[:] = everyone
+
+
+HOSTS: list[tuple[str, str]] = []
+"""(hostname, address) of every global rank of a torchrun run that spans processes (set by
+``init_distributed``), so that a lost peer can be named by its host and ranks."""
+
+
+def _address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "?"
+
+
+_PEER_LOST = re.compile(
+    r"(?:Connection closed by peer|Connection reset by peer|Broken pipe)\D*?\[?([0-9a-fA-F.:]+?)\]?:\d+"
+)
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """One line for a collective that failed because a peer rank is gone (its host died, its
+    network went down, or it did not answer within the timeout), naming the host and ranks where
+    they are known; None for any other error."""
+    text = str(error)
+    if (m := _PEER_LOST.search(text)) is not None:
+        address = m.group(1)
+        ranks = [r for r, (_, a) in enumerate(HOSTS) if a == address]
+        host = f"host {HOSTS[ranks[0]][0]} ({address}, ranks {ranks})" if ranks else f"the peer at {address}"
+        return f"lost {host}: its connection closed (the ranks there died or the host went down); the run stops"
+    if (m := _TIMED_OUT.search(text)) is not None:
+        seconds = int(m.group(1)) / 1000
+        others = sorted({h for h, _ in HOSTS} - {socket.gethostname()})
+        where = f" (on {', '.join(others)})" if others else ""
+        return (
+            f"a peer rank{where} did not answer a {m.group(2)} for {seconds:g} s (--timeout): a lost host or a "
+            f"network partition; the run stops"
+        )
+    return None
 
 
 def resolve_device(device: str, local_world: int) -> str:

@@ -17,8 +17,10 @@ A ParallelDims with every size 1 needs no process group at all; its groups are
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
+import torch
 import torch.distributed as dist
 
 from shardlm.errors import UsageError
@@ -220,9 +222,15 @@ class ParallelDims:
                 f"shardlm's launcher (LLM(...) or `shardlm generate`) or under torchrun"
             )
         self.check_world_size(dist.get_world_size())
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_AXES)
+        # every axis's groups made here, with the world's timeout: init_device_mesh's would take
+        # torch's default (30 min for gloo), so a subgroup whose peer is gone (a lost host) would
+        # wait that long instead of --timeout
+        mine = [self._made(f"mesh:{axis}", self.group_ranks(axis)) for axis in MESH_AXES]
+        assert all(g is not None for g in mine)  # every rank is in one group of each axis
+        ranks = torch.arange(self.world_size).view(self.shape())  # row-major over MESH_AXES, as coords()
+        mesh = DeviceMesh.from_group(cast(list, mine), device_type, mesh=ranks, mesh_dim_names=MESH_AXES)
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_expert_groups", self._build_expert_groups(mesh))
         object.__setattr__(self, "_dp_cp_group", self._build_dp_cp_group(mesh))
@@ -235,7 +243,7 @@ class ParallelDims:
             return mesh.get_group("cp" if self.dp == 1 else "dp")
         mine = None
         for ranks in self.group_ranks("dp_cp"):
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timedelta(seconds=group_timeout(None)))
             mine = g if dist.get_rank() in ranks else mine
         return mine
 
@@ -256,7 +264,7 @@ class ParallelDims:
             elif key not in known:
                 mine = None
                 for ranks in groups:
-                    g = dist.new_group(ranks)
+                    g = dist.new_group(ranks, timeout=timedelta(seconds=group_timeout(None)))
                     mine = g if me in ranks else mine
                 known[key] = mine
             out.setdefault(kind, known.get(key))
@@ -268,7 +276,7 @@ class ParallelDims:
         if name not in self._built:
             me, mine = dist.get_rank(), None
             for ranks in groups:
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timedelta(seconds=group_timeout(None)))
                 mine = g if me in ranks else mine
             self._built[name] = mine
         return self._built[name]
@@ -355,3 +363,13 @@ class ParallelDims:
     ep_size = property(lambda s: s.ep)
     etp_size = property(lambda s: s.etp)
     edp_size = property(lambda s: s.edp)
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float:
+    """Seconds a collective of ``group`` (None: the world) may wait before it fails (300 when unknown)."""
+    try:
+        group = group or dist.distributed_c10d._get_default_group()
+        device = torch.device("cpu") if torch.device("cpu") in group._device_types else torch.device("cuda")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except Exception:
+        return 300.0

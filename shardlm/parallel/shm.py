@@ -21,6 +21,7 @@ Messages larger than a slot go in slot-sized pieces, one round (or two) each.
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
@@ -258,6 +259,7 @@ def _bounds(k: int, n: int) -> list[int]:
 
 
 # ---- which groups use it ---------------------------------------------------------------------
+LOG = logging.getLogger("shardlm.shm")
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> ShmGroup | None
 _policy: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> "auto" | "shm" | "gloo"
 why_not: dict[int, str] = {}
@@ -284,6 +286,11 @@ def _setup(group: dist.ProcessGroup, policy: str, slot: int | None) -> ShmGroup 
             if why:
                 why_not[id(group)] = why
     _groups[group] = fast
+    LOG.debug(
+        "collectives of ranks %s: %s",
+        dist.get_process_group_ranks(group),
+        "shared memory" if fast is not None else f"gloo ({why_not.get(id(group), 'turned off')})",
+    )
     return fast
 
 

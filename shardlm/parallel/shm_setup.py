@@ -25,6 +25,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from shardlm.parallel.dims import group_timeout
 from shardlm.parallel.shm_segment import Segment, header_bytes, start_time, wake_address
 
 SHM_DIR = "/dev/shm"
@@ -108,13 +109,6 @@ def _bind(path: str, rank: int) -> socket.socket | None:
         return None
 
 
-def _group_timeout(group: dist.ProcessGroup) -> float:
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:
-        return 300.0
-
-
 def open_segment(group: dist.ProcessGroup, slot_bytes: int) -> tuple[Segment | None, str]:
     """(segment, "") if every rank of the group can use one, else (None, why) on every rank."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -156,7 +150,7 @@ def open_segment(group: dist.ProcessGroup, slot_bytes: int) -> tuple[Segment | N
         return None, why or why_not_here() or "another rank of the group cannot use shared memory"
     assert mm is not None and wake is not None  # every rank mapped and bound (the verdict)
     seg = Segment(
-        mm, n=n, rank=rank, slot_bytes=slot_bytes, peers=peers, timeout_s=_group_timeout(group), name=path, wake=wake
+        mm, n=n, rank=rank, slot_bytes=slot_bytes, peers=peers, timeout_s=group_timeout(group), name=path, wake=wake
     )
     seg._drain()  # the test datagrams
     return seg, ""
