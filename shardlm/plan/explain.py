@@ -13,6 +13,9 @@ from __future__ import annotations
 from shardlm.plan import constants as C
 from shardlm.plan.comm import placement
 
+CHATTY_GROUPS = ("tp", "cp", "ep", "etp")
+"""Groups that talk inside every layer; one that leaves its node pays the NIC there."""
+
 LONG_CONTEXT_TOKENS = 32768
 """Contexts from this length on count as long (CP/SP territory; Llama 3 §3.3.1 switches CP on
 for its 128K stage)."""
@@ -22,10 +25,10 @@ def departures(res, ctx) -> list[str]:
     """The rules a result's layout breaks, each as one short phrase."""
     lay, cluster, cfg = res.layout, ctx["cluster"], ctx["cfg"]
     out = []
-    _, tp_nodes = placement(lay.rank0_group("tp"), cluster)
+    _, tp_nodes = placement(lay.slowest_group("tp", cluster.gpus_per_node), cluster)
     if tp_nodes > 1:
         out.append("TP inside a node")
-    replica_nodes = placement(list(range(lay.tp * lay.cp * lay.pp)), cluster)[1]
+    replica_nodes = placement(lay.replica_ranks()[0], cluster)[1]
     if replica_nodes > 1 and lay.pp == 1:
         out.append("PP across nodes")
     if cfg.is_moe and lay.ep == 1 and lay.dp * lay.tp > 1:
@@ -42,6 +45,23 @@ def departures(res, ctx) -> list[str]:
         out.append("CP only for long context")
     if ctx["train"] and lay.tp > 1 and not lay.sp:
         out.append("SP with TP")
+    return out
+
+
+def groups_across_nodes(lay, cluster) -> dict[str, int]:
+    """{group kind: nodes its slowest group spans} for the per-layer groups that leave their node."""
+    spans = {k: lay.nodes_spanned(k, cluster.gpus_per_node) for k in CHATTY_GROUPS if getattr(lay, k) > 1}
+    return {k: n for k, n in spans.items() if n > 1}
+
+
+def placement_notes(results: list, cluster) -> list[str]:
+    """One line per shown layout whose per-layer groups cross nodes (their collectives are costed
+    on the inter-node link)."""
+    out = []
+    for i, r in enumerate(results, 1):
+        if crossing := groups_across_nodes(r.layout, cluster):
+            what = ", ".join(f"its {k} group spans {n} nodes" for k, n in crossing.items())
+            out.append(f"#{i} {r.layout.label()}: {what} (costed on the inter-node link).")
     return out
 
 

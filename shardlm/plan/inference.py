@@ -121,7 +121,7 @@ def stage_step(
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
     out = StepTime()
-    tp_group, cp_group, ep_group = lay.rank0_group("tp"), lay.rank0_group("cp"), lay.rank0_group("ep")
+    tp_group, cp_group, ep_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp", "ep"))
     hidden_msg = tokens * cfg.hidden_size * a_bytes
     ar = comm.all_reduce(hidden_msg, tp_group, cluster)
     # tokens entering one EP group: its dp replicas' steps (parallel folding) x tp copies / tp
@@ -173,7 +173,7 @@ def _sum(parts: list[StepTime]) -> StepTime:
 
 def boundary_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
     """Send/recv over every stage boundary, one after another."""
-    pp_group = lay.rank0_group("pp")
+    pp_group = lay.slowest_group("pp", cluster.gpus_per_node)
     return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in itertools.pairwise(pp_group))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from shardlm.plan.explain import groups_across_nodes, placement_notes
 from shardlm.plan.memory import FIELDS
 
 SHORT = {
@@ -79,7 +80,7 @@ def text(plan) -> str:
         f"{len(plan.search.results):,} fit",
         "",
     ]
-    lines += plan.explanation
+    lines += placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
     return "\n".join(lines)
 
 
@@ -106,7 +107,7 @@ def print_table(plan, console=None) -> None:
         f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit"
     )
-    for line in plan.explanation:
+    for line in placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation:
         console.print(line)
 
 
@@ -122,6 +123,7 @@ def to_data(plan) -> dict:
             "layout": {**r.layout.sizes(), "label": r.layout.label(train)},
             "memory_bytes": r.memory.as_dict(),
             "rule_departures": plan.departures(r),
+            "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
         }
         if train:
             lay = r.layout
