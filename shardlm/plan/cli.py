@@ -68,6 +68,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(DTYPES) + "}",
         help=f"weights/compute dtype (default bf16; float32 on {THIS_MACHINE})",
     )
+    p.add_argument(
+        "--memory-reserve",
+        type=float,
+        metavar="GIB",
+        help="GiB per GPU kept out of the plan (CUDA context, workspaces, allocator slack); default: 10%% of "
+        "the device for inference (vLLM's gpu_memory_utilization 0.9), 2 GiB for training",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        default="fused",
+        help="fused (flash/SDPA: no s x s scores kept, as shardlm runs) or unfused (the a x s x s scores count)",
+    )
     g = p.add_argument_group("inference")
     g.add_argument("--prompt-len", type=int, help=f"prompt tokens per request (default {DEFAULTS['prompt_len']})")
     g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
@@ -182,12 +195,14 @@ def build_request(args):
         objective=args.objective,
         fixed=fixed,
         top=args.top,
+        memory_reserve_gib=args.memory_reserve,
     )
     if args.train:
         wl = TrainWorkload(
             global_batch=args.global_batch or DEFAULTS["global_batch"],
             seq_len=args.seq_len or DEFAULTS["seq_len"],
             dtype=dtype,
+            fused_attention=args.attention == "fused",
         )
         return PlanRequest(train=True, training=wl, **common)
 
@@ -202,6 +217,7 @@ def build_request(args):
         kv_dtype=args.kv_dtype,
         max_ttft_s=ms(args.max_ttft_ms),
         max_tpot_s=ms(args.max_tpot_ms),
+        fused_attention=args.attention == "fused",
     )
     return PlanRequest(train=False, inference=wl, **common)
 

@@ -51,6 +51,8 @@ class InferenceWorkload:
     """Upper limit on time per output token."""
     pp_overlap: bool = True
     """Engine keeps pp micro-batches in flight (True for vLLM-style engines)."""
+    fused_attention: bool = True
+    """Flash/paged attention; False holds a prefill chunk's float32 scores against the prompt."""
 
 
 @dataclass(kw_only=True)
@@ -219,7 +221,14 @@ def evaluate(
     cap = cluster.gpu.memory_bytes
     seq_len = wl.prompt_len + wl.output_len
     fixed = inference_fixed(
-        costs, lay, cap, prompt_len=wl.prompt_len, batch_hint=batch or wl.batch or 1, w_bytes=w_bytes, a_bytes=a_bytes
+        costs,
+        lay,
+        cluster.reserve(False),
+        prompt_len=wl.prompt_len,
+        batch_hint=batch or wl.batch or 1,
+        w_bytes=w_bytes,
+        a_bytes=a_bytes,
+        fused_attention=wl.fused_attention,
     )
     per_seq = kv_bytes_per_seq_token(costs, lay, kv_bytes) * seq_len
     free = cap - fixed.total

@@ -6,6 +6,7 @@ import json
 import math
 
 from shardlm.plan.explain import groups_across_nodes, placement_notes
+from shardlm.plan.hardware import GIB
 from shardlm.plan.memory import FIELDS
 
 SHORT = {
@@ -20,7 +21,7 @@ SHORT = {
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
+    return f"{x / GIB:.1f}"
 
 
 def _ms(seconds: float) -> str:
@@ -33,7 +34,7 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
     head = ["#", "layout"]
     head += ["tokens/s", "MFU", "step s", "bubble"] if train else ["tok/s", "batch", "TTFT ms", "TPOT ms"]
     mem_fields = [f for f in FIELDS if any(getattr(r.memory, f) for r in plan.ranked[: plan.request.top])]
-    head += [SHORT[f] for f in mem_fields] + ["GB/GPU"]
+    head += [SHORT[f] for f in mem_fields] + ["GiB/GPU"]
     out = []
     for i, r in enumerate(plan.ranked[: plan.request.top], 1):
         row = [str(i), r.layout.label(train)]
@@ -76,7 +77,7 @@ def text(plan) -> str:
     s = plan.search
     lines += [
         "",
-        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit",
         "",
     ]
@@ -104,7 +105,7 @@ def print_table(plan, console=None) -> None:
     console.print(table)
     s = plan.search
     console.print(
-        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit"
     )
     for line in placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation:

@@ -42,6 +42,8 @@ class TrainWorkload:
     """Tokens per sequence."""
     dtype: str = "bf16"
     """Compute dtype (mixed precision; master weights and Adam states in fp32)."""
+    fused_attention: bool = True
+    """Flash/SDPA attention (a log-sum-exp per head and token); False keeps the a x s x s scores."""
 
 
 @dataclass(kw_only=True)
@@ -73,7 +75,7 @@ class TrainResult:
 def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
     cfg, gpu = costs.cfg, cluster.gpu
     cap = gpu.memory_bytes
-    mem = training_memory(costs, lay, cap, seq=wl.seq_len)
+    mem = training_memory(costs, lay, cluster.reserve(True), seq=wl.seq_len, fused_attention=wl.fused_attention)
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
     a = C.DTYPE_BYTES[wl.dtype]

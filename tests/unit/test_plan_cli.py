@@ -57,7 +57,7 @@ def test_llama_70b_two_nodes_throughput(capsys):
     assert best["rule_departures"] == []
     assert best["throughput_tokens_per_s"] > 1000 and 0 < best["tpot_s"] < 0.2
     mem = best["memory_bytes"]
-    assert mem["total"] <= 80e9 and mem["weights"] == pytest.approx(70.55e9 * 2 / best["layout"]["tp"], rel=0.02)
+    assert mem["total"] <= 80 * 2**30 and mem["weights"] == pytest.approx(70.55e9 * 2 / best["layout"]["tp"], rel=0.02)
     assert any("wins" in line for line in data["explanation"])
     assert any("Runner-up" in line for line in data["explanation"])
 
@@ -78,7 +78,7 @@ def test_deepseek_v3_uses_expert_parallelism(capsys):
     assert code == 0, err
     best = json.loads(out)["layouts"][0]
     assert best["layout"]["ep"] > 1
-    assert best["memory_bytes"]["total"] <= 141e9
+    assert best["memory_bytes"]["total"] <= 141 * 2**30
 
 
 def test_training_plan_and_plots(capsys, tmp_path):
@@ -163,7 +163,9 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
 def test_never_fits_says_by_how_much(capsys):
     code, _, err = run(["--model", "llama-3.1-405b", "--gpu", "a100-80g", "--gpus", "4"], capsys)
     assert code == 2
-    assert "GB more than the 80.0 GB" in err and "16 x a100-80g" in err
+    assert "GiB more than the 80.0 GiB" in err and "16 x a100-80g" in err
+    # the full breakdown: every part, summing to the total
+    assert "needs 197.4 GiB = weights " in err and " + reserve 8.0 per GPU" in err
 
 
 def test_405b_two_nodes_follows_tp_inside_pp_across(capsys):
