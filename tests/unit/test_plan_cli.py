@@ -182,3 +182,30 @@ def test_departure_is_explained_with_numbers(capsys):
     )
     assert code == 0, err
     assert "departs from 'TP inside a node' because the numbers say so" in out and "tp8 pp2 dp1" in out
+
+
+def test_etp_and_vpp_pin_what_they_name(capsys):
+    base = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "8", "--json"]
+    code, out, err = run(base + ["--etp", "2"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all(d["layout"]["etp"] == 2 for d in layouts)
+    train = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--train", "--global-batch", "64", "--json"]
+    code, out, err = run(train + ["--pp", "4", "--vpp", "4"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all((d["layout"]["schedule"], d["layout"]["virtual"]) == ("interleaved", 4) for d in layouts)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--model", "llama-3-8b", "--etp", "2"], "--etp 2 splits experts, but llama has none; drop --etp"),
+        (["--model", "llama-3-8b", "--train", "--vpp", "2", "--schedule", "1f1b"], "drop --schedule 1f1b"),
+        (["--model", "llama-3-8b", "--train", "--vpp", "1"], "--vpp 1: the interleaved schedule needs 2 or more"),
+        (["--model", "llama-3-8b", "--vpp", "2"], "--vpp is a training flag"),
+    ],
+)
+def test_etp_and_vpp_refused_with_a_reason(extra, message, capsys):
+    code, _, err = run(["--gpu", "h100-sxm", "--gpus", "8", *extra], capsys)
+    assert code == 2 and message in err, err
