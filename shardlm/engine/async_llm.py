@@ -74,10 +74,9 @@ class AsyncLLM(EngineFront):
         split = self.config.prefill_replicas
         self._prefill = list(range(split or replicas))
         self._decode = list(range(split, replicas)) if split else None
-        per_replica = len(infos) // replicas  # ranks, consecutive per replica
-        self._block_bytes = [
-            sum(i["kv_block_bytes"] for i in infos[r * per_replica : (r + 1) * per_replica]) for r in range(replicas)
-        ]
+        self._block_bytes = [0] * replicas  # a replica's ranks are not consecutive when pp > 1 (pp is outermost)
+        for i in infos:
+            self._block_bytes[i["coords"]["dp"]] += i["kv_block_bytes"]
         self._lock = threading.Lock()
         self.error: str | None = None
         self.stats = {

@@ -1,14 +1,18 @@
 """ParallelDims: the one topology object every layer is built with.
 
-Mesh axes, outermost first: ``dp, pp, cp, tp``. Ranks that differ only in their
-tp coordinate are adjacent (rank = ((dp*PP + pp)*CP + cp)*TP + tp), so a tp group
-lives inside a node, where links are fastest, and pp crosses nodes. Expert
-parallelism does not add an axis: expert layers re-fold the dp x tp ranks of a
-stage as edp x ep x etp ("parallel folding", Megatron-Core, Liu et al. 2025,
-https://arxiv.org/abs/2504.14960), so ``ep * etp`` must divide ``dp * tp``. A rank's
-stage index s = dp_rank * tp + tp_rank is read as s = (edp_rank * ep + ep_rank) * etp
-+ etp_rank: etp innermost, so an expert's tensor-parallel slices sit on neighbouring
-(tp-adjacent) ranks, and when ep * etp divides tp an expert group lies inside one tp group.
+Mesh axes, outermost first: ``pp, dp, cp, tp`` (Megatron-Core's default rank order,
+"tp-cp-ep-dp-pp" innermost first: ``initialize_model_parallel(order=...)`` in
+megatron/core/parallel_state.py). Ranks that differ only in their tp coordinate are adjacent (rank = ((pp*DP + dp)*CP + cp)*TP + tp), so a tp group lives
+inside a node, where links are fastest; a stage's dp x cp x tp ranks are one contiguous block and
+pp crosses nodes. Expert parallelism does not add an axis: expert layers re-fold the dp x tp
+ranks of a stage as edp x ep x etp ("parallel folding", Megatron-Core, Liu et al. 2025,
+https://arxiv.org/abs/2504.14960), so ``ep * etp`` must divide ``dp * tp``. A rank's stage index
+s = dp_rank * tp + tp_rank is read as s = (edp_rank * ep + ep_rank) * etp + etp_rank: etp
+innermost, so an expert's tensor-parallel slices sit on neighbouring (tp-adjacent) ranks, and
+when ep * etp divides tp an expert group lies inside one tp group. Why pp is outermost: with dp
+outside pp, an ep group that spans dp replicas would stride over every stage (pp inside the ep
+group) and leave the node even when ep * etp ranks would fit in one; with pp outside, it is
+ep * etp consecutive ranks when cp = 1.
 
 A ParallelDims with every size 1 needs no process group at all; its groups are
 ``None`` (a one-rank group) and every collective on them is a no-op.
@@ -28,7 +32,7 @@ from shardlm.errors import UsageError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_AXES = ("dp", "pp", "cp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")  # outermost first: the rank formula above
 EXPERT_AXES = ("edp", "ep", "etp")  # the folded dp x tp ranks of a stage, outermost first
 EXPERT_GROUPS = ("ep", "etp", "edp", "ep_etp")  # ep_etp: the ep x etp ranks that hold one copy of all experts
 
@@ -168,7 +172,7 @@ class ParallelDims:
 
     def rank_of(self, *, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The global rank at these mesh coordinates (the rank formula above)."""
-        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (the inverse of the rank formula above)."""
@@ -286,8 +290,20 @@ class ParallelDims:
         is one rank. Collective on first use (the serving loop's news goes over it)."""
         if not self._need_mesh() or self.world_size == self.dp:
             return None
-        n = self.world_size // self.dp  # ranks of a replica: consecutive, dp being the outermost axis
-        return self._made("replica", [list(range(d * n, (d + 1) * n)) for d in range(self.dp)])
+        return self._made("replica", self.replica_ranks())
+
+    def replica_ranks(self) -> list[list[int]]:
+        """Every replica's global ranks, ascending, by dp rank (pure): not consecutive when pp > 1,
+        pp being the outermost axis."""
+        return [
+            sorted(
+                self.rank_of(dp=d, pp=p, cp=c, tp=t)
+                for p in range(self.pp)
+                for c in range(self.cp)
+                for t in range(self.tp)
+            )
+            for d in range(self.dp)
+        ]
 
     def embedding_group(self) -> dist.ProcessGroup | None:
         """The first and the last pipeline stage of this rank's (dp, cp, tp) position, the two

@@ -7,14 +7,14 @@ Their per-layer count for a GPT layer (16-bit activations, 1-byte dropout masks)
 attention core divide by ``t`` while 10 units stay replicated unless sequence parallelism
 splits them too. This module keeps every term separate so that the same count serves
 GPT-style layers (4h GELU MLP, MHA, dropout: exactly Table 2) and Llama-style ones (SwiGLU,
-GQA, no dropout). Full recomputation stores only each layer's input (2sbh, /t with SP).
+GQA, no dropout). Full recomputation stores only each layer's input (2sbh, /t with SP), as
+shardlm's trainer does (``train.trainer.Recomputed`` keeps the sum of the output and the
+residual stream, one tensor).
 
-Two departures from the paper's layer, as shardlm (and any current trainer) runs it, and as
+One departure from the paper's layer, as shardlm (and any current trainer) runs it, and as
 ``benchmarks/train.py`` measures it (saved-tensor bytes of one layer against this count):
 fused attention (flash / SDPA) stores no a x s x s softmax, only a float32 log-sum-exp per
-head and token (``flash``); and a layer that hands the residual stream on separately from its
-output (the residual add fused into the next norm) receives two tensors, which full
-recomputation keeps (``inputs``).
+head and token (``flash``); ``flash=False`` counts the unfused scores.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ class LayerShape:
     """Dropout after attention softmax and after each block (GPT-3 yes, Llama no)."""
     flash: bool = False
     """Fused attention: a float32 log-sum-exp per head and token instead of the softmax."""
-    inputs: int = 1
-    """Tensors of sbh a layer receives (2: output and residual stream apart)."""
 
     @classmethod
     def gpt(cls, hidden: int, heads: int) -> LayerShape:
@@ -62,7 +60,7 @@ def layer_activation_bytes(
     s, b, h, t = seq, micro_batch, shape.hidden, tp
     sbh = s * b * h
     if recompute == "full":
-        return 2 * shape.inputs * sbh / (t if sp else 1)  # only the layer input (16-bit)
+        return 2 * sbh / (t if sp else 1)  # only the layer input (16-bit)
     mask = 1 if shape.dropout else 0
     # replicated under TP unless SP splits them along the sequence (Table 2 "10" units)
     replicated = sbh * (2 + 2 + mask + 2 + 2 + mask)  # LN in, QKV in, attn-out mask, LN in, fc1 in, mlp mask

@@ -19,7 +19,7 @@ from shardlm.plan.layout import SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.training import TrainWorkload
 
-TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp")
+TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp", "vpp")
 INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
@@ -68,6 +68,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(DTYPES) + "}",
         help=f"weights/compute dtype (default bf16; float32 on {THIS_MACHINE})",
     )
+    p.add_argument(
+        "--memory-reserve",
+        type=float,
+        metavar="GIB",
+        help="GiB per GPU kept out of the plan (CUDA context, workspaces, allocator slack); default: 10%% of "
+        "the device for inference (vLLM's gpu_memory_utilization 0.9), 2 GiB for training",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("fused", "unfused"),
+        default="fused",
+        help="fused (flash/SDPA: no s x s scores kept, as shardlm runs) or unfused (the a x s x s scores count)",
+    )
     g = p.add_argument_group("inference")
     g.add_argument("--prompt-len", type=int, help=f"prompt tokens per request (default {DEFAULTS['prompt_len']})")
     g.add_argument("--output-len", type=int, help=f"generated tokens per request (default {DEFAULTS['output_len']})")
@@ -87,10 +100,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
     t.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage")
     t.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    t.add_argument(
+        "--vpp", type=int, help="pin the interleaved schedule's model chunks per stage (implies --schedule interleaved)"
+    )
     t.add_argument("--recompute", choices=("none", "selective", "full"), help="pin activation recomputation")
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
     d = p.add_argument_group("pin layout dimensions (the rest are searched)")
-    for axis, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data"), ("cp", "context"), ("ep", "expert")):
+    for axis, what in (
+        ("tp", "tensor"),
+        ("pp", "pipeline"),
+        ("dp", "data"),
+        ("cp", "context"),
+        ("ep", "expert"),
+        ("etp", "expert-tensor"),
+    ):
         d.add_argument(f"--{axis}", type=int, help=f"{what}-parallel size")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
@@ -149,15 +172,23 @@ def build_request(args):
         "dp",
         "cp",
         "ep",
+        "etp",
+        "vpp",
     ):
         v = getattr(args, name, None)
         if v is not None and v < (0 if name == "output_len" else 1):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
     fixed = {
         k: getattr(args, k)
-        for k in ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "micro_batch", "recompute")
+        for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute")
         if getattr(args, k, None) is not None
     }
+    if args.vpp is not None:
+        if args.schedule not in (None, "interleaved"):
+            raise PlanError(f"--vpp {args.vpp} sets the interleaved schedule's depth; drop --schedule {args.schedule}")
+        if args.vpp < 2:
+            raise PlanError(f"--vpp {args.vpp}: the interleaved schedule needs 2 or more chunks per stage")
+        fixed["virtual"] = args.vpp
     if args.sp is not None:
         fixed["sp"] = args.sp == "on"
     mesh = [fixed.get(a, 1) for a in ("tp", "pp", "dp", "cp")]
@@ -182,12 +213,14 @@ def build_request(args):
         objective=args.objective,
         fixed=fixed,
         top=args.top,
+        memory_reserve_gib=args.memory_reserve,
     )
     if args.train:
         wl = TrainWorkload(
             global_batch=args.global_batch or DEFAULTS["global_batch"],
             seq_len=args.seq_len or DEFAULTS["seq_len"],
             dtype=dtype,
+            fused_attention=args.attention == "fused",
         )
         return PlanRequest(train=True, training=wl, **common)
 
@@ -202,6 +235,7 @@ def build_request(args):
         kv_dtype=args.kv_dtype,
         max_ttft_s=ms(args.max_ttft_ms),
         max_tpot_s=ms(args.max_tpot_ms),
+        fused_attention=args.attention == "fused",
     )
     return PlanRequest(train=False, inference=wl, **common)
 

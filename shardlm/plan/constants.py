@@ -41,10 +41,17 @@ GPU_OP_OVERHEAD_S = 0.0
 (vLLM, https://docs.vllm.ai/en/latest/design/cuda_graphs.html), so it is taken as zero;
 the calibrated CPU profile measures its own."""
 
-MEMORY_RESERVE_FRACTION = 0.10
-"""Share of device memory left for the CUDA context, allocator fragmentation and
-workspaces: vLLM's default ``gpu_memory_utilization=0.9``
-(https://docs.vllm.ai/en/latest/configuration/engine_args.html)."""
+INFERENCE_RESERVE_FRACTION = 0.10
+"""Serving: the share of device memory an engine leaves out of its KV-cache budget, vLLM's default
+``gpu_memory_utilization=0.9`` (https://docs.vllm.ai/en/latest/configuration/engine_args.html;
+``shardlm serve --gpu-memory-utilization`` sizes the cache the same way)."""
+
+TRAINING_RESERVE_GIB = 2.0
+"""Training: device memory outside what the planner counts: the CUDA context (723-800 MiB when a
+PyTorch process first touches a GPU, https://discuss.pytorch.org/t/what-is-the-reason-for-pytorchs-gpu-memory-floor/73021,
+https://discuss.pytorch.org/t/high-gpu-memory-overhead/81330) plus cuBLAS / NCCL workspaces and
+allocator slack of about as much again. A share of the device (the old 10%) would reserve 8 GiB
+on an 80 GiB card and reject layouts that published runs fill to within a few GiB."""
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """PyTorch DDP's default gradient bucket (``bucket_cap_mb=25``; Li et al. 2020,

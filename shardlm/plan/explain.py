@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from shardlm.plan import constants as C
 from shardlm.plan.comm import placement
+from shardlm.plan.hardware import gib
+
+CHATTY_GROUPS = ("tp", "cp", "ep", "etp")
+"""Groups that talk inside every layer; one that leaves its node pays the NIC there."""
 
 LONG_CONTEXT_TOKENS = 32768
 """Contexts from this length on count as long (CP/SP territory; Llama 3 §3.3.1 switches CP on
@@ -22,10 +26,10 @@ def departures(res, ctx) -> list[str]:
     """The rules a result's layout breaks, each as one short phrase."""
     lay, cluster, cfg = res.layout, ctx["cluster"], ctx["cfg"]
     out = []
-    _, tp_nodes = placement(lay.rank0_group("tp"), cluster)
+    _, tp_nodes = placement(lay.slowest_group("tp", cluster.gpus_per_node), cluster)
     if tp_nodes > 1:
         out.append("TP inside a node")
-    replica_nodes = placement(list(range(lay.tp * lay.cp * lay.pp)), cluster)[1]
+    replica_nodes = placement(lay.replica_ranks()[0], cluster)[1]
     if replica_nodes > 1 and lay.pp == 1:
         out.append("PP across nodes")
     if cfg.is_moe and lay.ep == 1 and lay.dp * lay.tp > 1:
@@ -42,6 +46,23 @@ def departures(res, ctx) -> list[str]:
         out.append("CP only for long context")
     if ctx["train"] and lay.tp > 1 and not lay.sp:
         out.append("SP with TP")
+    return out
+
+
+def groups_across_nodes(lay, cluster) -> dict[str, int]:
+    """{group kind: nodes its slowest group spans} for the per-layer groups that leave their node."""
+    spans = {k: lay.nodes_spanned(k, cluster.gpus_per_node) for k in CHATTY_GROUPS if getattr(lay, k) > 1}
+    return {k: n for k, n in spans.items() if n > 1}
+
+
+def placement_notes(results: list, cluster) -> list[str]:
+    """One line per shown layout whose per-layer groups cross nodes (their collectives are costed
+    on the inter-node link)."""
+    out = []
+    for i, r in enumerate(results, 1):
+        if crossing := groups_across_nodes(r.layout, cluster):
+            what = ", ".join(f"its {k} group spans {n} nodes" for k, n in crossing.items())
+            out.append(f"#{i} {r.layout.label()}: {what} (costed on the inter-node link).")
     return out
 
 
@@ -69,10 +90,6 @@ def _pct(a: float, b: float) -> str:
     return f"{(a / b - 1) * 100:+.0f}%" if b else "n/a"
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
-
-
 def explain(results: list, ctx: dict) -> list[str]:
     """A few sentences: what limits the winner, what the runner-up trades, which rules hold."""
     if not results:
@@ -83,8 +100,8 @@ def explain(results: list, ctx: dict) -> list[str]:
     if train:
         lines.append(
             f"{win.layout.label(True)} wins at {win.tokens_per_s:,.0f} tokens/s ({win.mfu * 100:.0f}% MFU): "
-            f"pipeline bubble {win.bubble_fraction * 100:.1f}%, per-GPU memory {_gb(win.memory.total)} of "
-            f"{_gb(ctx['cluster'].gpu.memory_bytes)}."
+            f"pipeline bubble {win.bubble_fraction * 100:.1f}%, per-GPU memory {gib(win.memory.total)} of "
+            f"{gib(ctx['cluster'].gpu.memory_bytes)}."
         )
         comm = {k: v for k, v in (win.comm_s or {}).items() if v > 0}
         if comm:
@@ -112,29 +129,29 @@ def explain(results: list, ctx: dict) -> list[str]:
             f"{shares[top] / total * 100:.0f}% {top}."
         )
         lines.append(
-            f"Per GPU: {_gb(win.memory.weights)} weights leave room for {win.max_batch} sequences of KV cache "
-            f"({_gb(win.memory.kv_cache)} used)."
+            f"Per GPU: {gib(win.memory.weights)} weights leave room for {win.max_batch} sequences of KV cache "
+            f"({gib(win.memory.kv_cache)} used)."
         )
     if len(results) > 1:
         ru = results[1]
         if train:
             lines.append(
                 f"Runner-up {ru.layout.label(True)}: {_pct(ru.tokens_per_s, win.tokens_per_s)} tokens/s, "
-                f"memory {_gb(ru.memory.total)} vs {_gb(win.memory.total)}, bubble {ru.bubble_fraction * 100:.1f}%."
+                f"memory {gib(ru.memory.total)} vs {gib(win.memory.total)}, bubble {ru.bubble_fraction * 100:.1f}%."
             )
         elif ctx["objective"] == "latency":
             lines.append(
                 f"Runner-up {ru.layout.label()}: {_pct(ru.latency_s, win.latency_s)} latency "
                 f"({ru.latency_s * 1e3:,.0f} ms vs {win.latency_s * 1e3:,.0f} ms per request), "
                 f"TPOT {ru.tpot_s * 1e3:.1f} ms vs {win.tpot_s * 1e3:.1f} ms, TTFT {ru.ttft_s * 1e3:.0f} ms vs "
-                f"{win.ttft_s * 1e3:.0f} ms, weights {_gb(ru.memory.weights)} vs {_gb(win.memory.weights)} per GPU."
+                f"{win.ttft_s * 1e3:.0f} ms, weights {gib(ru.memory.weights)} vs {gib(win.memory.weights)} per GPU."
             )
         else:
             lines.append(
                 f"Runner-up {ru.layout.label()}: {_pct(ru.throughput, win.throughput)} throughput, "
                 f"TPOT {ru.tpot_s * 1e3:.1f} ms vs {win.tpot_s * 1e3:.1f} ms, TTFT {ru.ttft_s * 1e3:.0f} ms vs "
-                f"{win.ttft_s * 1e3:.0f} ms, batch {ru.batch} vs {win.batch}, weights {_gb(ru.memory.weights)} vs "
-                f"{_gb(win.memory.weights)} per GPU."
+                f"{win.ttft_s * 1e3:.0f} ms, batch {ru.batch} vs {win.batch}, weights {gib(ru.memory.weights)} vs "
+                f"{gib(win.memory.weights)} per GPU."
             )
     if len(results) > 1 and departures(results[1], ctx):
         lines[-1] = lines[-1].rstrip(".") + f"; it breaks '{', '.join(departures(results[1], ctx))}'."

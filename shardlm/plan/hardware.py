@@ -16,6 +16,15 @@ from shardlm.plan import constants as C
 from shardlm.plan.errors import PlanError, unknown
 
 DATA = Path(__file__).parent / "data"
+GIB = 2**30
+"""Capacities are in GiB everywhere in the planner (device memory, the breakdown, the reserve)."""
+
+
+def gib(nbytes: float) -> str:
+    """``nbytes`` as the planner prints a capacity: "72.3 GiB"."""
+    return f"{nbytes / GIB:,.1f} GiB"
+
+
 THIS_MACHINE = "this-machine"
 
 
@@ -36,7 +45,9 @@ class GpuSpec:
     display: str
     """Human name, e.g. ``NVIDIA H100 SXM5 80GB``."""
     memory_bytes: float
-    """Device memory in bytes (datasheet GB are decimal)."""
+    """Device memory in bytes. Datasheet "80 GB" of HBM is 80 GiB (HBM stacks hold 2^n bytes:
+    five 16 GiB HBM2e stacks on the A100 80GB, whose nvidia-smi total is 81,920 MiB), so the
+    catalog's ``memory_gib`` are binary."""
     flops: dict[str, float]
     """Achievable dense FLOP/s per dtype (datasheet peak x MATMUL_EFFICIENCY, or measured)."""
     mem_Bps: float
@@ -97,7 +108,7 @@ def load_gpu(name: str) -> GpuSpec:
     return GpuSpec(
         name=key,
         display=g["display"],
-        memory_bytes=g["memory_gb"] * 1e9,
+        memory_bytes=g["memory_gib"] * GIB,
         flops={k: v * 1e12 * C.MATMUL_EFFICIENCY for k, v in g["tflops"].items()},
         mem_Bps=g["hbm_gbs"] * 1e9 * C.HBM_EFFICIENCY,
         # datasheets quote bidirectional totals; one direction carries half
@@ -117,7 +128,7 @@ def datasheet_flops(device_name: str, dtype: str) -> float | None:
     found = [k for k in gpu_names() if raw[k]["display"].split()[1].lower() in name]  # the model: H100, A100, ...
     if len(found) > 1:  # the form factor decides (SXM unless the name says PCIe), then the memory
         found = [k for k in found if ("pcie" in k) == ("pcie" in name)] or found
-        found = [k for k in found if f"{raw[k]['memory_gb']}gb" in name.replace(" ", "")] or found
+        found = [k for k in found if f"{raw[k]['memory_gib']}gb" in name.replace(" ", "")] or found
     if not found:
         return None
     base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
@@ -133,8 +144,22 @@ class Cluster:
     """Ranks in the world."""
     gpus_per_node: int
     """Ranks that share one node's fast link; groups wider than this cross the NIC."""
+    memory_reserve_bytes: float | None = None
+    """Device memory kept out of the plan (``--memory-reserve``); None: ``reserve``'s default."""
+
+    def reserve(self, train: bool) -> float:
+        """Bytes per device the plan leaves free: ``memory_reserve_bytes`` when given, else
+        TRAINING_RESERVE_GIB for training and INFERENCE_RESERVE_FRACTION of the device for serving."""
+        if self.memory_reserve_bytes is not None:
+            return self.memory_reserve_bytes
+        return C.TRAINING_RESERVE_GIB * GIB if train else C.INFERENCE_RESERVE_FRACTION * self.gpu.memory_bytes
 
     def __post_init__(self) -> None:
+        if self.memory_reserve_bytes is not None and not 0 <= self.memory_reserve_bytes < self.gpu.memory_bytes:
+            raise PlanError(
+                f"--memory-reserve {self.memory_reserve_bytes / GIB:g} GiB must be at least 0 and below the "
+                f"{self.gpu.memory_bytes / GIB:g} GiB of a {self.gpu.name}; e.g. 2"
+            )
         if self.num_gpus < 1:
             raise PlanError(f"--gpus {self.num_gpus}: need at least one GPU")
         if self.gpus_per_node < 1:

@@ -51,6 +51,8 @@ class InferenceWorkload:
     """Upper limit on time per output token."""
     pp_overlap: bool = True
     """Engine keeps pp micro-batches in flight (True for vLLM-style engines)."""
+    fused_attention: bool = True
+    """Flash/paged attention; False holds a prefill chunk's float32 scores against the prompt."""
 
 
 @dataclass(kw_only=True)
@@ -121,7 +123,7 @@ def stage_step(
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
     out = StepTime()
-    tp_group, cp_group, ep_group = lay.rank0_group("tp"), lay.rank0_group("cp"), lay.rank0_group("ep")
+    tp_group, cp_group, ep_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp", "ep"))
     hidden_msg = tokens * cfg.hidden_size * a_bytes
     ar = comm.all_reduce(hidden_msg, tp_group, cluster)
     # tokens entering one EP group: its dp replicas' steps (parallel folding) x tp copies / tp
@@ -173,7 +175,7 @@ def _sum(parts: list[StepTime]) -> StepTime:
 
 def boundary_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
     """Send/recv over every stage boundary, one after another."""
-    pp_group = lay.rank0_group("pp")
+    pp_group = lay.slowest_group("pp", cluster.gpus_per_node)
     return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in itertools.pairwise(pp_group))
 
 
@@ -219,7 +221,14 @@ def evaluate(
     cap = cluster.gpu.memory_bytes
     seq_len = wl.prompt_len + wl.output_len
     fixed = inference_fixed(
-        costs, lay, cap, prompt_len=wl.prompt_len, batch_hint=batch or wl.batch or 1, w_bytes=w_bytes, a_bytes=a_bytes
+        costs,
+        lay,
+        cluster.reserve(False),
+        prompt_len=wl.prompt_len,
+        batch_hint=batch or wl.batch or 1,
+        w_bytes=w_bytes,
+        a_bytes=a_bytes,
+        fused_attention=wl.fused_attention,
     )
     per_seq = kv_bytes_per_seq_token(costs, lay, kv_bytes) * seq_len
     free = cap - fixed.total

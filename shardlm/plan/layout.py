@@ -3,15 +3,21 @@
 A Layout is a ``shardlm.parallel.dims.ParallelDims`` (the axes dp, pp, cp, tp, ep, etp and their
 checks: world = dp*pp*cp*tp; ep*etp folds into dp*tp) plus what only the planner varies: the
 training knobs below.
-Ranks are numbered as ParallelDims numbers them: rank = ((dp_i*PP + pp_i)*CP + cp_i)*TP + tp_i,
-so a tp group is contiguous (inside a node when it fits) and dp is outermost.
+Ranks are numbered as ParallelDims numbers them (rank = ((pp_i*DP + dp_i)*CP + cp_i)*TP + tp_i,
+pp outermost), so a tp group is contiguous (inside a node when it fits), a stage's ranks are one
+block (an ep group folded over them too) and pp crosses nodes. A collective waits for its slowest
+group, so the planner costs every kind of group by its worst placement (``slowest_group``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
-from shardlm.parallel.dims import MESH_AXES, LayoutError, ParallelDims
+import numpy as np
+
+from shardlm.parallel.dims import EXPERT_AXES, MESH_AXES, LayoutError, ParallelDims, axes
 from shardlm.plan.activations import RECOMPUTE
 from shardlm.plan.errors import PlanError
 
@@ -53,15 +59,19 @@ class Layout(ParallelDims):
     def with_(self, **kw) -> Layout:
         return replace(self, **kw)
 
-    def rank0_group(self, axis: str) -> list[int]:
-        """Global ranks of the ``axis`` group that rank 0 belongs to (in O(axis size): the search
-        asks for millions of them, where ``group_ranks`` would walk the world each time)."""
-        if axis in MESH_AXES:
-            return [self.rank_of(**{axis: i}) for i in range(getattr(self, axis))]
-        if axis == "ep":  # fold dp x tp as (edp, ep, etp), etp innermost
-            folded = [self.rank_of(dp=d, tp=t) for d in range(self.dp) for t in range(self.tp)]
-            return [folded[i * self.etp] for i in range(self.ep)]
-        raise KeyError(f"unknown group {axis!r}; mesh axes are {MESH_AXES} and ep")
+    def groups(self, kind: str) -> np.ndarray:
+        """[groups, size]: every group of a mesh axis, of ``dp_cp`` or of an expert axis, as the
+        engine forms them (``ParallelDims.group_ranks``, tested equal), in O(world) array steps."""
+        return _groups(tuple(self.sizes().values()), kind)
+
+    def slowest_group(self, kind: str, per_node: int) -> list[int]:
+        """The ``kind`` group that spans the most nodes (then the fewest ranks in its emptiest
+        node): the one a collective over every such group waits for."""
+        return _slowest(tuple(self.sizes().values()), kind, per_node)
+
+    def nodes_spanned(self, kind: str, per_node: int) -> int:
+        """Nodes the slowest ``kind`` group spans (1: inside a node)."""
+        return len({r // per_node for r in self.slowest_group(kind, per_node)})
 
     def label(self, training: bool = False) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
@@ -81,3 +91,29 @@ class Layout(ParallelDims):
             if self.recompute != "none":
                 parts.append(f"rc-{self.recompute}")
         return " ".join(parts)
+
+
+@lru_cache(maxsize=65536)
+def _groups(sizes: tuple[int, ...], kind: str) -> np.ndarray:
+    dims = ParallelDims.take(dict(zip(axes(), sizes)))
+    grid = np.arange(dims.world_size).reshape(dims.shape())  # axes in MESH_AXES order, as ranks are numbered
+    if kind in MESH_AXES or kind == "dp_cp":
+        vary = [MESH_AXES.index(a) for a in (("dp", "cp") if kind == "dp_cp" else (kind,))]
+        moved = np.moveaxis(grid, vary, list(range(-len(vary), 0)))
+        return moved.reshape(-1, math.prod(grid.shape[i] for i in vary))
+    if kind in EXPERT_AXES:  # a stage's dp x tp ranks, s = dp_rank * tp + tp_rank, re-folded as (edp, ep, etp)
+        stages = grid.transpose([MESH_AXES.index(a) for a in ("pp", "cp", "dp", "tp")])
+        folded = stages.reshape(dims.pp * dims.cp, dims.edp, dims.ep, dims.etp)
+        ax = 1 + EXPERT_AXES.index(kind)
+        return np.moveaxis(folded, ax, -1).reshape(-1, folded.shape[ax])
+    raise KeyError(f"unknown group {kind!r}; mesh axes are {MESH_AXES} (and dp_cp), expert axes {EXPERT_AXES}")
+
+
+@lru_cache(maxsize=65536)
+def _slowest(sizes: tuple[int, ...], kind: str, per_node: int) -> list[int]:
+    nodes = _groups(sizes, kind) // per_node  # [groups, size], ascending along each row
+    spans = 1 + (np.diff(nodes, axis=1) != 0).sum(axis=1)
+    widest = np.flatnonzero(spans == spans.max())[:16]  # groups repeat with the node pattern: a few suffice
+    # among those, the thinnest: fewest ranks on one node, so most of its traffic crosses (comm.placement's k)
+    thinnest = min(widest, key=lambda g: np.unique(nodes[g], return_counts=True)[1].max())
+    return _groups(sizes, kind)[thinnest].tolist()

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from shardlm.plan import constants as C
 from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
+from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts, kv_bytes_per_token
 from shardlm.plan.zero import model_states
@@ -31,11 +32,16 @@ class MemoryBreakdown:
     comm_buffers: float = 0.0
     """Collective send/receive buffers (NCCL, DDP buckets, ZeRO-3 prefetch)."""
     reserve: float = 0.0
-    """Context, fragmentation, workspaces: MEMORY_RESERVE_FRACTION of the device."""
+    """CUDA context, allocator slack, workspaces: ``--memory-reserve`` (``Cluster.reserve``)."""
 
     @property
     def total(self) -> float:
         return sum(getattr(self, f) for f in FIELDS)
+
+    def describe(self) -> str:
+        """ "197.4 GiB = weights 176.4 + activations 1.2 + ... + reserve 8.0": every nonzero part."""
+        parts = " + ".join(f"{f.replace('_', ' ')} {getattr(self, f) / GIB:,.1f}" for f in FIELDS if getattr(self, f))
+        return f"{gib(self.total)} = {parts}"
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -72,35 +78,47 @@ def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: float) -> f
     return max(n_dense * dense + n_moe * moe for n_dense, n_moe in costs.stage_kinds(lay.pp)) / lay.cp
 
 
-def prefill_working_set(costs: ModelCosts, lay: Layout, chunk_tokens: float, a_bytes: int) -> float:
-    """Transient activations of one prefill chunk in one layer, plus the last-token logits."""
+def prefill_working_set(
+    costs: ModelCosts, lay: Layout, chunk_tokens: float, a_bytes: int, *, ctx: float, fused_attention: bool = True
+) -> float:
+    """Transient activations of one prefill chunk in one layer, plus the last-token logits; unfused
+    attention also holds the chunk's float32 scores against its ``ctx`` keys, per local head."""
     cfg = costs.cfg
     rl = costs.rank_layer(cfg.is_moe and cfg.first_k_dense == 0, lay.tp, lay.ep, lay.etp)
     width: float = 4 * cfg.hidden_size + (rl.q_heads + 2 * max(rl.kv_heads, 1)) * cfg.head_dim
     ffn = max(costs.cfg.intermediate_size, costs.cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
     width += 3 * ffn / lay.tp
-    return chunk_tokens / lay.cp * width * a_bytes
+    scores = 0.0 if fused_attention else chunk_tokens / lay.cp * rl.q_heads * ctx * C.FP32_BYTES
+    return chunk_tokens / lay.cp * width * a_bytes + scores
 
 
 def inference_fixed(
-    costs: ModelCosts, lay: Layout, capacity: float, *, prompt_len: int, batch_hint: int, w_bytes: int, a_bytes: int
+    costs: ModelCosts,
+    lay: Layout,
+    reserve: float,
+    *,
+    prompt_len: int,
+    batch_hint: int,
+    w_bytes: int,
+    a_bytes: int,
+    fused_attention: bool = True,
 ) -> MemoryBreakdown:
     """Everything but the KV cache (which decides how many sequences fit)."""
     chunk = min(C.PREFILL_CHUNK_TOKENS, prompt_len * batch_hint)
-    act = prefill_working_set(costs, lay, chunk, a_bytes)
+    act = prefill_working_set(costs, lay, chunk, a_bytes, ctx=prompt_len, fused_attention=fused_attention)
     comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world_size > 1 else 0.0
     return MemoryBreakdown(
         weights=weight_bytes(costs, lay, w_bytes),
         activations=act,
         comm_buffers=comm,
-        reserve=C.MEMORY_RESERVE_FRACTION * capacity,
+        reserve=reserve,
     )
 
 
 # ---- training -------------------------------------------------------------------------------
 
 
-def layer_shape(costs: ModelCosts, moe: bool) -> LayerShape:
+def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> LayerShape:
     cfg = costs.cfg
     if cfg.is_mla:
         q_dim = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -108,13 +126,13 @@ def layer_shape(costs: ModelCosts, moe: bool) -> LayerShape:
     else:
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     ffn = cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size
-    # as shardlm trains: fused attention, the residual stream passed beside each layer's output
+    # as shardlm trains: fused attention (flash); unfused keeps the a x s x s scores
     return LayerShape(
-        hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn, flash=True, inputs=2
+        hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn, flash=fused_attention
     )
 
 
-def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:
+def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:
     """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4)."""
     cfg = costs.cfg
     s = seq // lay.cp
@@ -123,7 +141,12 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float
 
     def per_layer(moe: bool) -> float:
         return layer_activation_bytes(
-            layer_shape(costs, moe), seq=s, micro_batch=lay.micro_batch, tp=lay.tp, sp=lay.sp, recompute=lay.recompute
+            layer_shape(costs, moe, fused_attention),
+            seq=s,
+            micro_batch=lay.micro_batch,
+            tp=lay.tp,
+            sp=lay.sp,
+            recompute=lay.recompute,
         )
 
     if n_dense:
@@ -138,7 +161,9 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float
     return total * flight
 
 
-def training_memory(costs: ModelCosts, lay: Layout, capacity: float, *, seq: int) -> MemoryBreakdown:
+def training_memory(
+    costs: ModelCosts, lay: Layout, reserve: float, *, seq: int, fused_attention: bool = True
+) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
     expert_share = 0.0
@@ -158,7 +183,7 @@ def training_memory(costs: ModelCosts, lay: Layout, capacity: float, *, seq: int
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,
         optimizer=dense_states.optimizer + expert_states.optimizer,
-        activations=training_activation_bytes(costs, lay, seq),
+        activations=training_activation_bytes(costs, lay, seq, fused_attention),
         comm_buffers=comm,
-        reserve=C.MEMORY_RESERVE_FRACTION * capacity,
+        reserve=reserve,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.explain import departures, explain, rerank
-from shardlm.plan.hardware import THIS_MACHINE, Cluster, gpu_names, load_gpu
+from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
@@ -42,6 +42,8 @@ class PlanRequest:
     """Dimensions the user pinned (tp, pp, dp, cp, ep, zero, schedule, micro_batch, recompute)."""
     top: int = 5
     """Layouts to report."""
+    memory_reserve_gib: float | None = None
+    """GiB per GPU kept out of the plan (``--memory-reserve``); None: ``Cluster.reserve``'s default."""
 
 
 @dataclass
@@ -75,10 +77,12 @@ def make_cluster(req: PlanRequest) -> Cluster:
     if req.gpu == THIS_MACHINE:  # the ranks share this machine's cores, memory and bus
         from shardlm.plan.calibrate import machine_spec
 
-        return Cluster(gpu=machine_spec(req.gpus), num_gpus=req.gpus, gpus_per_node=req.gpus)
-    gpu = load_gpu(req.gpu)
-    per_node = req.gpus_per_node or min(req.gpus, gpu.gpus_per_node)
-    return Cluster(gpu=gpu, num_gpus=req.gpus, gpus_per_node=per_node)
+        gpu, per_node = machine_spec(req.gpus), req.gpus
+    else:
+        gpu = load_gpu(req.gpu)
+        per_node = req.gpus_per_node or min(req.gpus, gpu.gpus_per_node)
+    reserve = None if req.memory_reserve_gib is None else req.memory_reserve_gib * GIB
+    return Cluster(gpu=gpu, num_gpus=req.gpus, gpus_per_node=per_node, memory_reserve_bytes=reserve)
 
 
 def _search(costs, cluster, req: PlanRequest, fixed: dict) -> SearchResult:
@@ -128,10 +132,6 @@ def distinct_meshes(results: list) -> list:
     return out
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f} GB"
-
-
 def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResult) -> PlanError:
     gpu = cluster.gpu
     if found.rejected and found.rejected[0].fits:  # fits in memory, misses a TTFT/TPOT limit
@@ -146,15 +146,15 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
         r = found.rejected[0]
         pinned = " ".join(f"{k}={v}" for k, v in req.fixed.items())
         msg = (
-            f"{pinned} cannot fit {name} on {gpu.name}: its best layout needs {_gb(r.memory.total)} per GPU, "
-            f"{_gb(r.shortfall_bytes)} over the {_gb(gpu.memory_bytes)} it has"
+            f"{pinned} cannot fit {name} on {gpu.name}: its best layout, {r.layout.label(req.train)}, needs "
+            f"{r.memory.describe()} per GPU, {gib(r.shortfall_bytes)} over the {gib(gpu.memory_bytes)} it has"
         )
         if free.results:
             alts = ", ".join(x.layout.label(req.train) for x in free.results[:3])
             return PlanError(f"{msg}; layouts that fit: {alts}")
         found = free
     short = found.rejected[0].shortfall_bytes if found.rejected else float("nan")
-    need = found.rejected[0].memory.total if found.rejected else float("nan")
+    need = found.rejected[0].memory.describe() if found.rejected else "?"
     what = f"{name} does not fit on {req.gpus} x {gpu.name} in any layout"
     if not found.rejected:
         return PlanError(
@@ -162,14 +162,17 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
             f"{costs.cfg.num_layers}); try a GPU count with more divisors"
         )
     detail = (
-        f"{what}: the leanest layout, {found.rejected[0].layout.label(req.train)}, needs {_gb(need)} per GPU, "
-        f"{_gb(short)} more than the {_gb(gpu.memory_bytes)} there"
+        f"{what}: the leanest layout, {found.rejected[0].layout.label(req.train)}, needs {need} per GPU, "
+        f"{gib(short)} more than the {gib(gpu.memory_bytes)} there"
     )
     hints = []
     for k in GROWTH:
         n = req.gpus * k
         bigger = Cluster(
-            gpu=gpu, num_gpus=n, gpus_per_node=min(n, cluster.gpus_per_node) if n >= cluster.gpus_per_node else n
+            gpu=gpu,
+            num_gpus=n,
+            gpus_per_node=min(n, cluster.gpus_per_node) if n >= cluster.gpus_per_node else n,
+            memory_reserve_bytes=cluster.memory_reserve_bytes,
         )
         if _search(costs, bigger, req, {}).results:
             hints.append(f"{n} x {gpu.name}")
@@ -179,7 +182,7 @@ def _nothing_fits(costs, cluster, req: PlanRequest, name: str, found: SearchResu
             o = load_gpu(other)
             if o.memory_bytes <= gpu.memory_bytes:
                 continue
-            c = Cluster(gpu=o, num_gpus=req.gpus, gpus_per_node=cluster.gpus_per_node)
+            c = replace(cluster, gpu=o)
             if _search(costs, c, req, {}).results:
                 hints.append(f"{req.gpus} x {other}")
                 break

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardlm.plan.hardware import GIB
 from shardlm.plan.memory import FIELDS
 from shardlm.plan.schedule import simulate
 
@@ -36,13 +37,13 @@ def memory_plot(plan, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(res)), 4.5 + 0.15 * max(x.count("\n") for x in labels)))
     bottom = [0.0] * len(res)
     for f in FIELDS:
-        vals = [getattr(r.memory, f) / 1e9 for r in res]
+        vals = [getattr(r.memory, f) / GIB for r in res]
         if any(vals):
             ax.bar(labels, vals, bottom=bottom, label=f.replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(plan.cluster.gpu.memory_bytes / 1e9, color="k", ls="--", lw=1, label="device memory")
+    ax.axhline(plan.cluster.gpu.memory_bytes / GIB, color="k", ls="--", lw=1, label="device memory")
     ax.tick_params(axis="x", labelsize=8)
-    ax.set_ylabel("GB per GPU")
+    ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{plan.model_name} on {plan.cluster.num_gpus} x {plan.cluster.gpu.name}: memory per GPU")
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from shardlm.plan.explain import groups_across_nodes, placement_notes
+from shardlm.plan.hardware import GIB
 from shardlm.plan.memory import FIELDS
 
 SHORT = {
@@ -19,7 +21,7 @@ SHORT = {
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
+    return f"{x / GIB:.1f}"
 
 
 def _ms(seconds: float) -> str:
@@ -32,7 +34,7 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
     head = ["#", "layout"]
     head += ["tokens/s", "MFU", "step s", "bubble"] if train else ["tok/s", "batch", "TTFT ms", "TPOT ms"]
     mem_fields = [f for f in FIELDS if any(getattr(r.memory, f) for r in plan.ranked[: plan.request.top])]
-    head += [SHORT[f] for f in mem_fields] + ["GB/GPU"]
+    head += [SHORT[f] for f in mem_fields] + ["GiB/GPU"]
     out = []
     for i, r in enumerate(plan.ranked[: plan.request.top], 1):
         row = [str(i), r.layout.label(train)]
@@ -75,11 +77,11 @@ def text(plan) -> str:
     s = plan.search
     lines += [
         "",
-        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit",
         "",
     ]
-    lines += plan.explanation
+    lines += placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
     return "\n".join(lines)
 
 
@@ -103,10 +105,10 @@ def print_table(plan, console=None) -> None:
     console.print(table)
     s = plan.search
     console.print(
-        f"memory in GB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
+        f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit"
     )
-    for line in plan.explanation:
+    for line in placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation:
         console.print(line)
 
 
@@ -122,6 +124,7 @@ def to_data(plan) -> dict:
             "layout": {**r.layout.sizes(), "label": r.layout.label(train)},
             "memory_bytes": r.memory.as_dict(),
             "rule_departures": plan.departures(r),
+            "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
         }
         if train:
             lay = r.layout

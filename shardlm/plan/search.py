@@ -55,13 +55,15 @@ def shapes(cfg, cluster: Cluster, fixed: dict[str, int]) -> list[Layout]:
             continue
         if tp > cfg.num_heads or pp > cfg.num_layers:
             continue
-        eps = [1]
+        eps, etp = [1], fixed.get("etp", 1)
         if cfg.is_moe:
-            eps = [e for e in range(1, dp * tp + 1) if (dp * tp) % e == 0 and e <= cfg.num_experts]
+            eps = [e for e in range(1, dp * tp + 1) if (dp * tp) % (e * etp) == 0 and e <= cfg.num_experts]
+        elif etp > 1:
+            raise PlanError(f"--etp {etp} splits experts, but {cfg.family} has none; drop --etp")
         for ep in eps:
             if "ep" in fixed and fixed["ep"] != ep:
                 continue
-            out.append(Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep))
+            out.append(Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, etp=etp))
     return out
 
 
@@ -117,6 +119,9 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
         schedules = [s for s in schedules if s[0] == fixed["schedule"]] or [(fixed["schedule"], 1)]
         if fixed["schedule"] == "interleaved":
             schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+    if "virtual" in fixed:  # --vpp: the interleaved schedule at that depth only
+        v = fixed["virtual"]
+        schedules = [("interleaved", v)] if lay.pp > 1 and cfg.num_layers >= lay.pp * v else []
     sps = (fixed["sp"],) if "sp" in fixed else (True,)
     if lay.tp == 1:
         if fixed.get("sp"):

@@ -42,6 +42,8 @@ class TrainWorkload:
     """Tokens per sequence."""
     dtype: str = "bf16"
     """Compute dtype (mixed precision; master weights and Adam states in fp32)."""
+    fused_attention: bool = True
+    """Flash/SDPA attention (a log-sum-exp per head and token); False keeps the a x s x s scores."""
 
 
 @dataclass(kw_only=True)
@@ -73,7 +75,7 @@ class TrainResult:
 def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
     cfg, gpu = costs.cfg, cluster.gpu
     cap = gpu.memory_bytes
-    mem = training_memory(costs, lay, cap, seq=wl.seq_len)
+    mem = training_memory(costs, lay, cluster.reserve(True), seq=wl.seq_len, fused_attention=wl.fused_attention)
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
     a = C.DTYPE_BYTES[wl.dtype]
@@ -86,7 +88,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     p, m, v = lay.pp, lay.num_micro, lay.virtual
     p2p = 0.0
     if p > 1:
-        pg = lay.rank0_group("pp")
+        pg = lay.slowest_group("pp", cluster.gpus_per_node)
         p2p = max(comm.send_recv(tokens * cfg.hidden_size * a, x, y, cluster) for x, y in itertools.pairwise(pg))
     unit = fwd + bwd + 2 * p2p
     if p == 1:
@@ -101,7 +103,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     bubble = 1 - m * unit / pipe
     # data-parallel gradient sync over dp x cp replicas of each weight
     params = weight_bytes(costs, lay, 1)
-    dp_group = [lay.rank_of(dp=d, cp=c) for d in range(lay.dp) for c in range(lay.cp)]
+    dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     grad_bytes = params * GRAD_BYTES
     dp_c = 0.0
     if len(dp_group) > 1:
@@ -141,7 +143,7 @@ def _stage(
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
     cfg, gpu = costs.cfg, cluster.gpu
-    tp_group, ep_group, cp_group = lay.rank0_group("tp"), lay.rank0_group("ep"), lay.rank0_group("cp")
+    tp_group, ep_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "ep", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0

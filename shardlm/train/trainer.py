@@ -207,15 +207,23 @@ def replicated_over_tp(model: torch.nn.Module) -> set[int]:
 
 
 class Recomputed(torch.nn.Module):
-    """A decoder layer that keeps only its inputs for backward and recomputes the rest there
-    (activation checkpointing; Chen et al. 2016, https://arxiv.org/abs/1604.06174)."""
+    """A decoder layer that keeps only its input for backward and recomputes the rest there
+    (activation checkpointing; Chen et al. 2016, https://arxiv.org/abs/1604.06174).
+
+    A layer receives the previous one's output and the residual stream apart (its norm adds
+    them first); their sum is the layer's input, so it is formed here, outside the checkpoint,
+    and the layer runs as a first layer does (residual None). One tensor of s x b x h is kept
+    instead of two (Korthikanti et al. 2022 §4: full recomputation stores the layer input), and
+    the add is the one the norm would do, so the results are bitwise the same."""
 
     def __init__(self, inner: torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, *args):
-        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+    def forward(self, h, residual, *rest):
+        if residual is not None:
+            h = h + residual  # [b, s, h]: the layer input; add saves nothing for backward
+        return torch.utils.checkpoint.checkpoint(self.inner, h, None, *rest, use_reentrant=False)
 
 
 class LossScaler:

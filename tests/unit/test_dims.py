@@ -21,8 +21,8 @@ FIELDS = ("dp", "pp", "cp", "tp", "ep", "etp")
 
 
 def rank_of(dims: ParallelDims, c: dict[str, int]) -> int:
-    """The documented rank formula: rank = ((dp*PP + pp)*CP + cp)*TP + tp."""
-    return ((c["dp"] * dims.pp + c["pp"]) * dims.cp + c["cp"]) * dims.tp + c["tp"]
+    """The documented rank formula: rank = ((pp*DP + dp)*CP + cp)*TP + tp."""
+    return ((c["pp"] * dims.dp + c["dp"]) * dims.cp + c["cp"]) * dims.tp + c["tp"]
 
 
 # ---- field validation ---------------------------------------------------------------
@@ -127,15 +127,16 @@ def test_coords_is_the_inverse_of_the_rank_formula(kw):
     assert len(seen) == dims.world_size == math.prod(dims.shape())
 
 
-def test_coords_known_values_tp_innermost_dp_outermost():
+def test_coords_known_values_tp_innermost_pp_outermost():
     # can-fail guard: a transposed formula (tp outermost) would still be a bijection,
     # so pin down concrete values. dp=2, pp=3, cp=1, tp=2 -> 12 ranks.
     dims = ParallelDims(dp=2, pp=3, tp=2)
-    assert dims.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
-    assert dims.coords(1) == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}  # neighbours differ in tp
-    assert dims.coords(2) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
-    assert dims.coords(6) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0}
-    assert dims.coords(11) == {"dp": 1, "pp": 2, "cp": 0, "tp": 1}
+    assert dims.coords(0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(1) == {"pp": 0, "dp": 0, "cp": 0, "tp": 1}  # neighbours differ in tp
+    assert dims.coords(2) == {"pp": 0, "dp": 1, "cp": 0, "tp": 0}  # then dp: a stage is one block
+    assert dims.coords(4) == {"pp": 1, "dp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(11) == {"pp": 2, "dp": 1, "cp": 0, "tp": 1}
+    assert dims.replica_ranks() == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
 
 
 @pytest.mark.parametrize("rank", [-1, 12, 13])
@@ -291,9 +292,15 @@ def test_planner_layout_is_a_parallel_dims_plus_its_knobs():
 
     lay = Layout(dp=2, pp=2, tp=2, zero=1)
     assert isinstance(lay, ParallelDims) and lay.world_size == 8 and lay.sizes()["tp"] == 2
-    for axis in ("dp", "pp", "tp"):  # the planner's O(axis) walk agrees with the pure groups
-        assert lay.rank0_group(axis) == lay.group_ranks(axis)[0]
-    assert Layout(dp=2, tp=2, ep=2).rank0_group("ep") == Layout(dp=2, tp=2, ep=2).group_ranks("ep")[0]
+    for kw in (
+        dict(dp=2, pp=3, tp=2),
+        dict(dp=4, pp=2, tp=2, ep=4),
+        dict(dp=2, pp=2, cp=2, tp=3),
+        dict(dp=6, pp=2, tp=2, ep=6, etp=2),
+    ):
+        lay = Layout(**kw)  # the planner's array walk forms the engine's groups
+        for kind in ("dp", "pp", "cp", "tp", "dp_cp", "edp", "ep", "etp"):
+            assert sorted(sorted(g) for g in lay.groups(kind).tolist()) == lay.group_ranks(kind), (kw, kind)
     with pytest.raises(PlanError, match="ep=3"):
         Layout(dp=2, ep=3)
 

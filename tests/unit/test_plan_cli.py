@@ -57,7 +57,7 @@ def test_llama_70b_two_nodes_throughput(capsys):
     assert best["rule_departures"] == []
     assert best["throughput_tokens_per_s"] > 1000 and 0 < best["tpot_s"] < 0.2
     mem = best["memory_bytes"]
-    assert mem["total"] <= 80e9 and mem["weights"] == pytest.approx(70.55e9 * 2 / best["layout"]["tp"], rel=0.02)
+    assert mem["total"] <= 80 * 2**30 and mem["weights"] == pytest.approx(70.55e9 * 2 / best["layout"]["tp"], rel=0.02)
     assert any("wins" in line for line in data["explanation"])
     assert any("Runner-up" in line for line in data["explanation"])
 
@@ -78,7 +78,7 @@ def test_deepseek_v3_uses_expert_parallelism(capsys):
     assert code == 0, err
     best = json.loads(out)["layouts"][0]
     assert best["layout"]["ep"] > 1
-    assert best["memory_bytes"]["total"] <= 141e9
+    assert best["memory_bytes"]["total"] <= 141 * 2**30
 
 
 def test_training_plan_and_plots(capsys, tmp_path):
@@ -163,7 +163,9 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
 def test_never_fits_says_by_how_much(capsys):
     code, _, err = run(["--model", "llama-3.1-405b", "--gpu", "a100-80g", "--gpus", "4"], capsys)
     assert code == 2
-    assert "GB more than the 80.0 GB" in err and "16 x a100-80g" in err
+    assert "GiB more than the 80.0 GiB" in err and "16 x a100-80g" in err
+    # the full breakdown: every part, summing to the total
+    assert "needs 197.4 GiB = weights " in err and " + reserve 8.0 per GPU" in err
 
 
 def test_405b_two_nodes_follows_tp_inside_pp_across(capsys):
@@ -180,3 +182,30 @@ def test_departure_is_explained_with_numbers(capsys):
     )
     assert code == 0, err
     assert "departs from 'TP inside a node' because the numbers say so" in out and "tp8 pp2 dp1" in out
+
+
+def test_etp_and_vpp_pin_what_they_name(capsys):
+    base = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "8", "--json"]
+    code, out, err = run(base + ["--etp", "2"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all(d["layout"]["etp"] == 2 for d in layouts)
+    train = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--train", "--global-batch", "64", "--json"]
+    code, out, err = run(train + ["--pp", "4", "--vpp", "4"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all((d["layout"]["schedule"], d["layout"]["virtual"]) == ("interleaved", 4) for d in layouts)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--model", "llama-3-8b", "--etp", "2"], "--etp 2 splits experts, but llama has none; drop --etp"),
+        (["--model", "llama-3-8b", "--train", "--vpp", "2", "--schedule", "1f1b"], "drop --schedule 1f1b"),
+        (["--model", "llama-3-8b", "--train", "--vpp", "1"], "--vpp 1: the interleaved schedule needs 2 or more"),
+        (["--model", "llama-3-8b", "--vpp", "2"], "--vpp is a training flag"),
+    ],
+)
+def test_etp_and_vpp_refused_with_a_reason(extra, message, capsys):
+    code, _, err = run(["--gpu", "h100-sxm", "--gpus", "8", *extra], capsys)
+    assert code == 2 and message in err, err

@@ -159,3 +159,93 @@ def test_planner_kv_bytes_equal_the_engines_cache(kv_dtype, engine_dtype):
     costs = ModelCosts(ckpt.config)
     planned = kv_bytes_per_seq_token(costs, Layout(), kv_element_bytes(ckpt.config, kv_dtype))
     assert planned == pytest.approx(per_layer * ckpt.config.num_layers, rel=1e-12)
+
+
+def _costs(name: str):
+    from shardlm.plan.roofline import ModelCosts
+
+    return ModelCosts(load_model(name)[0])
+
+
+def test_full_recomputation_keeps_the_layer_input_only():
+    """shardlm's trainer (train.trainer.Recomputed) keeps one s x b x h tensor per layer, the sum of
+    the previous output and the residual stream, as Korthikanti et al. §4 count it; the count was
+    two tensors before (both handed in apart)."""
+    from shardlm.plan.memory import layer_shape
+
+    shape, (s, b) = layer_shape(_costs("llama-3-8b"), False), (4096, 2)
+    sbh = s * b * shape.hidden
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, recompute="full") == 2 * sbh
+    assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=4, sp=True, recompute="full") == 2 * sbh / 4
+
+
+def test_unfused_attention_keeps_the_scores():
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import layer_shape
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    costs, (s, b, t) = _costs("llama-3-8b"), (4096, 1, 4)
+    fused, unfused = layer_shape(costs, False), layer_shape(costs, False, fused_attention=False)
+    a = fused.heads
+    extra = layer_activation_bytes(unfused, seq=s, micro_batch=b, tp=t) - layer_activation_bytes(
+        fused, seq=s, micro_batch=b, tp=t
+    )
+    assert extra == a * s * s * b * 2 / t - a * s * b * 4 / t  # bf16 softmax instead of a float32 log-sum-exp
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    lay = Layout(tp=4, dp=2, sp=True, zero=1, micro_batch=1, num_micro=8)
+    one = evaluate(costs, cluster, lay, TrainWorkload(global_batch=16, seq_len=s))
+    two = evaluate(costs, cluster, lay, TrainWorkload(global_batch=16, seq_len=s, fused_attention=False))
+    assert two.memory.activations - one.memory.activations == pytest.approx(32 * extra)
+    assert two.step_s == pytest.approx(one.step_s)  # time is not modelled differently
+
+
+def test_capacities_are_gib():
+    from shardlm.plan.hardware import load_gpu
+
+    # the A100 80GB's nvidia-smi total is 81,920 MiB: datasheet "GB" of HBM are GiB
+    assert load_gpu("a100-80g").memory_bytes == 80 * GiB
+    assert load_gpu("h200").memory_bytes == 141 * GiB
+
+
+def test_default_reserve_keeps_a_published_layout_that_the_old_one_rejected():
+    """Llama 3 405B's first pre-training stage (Dubey et al. 2024, https://arxiv.org/abs/2407.21783
+    Table 4: 8,192 H100 80GB, TP 8, CP 1, PP 16, DP 64, 8,192-token sequences, 32 per DP rank; an
+    interleaved schedule, §3.3.2) at 2 chunks per stage, ZeRO-2 and selective recomputation: 71.5 GiB
+    counted. The old reserve, 10% of a decimal 80 GB (74.5 GiB usable), rejected it; 2 GiB of an
+    80 GiB device keeps it, and --memory-reserve can still ask for more."""
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    gpu, costs = load_gpu("h100-sxm"), _costs("llama-3.1-405b")
+    wl = TrainWorkload(global_batch=64 * 32, seq_len=8192)
+    lay = Layout(
+        tp=8,
+        pp=16,
+        dp=64,
+        sp=True,
+        zero=2,
+        schedule="interleaved",
+        virtual=2,
+        micro_batch=1,
+        num_micro=32,
+        recompute="selective",
+    )
+    res = evaluate(costs, Cluster(gpu=gpu, num_gpus=8192, gpus_per_node=8), lay, wl)
+    counted = res.memory.total - res.memory.reserve
+    assert res.fits and res.memory.reserve == 2 * GiB
+    assert counted > 0.9 * 80e9  # can fail: what the old default rejected
+    strict = Cluster(gpu=gpu, num_gpus=8192, gpus_per_node=8, memory_reserve_bytes=10 * GiB)
+    over = evaluate(costs, strict, lay, wl)
+    assert not over.fits and over.shortfall_bytes == pytest.approx(counted + 10 * GiB - 80 * GiB)
+
+
+def test_inference_reserve_is_vllms_and_a_bad_reserve_is_refused():
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.hardware import Cluster, load_gpu
+
+    gpu = load_gpu("h100-sxm")
+    assert Cluster(gpu=gpu, num_gpus=8, gpus_per_node=8).reserve(train=False) == pytest.approx(8 * GiB)
+    with pytest.raises(PlanError, match=r"--memory-reserve 90 GiB must be at least 0 and below the 80 GiB"):
+        Cluster(gpu=gpu, num_gpus=8, gpus_per_node=8, memory_reserve_bytes=90 * GiB)
