@@ -97,9 +97,8 @@ def _address() -> str:
         return "?"
 
 
-_PEER_LOST = re.compile(
-    r"(?:Connection closed by peer|Connection reset by peer|Broken pipe)\D*?\[?([0-9a-fA-F.:]+?)\]?:\d+"
-)
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused")
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")  # gloo writes "[10.0.0.2]:43210" before or after
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
 
 
@@ -108,8 +107,9 @@ def peer_failure(error: BaseException) -> str | None:
     network went down, or it did not answer within the timeout), naming the host and ranks where
     they are known; None for any other error."""
     text = str(error)
-    if (m := _PEER_LOST.search(text)) is not None:
-        address = m.group(1)
+    if _PEER_LOST.search(text) is not None:
+        m = _PEER_ADDRESS.search(text)
+        address = m.group(1) if m else "?"
         ranks = [r for r, (_, a) in enumerate(HOSTS) if a == address]
         host = f"host {HOSTS[ranks[0]][0]} ({address}, ranks {ranks})" if ranks else f"the peer at {address}"
         return f"lost {host}: its connection closed (the ranks there died or the host went down); the run stops"

@@ -65,14 +65,16 @@ class SoakResult:
         return sum(n for k, n in self.outcomes.items() if k.startswith("lost"))
 
 
-def _request(i: int, rng: random.Random, model: str, disconnect: float, malformed: float) -> tuple[str, bytes, bool]:
-    """(kind, body, streamed) of request ``i``."""
+def _request(
+    i: int, rng: random.Random, model: str, disconnect: float, malformed: float, words: int, tokens: int
+) -> tuple[str, bytes, bool]:
+    """(kind, body, streamed) of request ``i``: a prompt of 1..words words, 1..tokens new tokens."""
     roll = rng.random()
     if roll < malformed:
         return "malformed", MALFORMED[i % len(MALFORMED)], False
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 200)))
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, words)))
     stream = roll < malformed + disconnect or rng.random() < 0.5
-    body = {"model": model, "prompt": words, "max_tokens": rng.randint(1, 48), "temperature": 0, "stream": stream}
+    body = {"model": model, "prompt": prompt, "max_tokens": rng.randint(1, tokens), "temperature": 0, "stream": stream}
     body["ignore_eos"] = True  # the asked length, so the mix of lengths is the one drawn
     kind = "hang_up" if roll < malformed + disconnect else "normal"
     return kind, json.dumps(body).encode(), stream
@@ -123,13 +125,15 @@ def soak(
     concurrency: int = 64,
     disconnect: float = 0.1,
     malformed: float = 0.05,
+    words: int = 200,
+    tokens: int = 48,
     seed: int = 0,
     progress=None,
 ) -> SoakResult:
-    """Run the soak against ``url`` (the server's /v1 root); ``progress(done, total)`` is called
-    as requests finish."""
+    """Run the soak against ``url`` (the server's /v1 root): prompts of 1..``words`` words, answers of
+    1..``tokens`` tokens; ``progress(done, total)`` is called as requests finish."""
     rng = random.Random(seed)
-    plan = [_request(i, rng, model, disconnect, malformed) for i in range(requests)]
+    plan = [_request(i, rng, model, disconnect, malformed, words, tokens) for i in range(requests)]
     result, lock, next_i = SoakResult(), threading.Lock(), iter(range(requests))
     done = [0]
 

@@ -144,10 +144,14 @@ class Generation:
                 choice = self.choices[out.index]
                 if choice.finish_reason is not None:
                     continue  # cut by a stop string already
-                yield choice.take(out)
+                delta = choice.take(out)
                 if all(c.finish_reason is not None for c in self.choices):
+                    # settled before the last yield: a streaming consumer may close this generator
+                    # once it has the last delta, and the generation did finish
                     outcome = "stop" if all(c.finish_reason == "stop" for c in self.choices) else "length"
+                    yield delta
                     return
+                yield delta
             raise EngineDead("the engine's stream ended without a finish reason")
         except UsageError as e:
             outcome = None

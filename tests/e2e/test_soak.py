@@ -19,16 +19,17 @@ def test_soak_loses_nothing_and_returns_to_baseline():
     try:
         model = re.search(r"serving (\S+) on", server.log).group(1)
         pids = [server.proc.pid, *server.ranks]
-        soak(server.url, model=model, requests=24, concurrency=8, seed=1)  # warm-up: the same mix
+        mix = dict(model=model, requests=64, concurrency=16, disconnect=0.1, malformed=0.05, words=40, tokens=16)
+        soak(server.url, **mix, seed=1)  # warm-up: the same mix, so first-touched KV pages count as baseline
         time.sleep(1)
         rss0, before = rss_bytes(pids), get(f"{server.root}/metrics")[1]
-        r = soak(server.url, model=model, requests=120, concurrency=16, disconnect=0.1, malformed=0.05)
+        r = soak(server.url, **mix)
         time.sleep(1)
         rss1, after = rss_bytes(pids), get(f"{server.root}/metrics")[1]
     finally:
         server.kill()
     assert r.lost == 0, r.outcomes
-    assert r.outcomes["refused"] > 0 and r.outcomes["hung_up"] > 0 and r.outcomes["complete"] > 90, r.outcomes
+    assert r.outcomes["refused"] > 0 and r.outcomes["hung_up"] > 0 and r.outcomes["complete"] > 45, r.outcomes
     delta = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)
     assert delta("shardlm_requests_total", endpoint="/v1/completions", status="200") == r.statuses[200]
     refused = sum(n for s, n in r.statuses.items() if 400 <= s < 500)
