@@ -198,9 +198,9 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-        help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head) or "
-        "fp8: 2-4x the tokens per GiB",
+        choices=["auto", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache elements: auto (the model's dtype), int8 (with a scale per token and head), int4 "
+        "(two a byte, a scale per 32 elements) or fp8: 2-6x the tokens per GiB",
     )
     p.add_argument(
         "--device",

@@ -9,13 +9,14 @@ import torch
 
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
-from shardlm.models.attention import INT8_SCALED
+from shardlm.models.attention import INT4_GROUP, INT4_GROUPED, INT8_SCALED
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {
     "int8": INT8_SCALED,
+    "int4": INT4_GROUPED,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -159,6 +160,12 @@ class EngineConfig:
             raise UsageError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} sizes the KV cache from GPU memory, but "
                 f"this run is on {device_type}; give kv_cache_memory (--kv-cache-memory) instead"
+            )
+        d = model.head_dim
+        if self.kv_cache_dtype == "int4" and (d % 2 or d % min(INT4_GROUP, d)):
+            raise UsageError(
+                f"kv_cache_dtype='int4' quantizes each head's elements in groups of {INT4_GROUP}, and this "
+                f"model's head_dim={d} does not split into them; use kv_cache_dtype='int8' or 'fp8'"
             )
         dtype = self.dtype
         if dtype == "auto":

@@ -22,6 +22,17 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 INT8_SCALED = torch.uint8
 """A KV cache of this dtype holds int8 values and one float32 scale (absmax / 127) per token and
 head, packed as bytes: each row is head_dim + 4 bytes."""
+INT4_GROUPED = torch.int8
+"""A KV cache of this dtype holds 4-bit values, two a byte, with a float16 scale and minimum per
+group of ``INT4_GROUP`` elements of a token's head (asymmetric: 16 levels between the group's
+minimum and maximum; KIVI's group quantization, Liu et al. 2024, https://arxiv.org/abs/2402.02750,
+without its per-channel keys): each row is head_dim / 2 + 4 * head_dim / group bytes (40 for
+head_dim 64: 3.2x fewer than bfloat16). Errors measured: tests/distributed/test_kv_cache_dtype.py."""
+INT4_GROUP = 32
+
+
+def _int4_group(head_dim: int) -> int:
+    return min(INT4_GROUP, head_dim)
 
 
 @dataclass
@@ -111,6 +122,8 @@ torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None
 
 def kv_row(head_dim: int, dtype: torch.dtype) -> int:
     """Elements a KV cache of ``dtype`` stores per token and head."""
+    if dtype == INT4_GROUPED:
+        return head_dim // 2 + 4 * (head_dim // _int4_group(head_dim))
     return head_dim + 4 if dtype == INT8_SCALED else head_dim
 
 
@@ -127,6 +140,16 @@ def _encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-30) / 127  # [tokens, heads, 1]
         q = (x.float() / scale).round_().to(torch.int8).view(torch.uint8)
         return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+    if dtype == INT4_GROUPED:
+        *lead, d = x.shape
+        g = _int4_group(d)
+        groups = x.float().view(*lead, d // g, g)
+        low = groups.amin(-1, keepdim=True).half()  # [tokens, heads, d/g, 1]
+        scale = ((groups.amax(-1, keepdim=True) - low.float()) / 15).clamp_min(1e-4).half()
+        q = ((groups - low.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8).view(*lead, d)
+        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [tokens, heads, d/2]: element 2i low, 2i+1 high
+        params = torch.cat([scale, low], dim=-1).view(*lead, 2 * (d // g))  # float16 pairs
+        return torch.cat([packed, params.view(torch.uint8)], dim=-1).view(torch.int8)
     return x.to(dtype)
 
 
@@ -138,6 +161,13 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
     if cache.dtype == INT8_SCALED:
         scale = got[..., d:].contiguous().view(torch.float32)  # [..., 1]
         return (got[..., :d].view(torch.int8).float() * scale).to(dtype)
+    if cache.dtype == INT4_GROUPED:
+        got = got.view(torch.uint8)
+        g = _int4_group(d)
+        packed = got[..., : d // 2]
+        params = got[..., d // 2 :].contiguous().view(torch.float16).float().unflatten(-1, (d // g, 2))
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float()  # [..., d]: 0..15
+        return (q.unflatten(-1, (d // g, g)) * params[..., :1] + params[..., 1:]).flatten(-2).to(dtype)
     return got
 
 

@@ -64,3 +64,14 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_what_is_left():
         EngineConfig(gpu_memory_utilization=0.9).for_model(ModelConfig.from_hf(BASE), "cpu")
     with pytest.raises(UsageError, match=r"must be in \(0, 1\]"):
         EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_int4_kv_cache_needs_head_dim_in_groups():
+    """int4 groups a head's elements by 32 (or the whole head below 32): head_dim 48 is refused."""
+    ok = ModelConfig.from_hf({**BASE, "hidden_size": 256, "num_attention_heads": 4})  # head_dim 64
+    assert EngineConfig(kv_cache_dtype="int4").for_model(ok, "cpu").kv_cache_dtype == "int4"
+    small = ModelConfig.from_hf(BASE)  # head_dim 4: one group
+    EngineConfig(kv_cache_dtype="int4").for_model(small, "cpu")
+    odd = ModelConfig.from_hf({**BASE, "hidden_size": 192, "num_attention_heads": 4})  # head_dim 48
+    with pytest.raises(UsageError, match="head_dim=48 does not split into them; use kv_cache_dtype='int8'"):
+        EngineConfig(kv_cache_dtype="int4").for_model(odd, "cpu")
