@@ -2,9 +2,11 @@
 prompt (1-200 words) and answer (1-48 tokens) lengths, 10% of clients hanging up mid-stream and
 5% malformed requests (shardlm/bench/soak.py). Prints what every request came to (0 lost is the
 target), the statuses, the server's /metrics against the clients' counts, and the server's
-resident memory and KV blocks before and after, against a warm-up of the same mix.
+resident memory and KV blocks before and after, against a warm-up of the same mix at the same
+concurrency (2 x concurrency requests).
 
     python benchmarks/soak.py [--requests 1000] [--concurrency 64] [--dp 2] [--tp 2] [--threads 1]
+                              [--kv-cache-memory 512MiB]
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-cache-memory", default="512MiB", help="per rank (default 512MiB)")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "shardlm.cli", "serve", "--port", "0", "--dp", str(args.dp), "--tp", str(args.tp)]
-    server = subprocess.Popen([*cmd, "--threads", str(args.threads)], stderr=subprocess.PIPE, text=True)
+    # a KV cache the warm-up fills once: the cache is allocated up front but resident only as blocks
+    # are first used, and freed blocks go to the back of the free list, so a large cache would
+    # show as "growth" for as long as untouched blocks remain
+    cmd += ["--threads", str(args.threads), "--kv-cache-memory", args.kv_cache_memory]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     url, lines = None, []
     for line in server.stderr:
         lines.append(line)
@@ -45,9 +52,11 @@ def main() -> None:
     pids = [server.pid, *ranks]
     scrape = lambda: urllib.request.urlopen(url.removesuffix("/v1") + "/metrics").read().decode()
     try:
-        soak(url, model=model, requests=64, concurrency=16, seed=1)  # warm-up: the same mix, allocations made
+        # warm-up: the same mix at the same concurrency, so the KV pages a full batch first touches
+        # (the cache is allocated up front, resident as it is used) are part of the baseline
+        soak(url, model=model, requests=2 * args.concurrency, concurrency=args.concurrency, seed=1)
         time.sleep(1)
-        rss0, before = rss_bytes(pids), scrape()
+        rss0, front0, before = rss_bytes(pids), rss_bytes([server.pid]), scrape()
         last = [0.0]
 
         def progress(done: int, total: int) -> None:
@@ -57,7 +66,7 @@ def main() -> None:
 
         r = soak(url, model=model, requests=args.requests, concurrency=args.concurrency, progress=progress)
         time.sleep(1)
-        rss1, after = rss_bytes(pids), scrape()
+        rss1, front1, after = rss_bytes(pids), rss_bytes([server.pid]), scrape()
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -77,7 +86,8 @@ def main() -> None:
     )
     print(
         f"resident memory of server + ranks: {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB "
-        f"({rss1 / rss0:.3f}x the warmed-up baseline)"
+        f"({rss1 / rss0:.3f}x the warmed-up baseline); the HTTP process alone: "
+        f"{front0 / 2**20:.0f} -> {front1 / 2**20:.0f} MiB"
     )
 
 

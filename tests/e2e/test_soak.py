@@ -15,7 +15,7 @@ from shardlm.bench.soak import metric, rss_bytes, soak
 
 @pytest.mark.slow
 def test_soak_loses_nothing_and_returns_to_baseline():
-    server = ServerProcess("--dp", "2", "--tp", "2", "--threads", "1")
+    server = ServerProcess("--dp", "2", "--tp", "2", "--threads", "1", "--kv-cache-memory", "128MiB")
     try:
         model = re.search(r"serving (\S+) on", server.log).group(1)
         pids = [server.proc.pid, *server.ranks]
