@@ -243,7 +243,10 @@ class Zero:
     # ---- forward -------------------------------------------------------------------------
     def gathered(self, unit: Unit) -> dict[str, Tensor]:
         full = _Gather.apply(unit.shard, unit)
-        self._owner[full] = unit
+        # by the tensor that owns the memory: views of views name it as their _base, and a gathered
+        # vector may itself be a view (all_gather's movedim); keyed by ``full``, no saved weight of
+        # a multi-rank gather was recognised and backward kept every gathered weight alive
+        self._owner[full if full._base is None else full._base] = unit
         return dict(zip(unit.names, unit.views(full)))
 
     def forward(self, *args, **kwargs):

@@ -27,6 +27,7 @@ from harness.rankfns import (
     train_and_save,
     train_and_save_state,
     train_steps,
+    zero3_gathers,
 )
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
@@ -197,6 +198,9 @@ def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monk
     units = trainer.zero.units
     assert sorted(map(id, gathers)) == sorted(map(id, units * 2))
     assert all(u.regathered is None for u in units)  # dropped once each unit's backward ended
+    # over two ranks too (where a gathered vector is a view of all_gather's buffer)
+    for gathered, left in run_ranks(2, zero3_gathers, path, batch, dp=2):
+        assert sorted(gathered) == sorted(list(range(len(units))) * 2) and not any(left)
     for recompute, runs in (("none", 1), ("full", 2)):
         trainer, calls = Trainer(TrainConfig(model=path, recompute=recompute)), []
         for layer in trainer.model.modules():
