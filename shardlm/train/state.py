@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,26 @@ from shardlm.parallel.comm import group_rank
 from shardlm.parallel.tensor import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from shardlm.train.trainer import Trainer
-    from shardlm.train.zero import Unit
+    from shardlm.parallel.dims import ParallelDims
+    from shardlm.train.zero import Unit, Zero
+
+
+class Trainer(Protocol):
+    """What this module reads and sets of a ``trainer.Trainer`` (which imports this module)."""
+
+    steps: int
+
+    @property
+    def zero(self) -> Zero: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def dims(self) -> ParallelDims: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scaler(self) -> Any: ...
+
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
