@@ -48,6 +48,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=[0, 1, 2, 3],
         help="ZeRO stage: 0 plain dp, 1 optimizer state sharded (default), 2 + gradients, 3 + weights",
     )
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ZeRO-3: all-gather the next N layers' weights while one computes (default 1; 0: off)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="ZeRO 0-2: reduce gradients in buckets of about MB MiB, each as soon as backward "
+        "completes it, overlapped with the rest (default 25; 0: no overlap)",
+    )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all dp ranks (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -122,6 +137,8 @@ def run(args) -> int:
         recompute=args.recompute,
         dtype=args.dtype,
         zero=args.zero,
+        prefetch=args.prefetch,
+        bucket_mb=args.bucket_mb,
         lr=args.lr,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm or None,

@@ -61,6 +61,13 @@ class TrainConfig:
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
+    prefetch: int = 1
+    """ZeRO-3: decoder layers whose weights are all-gathered ahead, in flight while a layer
+    computes (forward, and the re-gathers of backward); 0 gathers each when it is needed."""
+    bucket_mb: float = 25.0
+    """ZeRO 0-2: gradients are reduced in buckets of about this many MiB (float32, whole decoder
+    layers), each started asynchronously as soon as backward has completed it (DDP's
+    bucket_cap_mb); 0 reduces without overlap (stages 0-1 after backward, 2 a layer at a time)."""
     dtype: str = "float32"
     """Weights, activations and gradients: float32, or bfloat16 / float16 with float32 master
     weights in the optimizer (mixed precision; gradients are summed over ranks in float32);
@@ -99,6 +106,10 @@ class TrainConfig:
             raise UsageError(f"lr={self.lr!r} must be positive, e.g. 1e-4")
         if self.grad_accum < 1:
             raise UsageError(f"grad_accum={self.grad_accum!r} must be a positive integer")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise UsageError(f"prefetch={self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
+        if not self.bucket_mb >= 0:
+            raise UsageError(f"bucket_mb={self.bucket_mb!r} must be >= 0 MiB, e.g. 25 (0: no overlap)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UsageError(f"dtype={self.dtype!r} is not supported for training; use float32, bfloat16 or float16")
         if not self.loss_scale > 0:
@@ -211,7 +222,16 @@ class Trainer:
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
         self.embedding_group = dims.embedding_group() if ckpt.config.tie_word_embeddings else None
-        self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
+        self.zero = Zero(
+            model,
+            dims.dp_cp_group,
+            dims.tp,
+            config.zero,
+            replicated_over_tp(model),
+            tied=tied,
+            prefetch=config.prefetch,
+            bucket_mb=config.bucket_mb,
+        )
         if config.recompute == "selective":
             for module in model.modules():
                 if isinstance(module, MLP):
@@ -284,8 +304,12 @@ class Trainer:
                 out = loss.sum() / count * scale
             io.produced(i, out)
 
+        def backward(i: int) -> None:
+            with self.zero.backward(last=i == len(micros) - 1):  # 1F1B runs the backwards in order
+                io.backward(i)
+
         self.zero.start_backward()
-        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, io.backward)
+        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, backward)
         io.flush()
         held = self.zero.state_bytes()
         self.zero.finish_backward()

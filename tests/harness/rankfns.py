@@ -166,24 +166,6 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
     return stats, weights, stats[-1]["state_bytes"], (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))
 
 
-def zero3_gathers(model: str, batch, **options):
-    """One ZeRO-3 step on this rank: (the units it gathered, as indices into ``zero.units``, in
-    order; whether a unit still holds re-gathered weights after it)."""
-    from shardlm.train import zero
-    from shardlm.train.trainer import TrainConfig, Trainer
-
-    trainer = Trainer(
-        TrainConfig.of(model=model, zero=3, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
-    )
-    units, gathered, real = trainer.zero.units, [], zero.Unit.gather
-    zero.Unit.gather = lambda unit: gathered.append(units.index(unit)) or real(unit)
-    try:
-        trainer.step(batch)
-    finally:
-        zero.Unit.gather = real  # the rank serves later tests
-    return gathered, [u.regathered is not None for u in units]
-
-
 def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: str, **options):
     """Train on ``batches``, then save the model as a HF directory (rank 0 writes)."""
     from shardlm.train.trainer import TrainConfig, Trainer
