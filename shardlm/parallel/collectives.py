@@ -13,12 +13,18 @@ Tensors are made contiguous before they are handed to a collective.
 CPU tensors of a group whose ranks share this host take the shared-memory path
 (``shm.route``) for broadcast, all-reduce (sum), all-gather, reduce-scatter (sum) and
 all-to-all; the rest, and every CUDA tensor, go to torch.distributed (gloo / NCCL).
+
+``all_reduce_start``, ``all_gather_start`` and ``reduce_scatter_start`` start the collective and
+return a ``Pending`` whose ``wait()`` gives the result, so compute can run while it is in flight
+(what ZeRO's gradient buckets and ZeRO-3's prefetch do). They always go to torch.distributed with
+``async_op=True`` (gloo's own threads, NCCL's stream): the shared-memory path is work of the
+calling thread and has no asynchronous form.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,6 +144,24 @@ def _check_own_size(sizes: list[int], n: int, rank: int, own: int) -> None:
         raise ValueError(f"sizes[{rank}]={sizes[rank]} but this rank's tensor has {own} along the gathered dim")
 
 
+class Pending:
+    """A collective in flight (a ``*_start`` function's): ``wait()`` blocks until it is done and
+    returns its result. Its buffers stay alive, and must stay unchanged, until then."""
+
+    def __init__(self, work: dist.Work | None, result: Callable[[], Tensor], *buffers: Tensor):
+        self._work, self._result, self._buffers = work, result, buffers
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._result()
+
+
+def _done(x: Tensor) -> Pending:
+    """A one-rank group's result, with nothing in flight."""
+    return Pending(None, lambda: x)
+
+
 # ---- primitives ---------------------------------------------------------------------
 def broadcast(x: Tensor, src: int, group: ProcessGroup | None) -> Tensor:
     """Every rank's x becomes the root's x (in place; returns x)."""
@@ -173,6 +197,17 @@ def all_reduce(x: Tensor, group: ProcessGroup | None, op: str = "sum", *, payloa
     else:
         dist.all_reduce(buf, op=reduce_op, group=group)
     return x if buf is x else x.copy_(buf)
+
+
+def all_reduce_start(x: Tensor, group: ProcessGroup | None, op: str = "sum") -> Pending:
+    """``all_reduce`` started asynchronously: ``wait()`` returns x, summed (x must be contiguous and
+    unchanged until then)."""
+    reduce_op = _op(op)
+    if group_size(group) == 1:
+        return _done(x)
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_start needs a contiguous tensor: it reduces in place while the caller runs on")
+    return Pending(dist.all_reduce(x, op=reduce_op, group=group, async_op=True), lambda: x, x)
 
 
 def reduce(x: Tensor, dst: int, group: ProcessGroup | None, op: str = "sum") -> Tensor | None:
@@ -249,13 +284,33 @@ def all_gather(
         row = math.prod(y.shape[1:]) * y.element_size()
         fast.all_gather(_bytes(y), _bytes(out), [s * row for s in sizes])
         return out.movedim(0, d).contiguous()
-    m = max(sizes)
+    return _all_gather_dist(x, group, d, sizes, async_op=False).wait()
+
+
+def all_gather_start(
+    x: Tensor, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None
+) -> Pending:
+    """``all_gather`` started asynchronously: ``wait()`` returns the gathered tensor."""
+    n, d = group_size(group), _dim(x, dim)
+    sizes = [x.size(d)] * n if sizes is None else [int(s) for s in sizes]
+    _check_own_size(sizes, n, group_rank(group), x.size(d))
+    return _done(x) if n == 1 else _all_gather_dist(x, group, d, sizes, async_op=True)
+
+
+def _all_gather_dist(x: Tensor, group, d: int, sizes: list[int], async_op: bool) -> Pending:
+    """torch.distributed's all-gather, uneven shards padded to the largest (gloo needs even ones)."""
+    n, m = group_size(group), max(sizes)
     buf = _pad0(x.movedim(d, 0), m)  # [max chunk, ...]
     out = buf.new_empty((n * m, *buf.shape[1:]))  # [n * max chunk, ...]
-    _all_gather_single(out, buf, group=group)
-    if any(s != m for s in sizes):  # uneven: drop each rank's padding
-        out = torch.cat([out[r * m : r * m + s] for r, s in enumerate(sizes)])
-    return out.movedim(0, d).contiguous()
+    work = _all_gather_single(out, buf, group=group, async_op=async_op)
+
+    def result() -> Tensor:
+        full = out
+        if any(s != m for s in sizes):  # uneven: drop each rank's padding
+            full = torch.cat([out[r * m : r * m + s] for r, s in enumerate(sizes)])
+        return full.movedim(0, d).contiguous()
+
+    return Pending(work, result, buf, out)
 
 
 def reduce_scatter(
@@ -273,14 +328,30 @@ def reduce_scatter(
         out = y.new_empty((sizes[group_rank(group)], *y.shape[1:]))  # [own chunk, ...]
         fast.reduce_scatter(y, out, [s * row for s in sizes])
         return out.movedim(0, d).contiguous()
-    m = max(sizes)
+    return _reduce_scatter_dist(x, group, d, sizes, reduce_op, async_op=False).wait()
+
+
+def reduce_scatter_start(
+    x: Tensor, group: ProcessGroup | None, dim: int = 0, sizes: Sequence[int] | None = None, op: str = "sum"
+) -> Pending:
+    """``reduce_scatter`` started asynchronously: ``wait()`` returns this rank's chunk of the sum
+    (x must stay unchanged until then)."""
+    n, d, reduce_op = group_size(group), _dim(x, dim), _op(op)
+    sizes = _sizes(sizes, n, x.size(d), d)
+    return _done(x) if n == 1 else _reduce_scatter_dist(x, group, d, sizes, reduce_op, async_op=True)
+
+
+def _reduce_scatter_dist(x: Tensor, group, d: int, sizes: list[int], reduce_op, async_op: bool) -> Pending:
+    """torch.distributed's reduce-scatter, uneven chunks padded to the largest."""
+    y, m = x.movedim(d, 0), max(sizes)  # [total, ...]
     if any(s != m for s in sizes):  # uneven: pad every chunk to the largest
         buf = torch.cat([_pad0(c, m) for c in torch.split(y, sizes)])  # [n * max chunk, ...]
     else:
         buf = y.contiguous()
     out = buf.new_empty((m, *buf.shape[1:]))  # [max chunk, ...]
-    _reduce_scatter_single(out, buf, op=reduce_op, group=group)
-    return out[: sizes[group_rank(group)]].movedim(0, d).contiguous()
+    work = _reduce_scatter_single(out, buf, op=reduce_op, group=group, async_op=async_op)
+    own = sizes[group_rank(group)]
+    return Pending(work, lambda: out[:own].movedim(0, d).contiguous(), buf, out)
 
 
 def all_to_all(

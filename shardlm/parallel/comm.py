@@ -1,8 +1,8 @@
 """Collectives and their autograd duals: the one module layers import communication from.
 
 The primitives (broadcast, scatter, gather, reduce, all_gather, all_reduce,
-reduce_scatter, all_to_all, send/recv) live in ``collectives.py`` and are
-re-exported here. This file adds their autograd duals for model-parallel regions:
+reduce_scatter, all_to_all, send/recv, and the asynchronous ``*_start`` forms
+that return a ``Pending``) live in ``collectives.py`` and are re-exported here. This file adds their autograd duals for model-parallel regions:
 Megatron-LM's mappings f, g, split and gather (Shoeybi et al. 2019,
 https://arxiv.org/abs/1909.08053, sec. 3), sequence parallelism's all-gather /
 reduce-scatter pair (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198,
@@ -18,12 +18,15 @@ import torch
 from torch import Tensor
 
 from shardlm.parallel.collectives import (  # shared argument checks
+    Pending,
     ProcessGroup,
     _a2a_sizes,
     _dim,
     _sizes,
     all_gather,
+    all_gather_start,
     all_reduce,
+    all_reduce_start,
     all_to_all,
     broadcast,
     gather,
@@ -34,6 +37,7 @@ from shardlm.parallel.collectives import (  # shared argument checks
     recv,
     reduce,
     reduce_scatter,
+    reduce_scatter_start,
     scatter,
     send,
     shift,
@@ -58,6 +62,10 @@ __all__ = [
     "isend",
     "irecv",
     "shift",
+    "Pending",
+    "all_reduce_start",
+    "all_gather_start",
+    "reduce_scatter_start",
     # autograd duals
     "copy_to_region",
     "reduce_from_region",

@@ -52,6 +52,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=[0, 1, 2, 3],
         help="ZeRO stage: 0 plain dp, 1 optimizer state sharded (default), 2 + gradients, 3 + weights",
     )
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ZeRO-3: all-gather the next N layers' weights while one computes (0: off; default 1 on a "
+        "GPU, 0 on CPU ranks, whose blocking shared-memory collectives are faster)",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="ZeRO 0-2: reduce gradients in buckets of about MB MiB, each as soon as backward "
+        "completes it, overlapped with the rest (0: no overlap; default 25 on a GPU, 0 on CPU ranks)",
+    )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all dp ranks (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -170,6 +186,8 @@ def run(args) -> int:
         device=args.device,
         compile=args.compile,
         zero=args.zero,
+        prefetch=args.prefetch,
+        bucket_mb=args.bucket_mb,
         lr=args.lr,
         lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps,

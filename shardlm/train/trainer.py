@@ -63,6 +63,16 @@ class TrainConfig:
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
+    prefetch: int | None = None
+    """ZeRO-3: decoder layers whose weights are all-gathered ahead, in flight while a layer
+    computes (forward, and the re-gathers of backward); 0 gathers each when it is needed; None:
+    1 on a GPU, 0 on CPU ranks (their blocking shared-memory collectives beat gloo's
+    asynchronous ones: docs/performance.md)."""
+    bucket_mb: float | None = None
+    """ZeRO 0-2: gradients are reduced in buckets of about this many MiB (float32, whole decoder
+    layers), each started asynchronously as soon as backward has completed it (DDP's
+    bucket_cap_mb); 0 reduces without overlap (stages 0-1 after backward, 2 a layer at a time);
+    None: 25 on a GPU, 0 on CPU ranks (as ``prefetch``)."""
     dtype: str = "auto"
     """Weights, activations and gradients: float32, or bfloat16 / float16 with float32 master
     weights in the optimizer (mixed precision; gradients are summed over ranks in float32);
@@ -122,6 +132,10 @@ class TrainConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not a device; use auto, cpu or cuda")
+        if self.prefetch is not None and (not isinstance(self.prefetch, int) or self.prefetch < 0):
+            raise UsageError(f"prefetch={self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
+        if self.bucket_mb is not None and not self.bucket_mb >= 0:
+            raise UsageError(f"bucket_mb={self.bucket_mb!r} must be >= 0 MiB, e.g. 25 (0: no overlap)")
         if not self.loss_scale > 0:
             raise UsageError(f"loss_scale={self.loss_scale!r} must be positive, e.g. 65536")
         if self.cp_attention not in ALGORITHMS:
@@ -281,6 +295,7 @@ class Trainer:
         check_trainable(ckpt.config, dims.tp)
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
         self.dtype_name = train_dtype(config.dtype, device_type)
+        on_gpu = device_type == "cuda"  # overlap's defaults (TrainConfig.prefetch, bucket_mb)
         self.dtype = getattr(torch, self.dtype_name)
         self.model = model = load_model(
             ckpt,
@@ -295,7 +310,16 @@ class Trainer:
         # a tied embedding on the first and the last stage: one weight, two copies; their gradients are summed
         tied = model.embed.weight if dims.pp > 1 and ckpt.config.tie_word_embeddings and model.embed else None
         self.embedding_group = dims.embedding_group() if ckpt.config.tie_word_embeddings else None
-        self.zero = Zero(model, dims.dp_cp_group, dims.tp, config.zero, replicated_over_tp(model), tied=tied)
+        self.zero = Zero(
+            model,
+            dims.dp_cp_group,
+            dims.tp,
+            config.zero,
+            replicated_over_tp(model),
+            tied=tied,
+            prefetch=(1 if on_gpu else 0) if config.prefetch is None else config.prefetch,
+            bucket_mb=(25.0 if on_gpu else 0.0) if config.bucket_mb is None else config.bucket_mb,
+        )
         if config.recompute == "selective":
             for module in model.modules():
                 if isinstance(module, MLP):
@@ -334,8 +358,13 @@ class Trainer:
         run = self._pass(batch, scale)
         io, micros, count, total = run.io, run.micros, run.count, run.total
         forward = run.forward
+
+        def backward(i: int) -> None:
+            with self.zero.backward(last=i == len(micros) - 1):  # 1F1B runs the backwards in order
+                io.backward(i)
+
         self.zero.start_backward()
-        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, io.backward)
+        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, backward)
         io.flush()
         held = self.zero.state_bytes()
         self.zero.finish_backward()

@@ -6,17 +6,24 @@ layer and one for the rest (embedding, final norm, LM head), as FSDP wraps them.
 parameters form one flat vector, split over the dp ranks as evenly as possible; rank r owns
 elements [lo, hi) of it, and the optimizer steps on what it owns:
 
-    stage  a rank keeps                       gradients are reduced            after the step
-    0      weights, gradients, Adam state     all-reduce, after backward       -
-    1      weights, gradients, its state      reduce-scatter, after backward   all-gather weights
-    2      weights, its gradients and state   reduce-scatter per unit, during  all-gather weights
+    stage  a rank keeps                       gradients are reduced               after the step
+    0      weights, gradients, Adam state     all-reduce per bucket, during       -
+                                              backward
+    1      weights, gradients, its state      reduce-scatter per bucket, during   all-gather weights
+                                              backward
+    2      weights, its gradients and state   reduce-scatter per bucket, during   all-gather weights
                                               backward (full gradients freed)
-    3      its weights, gradients and state   reduce-scatter per unit, during  -
+    3      its weights, gradients and state   reduce-scatter per unit, during     -
                                               backward
 
-Stage 3 gathers a unit's weights for its forward and drops them after; the weights its
-backward needs are gathered again when autograd first asks for them (a saved-tensor hook
-stands in for each saved weight, so no weight is held between forward and backward).
+Stages 0-2 reduce in buckets of whole units (``bucket_mb``), each started asynchronously as
+soon as backward has completed its gradients, only in the step's last backward under gradient
+accumulation (overlap.py; ``bucket_mb=0``: blocking, stages 0-1 after backward, stage 2 a unit
+at a time). Stage 3 gathers a unit's weights for its forward and drops them after; the weights
+its backward needs are gathered again when autograd first asks for them (a saved-tensor hook
+stands in for each saved weight, so no weight is held between forward and backward). The next
+``prefetch`` decoder layers' gathers are in flight while one computes, in forward and in
+backward (overlap.py).
 
 Gradients are summed over dp, not averaged: the trainer divides the loss by the global token
 count, so a step equals one process's step on the whole batch whatever the split.
@@ -24,6 +31,7 @@ count, so a step equals one process's step on the whole batch whatever the split
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,139 +44,28 @@ from torch.utils.weak import WeakTensorKeyDictionary
 if TYPE_CHECKING:
     from shardlm.models.transformer import Transformer
 
-from shardlm.parallel.comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter, split_sizes
+from shardlm.parallel.comm import all_reduce, group_size, reduce_scatter
+from shardlm.train.overlap import Buckets, Prefetch
+from shardlm.train.unit import Unit
 
 STAGES = (0, 1, 2, 3)
 
 
-class Unit:
-    """Parameters flattened as one vector, of which this rank owns elements [lo, hi)."""
-
-    def __init__(self, named: list[tuple[str, nn.Parameter]], group, stage: int, replicated: set[int], tp: int):
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.shapes = [p.shape for p in self.params]
-        self.group, self.stage = group, stage
-        self.numel = sum(p.numel() for p in self.params)
-        self.sizes = split_sizes(self.numel, group_size(group))
-        rank = group_rank(group)
-        self.lo = 0 if stage == 0 else sum(self.sizes[:rank])
-        self.hi = self.numel if stage == 0 else self.lo + self.sizes[rank]
-        # elements whose gradient every tp rank holds whole (norms, a row-parallel bias): a
-        # global gradient norm counts them once, not tp times
-        self.tp_weighted: list[tuple[int, int, float]] = []
-        offset = 0
-        for p in self.params:
-            if id(p) in replicated and tp > 1:
-                self.tp_weighted.append((offset, offset + p.numel(), 1 / tp))
-            offset += p.numel()
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.flat: Tensor | None = None
-        self.flat_grad: Tensor | None = None  # stages 0-1: the gradients' flat buffer during backward
-        self.regathered: Tensor | None = None  # stage 3: weights gathered again for backward
-        if stage == 3:
-            self.shard = nn.Parameter(flat[self.lo : self.hi].clone())
-            for p in self.params:  # released: a stage-3 rank holds only its shard
-                p.data = p.data.new_empty(0)
-                p.requires_grad_(False)
-        else:
-            self.flat = flat
-            for p, view in zip(self.params, self.views(flat)):
-                p.data = view  # the model's parameters live in the flat vector
-            self.shard = nn.Parameter(flat[self.lo : self.hi])  # a view: the optimizer updates the model
-        # what the optimizer steps on: the shard itself in float32; for 16-bit weights a float32
-        # master copy of it (mixed precision, ZeRO §3: K = 12 bytes of state per parameter)
-        wide = self.shard.dtype == torch.float32
-        self.master = self.shard if wide else nn.Parameter(self.shard.detach().float())
-        self.ready = 0
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        out, offset = [], 0
-        for shape in self.shapes:
-            n = shape.numel()
-            out.append(flat[offset : offset + n].view(shape))
-            offset += n
-        return out
-
-    # ---- gradients -----------------------------------------------------------------------
-    def bucket_grads(self) -> None:
-        """Stages 0-1: before backward, point every parameter's gradient into one flat buffer
-        (autograd then accumulates in place, as DDP's gradient_as_bucket_view does), so the
-        reduction needs no copy."""
-        if self.stage < 2 and self.flat_grad is None:
-            assert self.flat is not None  # stages 0-2 keep the full flat weights
-            self.flat_grad = torch.zeros_like(self.flat)
-            for p, view in zip(self.params, self.views(self.flat_grad)):
-                p.grad = view
-
-    def reduce_grads(self) -> None:
-        """Sum the unit's gradients over dp (in float32) into ``master.grad``; free the full ones."""
-        if self.flat_grad is not None:
-            g, self.flat_grad = self.flat_grad, None
-        else:
-            g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        for p in self.params:
-            p.grad = None
-        g = g.float()
-        mine = all_reduce(g, self.group) if self.stage == 0 else reduce_scatter(g, self.group, sizes=self.sizes)
-        self.accumulate(mine)
-        self.ready = 0
-
-    def accumulate(self, g: Tensor) -> None:
-        g = g.float()
-        if self.master.grad is None:
-            self.master.grad = g
-        else:
-            self.master.grad += g
-
-    def param_ready(self) -> None:
-        """Stage 2: one more parameter's gradient is complete; reduce once all of them are."""
-        self.ready += 1
-        if self.ready == len(self.params):
-            self.reduce_grads()
-
-    def grad_sq(self) -> Tensor:
-        """Sum of squares of the gradient elements this rank owns (tp-replicated ones weighted)."""
-        g = self.master.grad
-        assert g is not None  # after reduce_grads
-        total = torch.linalg.vector_norm(g) ** 2
-        for a, b, w in self.tp_weighted:
-            a, b = max(a, self.lo), min(b, self.hi)
-            if a < b:
-                total -= (1 - w) * torch.linalg.vector_norm(g[a - self.lo : b - self.lo]) ** 2
-        return total
-
-    # ---- weights -------------------------------------------------------------------------
-    def gather(self) -> Tensor:
-        """The whole flat weight vector from every rank's shard (a new tensor)."""
-        full = all_gather(self.shard.detach(), self.group, sizes=self.sizes)
-        return full.clone() if group_size(self.group) == 1 else full  # one rank: all_gather returns its input
-
-    def after_step(self) -> None:
-        """The updated master into the shard; stages 1-2: every rank's shard back into everyone's
-        full weights."""
-        if self.master is not self.shard:
-            self.shard.data.copy_(self.master.detach())
-        self.master.grad = self.shard.grad = None
-        if self.stage in (1, 2) and group_size(self.group) > 1:
-            assert self.flat is not None
-            self.flat.copy_(all_gather(self.shard.detach(), self.group, sizes=self.sizes))
-
-
 class _Gather(torch.autograd.Function):
-    """forward: all-gather a unit's shards; backward: reduce-scatter the gradient (sum over dp)."""
+    """forward: all-gather a unit's shards (``fetch``: prefetched or now); backward: reduce-scatter
+    the gradient (sum over dp)."""
 
     @staticmethod
-    def forward(ctx, shard: Tensor, unit: Unit) -> Tensor:
+    def forward(ctx, shard: Tensor, unit: Unit, fetch: Callable[[Unit], Tensor]) -> Tensor:
         ctx.unit = unit
-        return unit.gather()
+        return fetch(unit)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         unit = ctx.unit
         unit.regathered = None  # this unit's backward is over: drop its re-gathered weights
         summed = reduce_scatter(grad.float().contiguous(), unit.group, sizes=unit.sizes)  # float32 sum
-        return summed.to(unit.shard.dtype), None
+        return summed.to(unit.shard.dtype), None, None
 
 
 @dataclass(frozen=True)
@@ -199,14 +96,25 @@ class Zero:
 
     Construction rewires the model: stages 0-2 move its parameters into flat vectors; stage 3
     replaces each decoder layer by a wrapper that gathers the layer's weights per call. A step:
-    ``start_backward``, the forward through ``forward`` and backward, ``finish_backward``, the
-    optimizer over ``shards()``, ``after_step``."""
+    ``start_backward``, the forwards through ``forward`` and each backward inside ``backward``,
+    ``finish_backward``, the optimizer over ``shards()``, ``after_step``."""
 
     def __init__(
-        self, model: Transformer, group, tp: int, stage: int, replicated: set[int], tied: nn.Parameter | None = None
+        self,
+        model: Transformer,
+        group,
+        tp: int,
+        stage: int,
+        replicated: set[int],
+        tied: nn.Parameter | None = None,
+        *,
+        prefetch: int = 1,
+        bucket_mb: float = 25.0,
     ):
         """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
-        in a unit of its own, laid out alike on both stages, so its gradients can be summed across."""
+        in a unit of its own, laid out alike on both stages, so its gradients can be summed across.
+        ``prefetch``: stage 3's layers gathered ahead (0: none); ``bucket_mb``: stages 0-2's gradient
+        buckets (0: no overlap); see overlap.py."""
         if stage not in STAGES:
             raise ValueError(
                 f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
@@ -223,10 +131,10 @@ class Zero:
         self.tied = self.outer[-1] if tied_named else None
         self.units += self.outer
         self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
-        if stage == 2:
-            for unit in self.units:
-                for p in unit.params:
-                    p.register_post_accumulate_grad_hook(lambda _, u=unit: u.param_ready())
+        layers = self.units[: len(model.layers)]
+        # in the order backward completes them: the last layer first, the embedding's unit last
+        self.buckets = Buckets(layers[::-1] + self.outer, stage, bucket_mb) if stage < 3 else None
+        self.prefetch = Prefetch(layers, prefetch if group_size(group) > 1 else 0) if stage == 3 else None
         if stage == 3:
             for i, layer in enumerate(model.layers):
                 model.layers[i] = _Sharded(layer, self.units[i], self)
@@ -236,19 +144,40 @@ class Zero:
         for unit in self.units:
             unit.bucket_grads()
 
+    @contextmanager
+    def backward(self, last: bool) -> Iterator[None]:
+        """Around each backward of a step: only the ``last`` one reduces gradients (stages 0-2;
+        DDP's no_sync for the others, so a step reduces once whatever its micro-batches);
+        stage 3 starts re-gathering the last layers' weights ahead."""
+        if self.prefetch is not None:
+            self.prefetch.begin(-1)
+        if self.buckets is not None:
+            self.buckets.reducing = last
+        try:
+            yield
+        finally:
+            if self.buckets is not None:
+                self.buckets.reducing = False
+
     def shards(self) -> list[nn.Parameter]:
         """What the optimizer steps on: this rank's part of every unit, in float32."""
         return [u.master for u in self.units]
 
     # ---- forward -------------------------------------------------------------------------
     def gathered(self, unit: Unit) -> dict[str, Tensor]:
-        full = _Gather.apply(unit.shard, unit)
-        self._owner[full] = unit
+        assert self.prefetch is not None  # stage 3
+        full = _Gather.apply(unit.shard, unit, self.prefetch.fetch)
+        # by the tensor that owns the memory: views of views name it as their _base, and a gathered
+        # vector may itself be a view (all_gather's movedim); keyed by ``full``, no saved weight of
+        # a multi-rank gather was recognised and backward kept every gathered weight alive
+        self._owner[full if full._base is None else full._base] = unit
         return dict(zip(unit.names, unit.views(full)))
 
     def forward(self, *args, **kwargs):
         if self.stage < 3:
             return self.model(*args, **kwargs)
+        assert self.prefetch is not None  # stage 3
+        self.prefetch.begin(1)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             weights = {name: w for unit in self.outer for name, w in self.gathered(unit).items()}
             return functional_call(self.model, weights, args, kwargs)
@@ -259,23 +188,25 @@ class Zero:
             return t
         return _SavedWeight(unit, t.size(), t.stride(), int(t.storage_offset()))
 
-    @staticmethod
-    def _unpack(saved):
+    def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
             return saved
         unit = saved.unit
         if unit.regathered is None:
-            unit.regathered = unit.gather()
+            assert self.prefetch is not None  # stage 3
+            unit.regathered = self.prefetch.fetch(unit)
         return unit.regathered.as_strided(saved.size, saved.stride, saved.offset)
 
     # ---- backward and step ---------------------------------------------------------------
     def finish_backward(self) -> None:
-        """Reduce what backward has not reduced yet (stages 0-1: everything, at once); stage 3's
+        """Stages 0-2: wait for the reductions in flight and run those not started; stage 3's
         16-bit shard gradients go to the float32 masters."""
+        if self.buckets is not None:
+            self.buckets.finish()
+            return
+        assert self.prefetch is not None and not self.prefetch.pending  # else next step would use stale weights
         for unit in self.units:
-            if self.stage < 3 and (self.stage < 2 or unit.ready):
-                unit.reduce_grads()
-            elif self.stage == 3 and unit.master is not unit.shard and unit.shard.grad is not None:
+            if unit.master is not unit.shard and unit.shard.grad is not None:
                 unit.accumulate(unit.shard.grad)
                 unit.shard.grad = None
 
@@ -292,7 +223,7 @@ class Zero:
         torch.nn.utils.clip_grad_norm_ does."""
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for unit in self.units:
-            assert unit.master.grad is not None  # after reduce_grads
+            assert unit.master.grad is not None  # after finish_backward
             unit.master.grad.mul_(coef)
 
     def after_step(self) -> None:
@@ -338,11 +269,18 @@ class Zero:
                     p.data = p.data.new_empty(0)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of weights, gradients and float32 masters (mixed precision) this rank holds now
-        (call right after backward, before ``finish_backward``, to see the gradients at their peak)."""
+        """Bytes of weights, gradients, float32 masters (mixed precision) and gradient-reduction
+        buffers this rank holds now (call right after backward, before ``finish_backward``, to see
+        the gradients at their peak). Gradients are those the table says a stage keeps: the full
+        ones at stages 0-1, its float32 sums at 2-3 (also those of reductions in flight); the
+        buffers are the rest: what reductions in flight send where it is a copy, and at stages
+        0-1 the sums beside the full gradients until ``finish_backward`` drops those."""
         weights = sum(u.shard.nbytes if self.stage == 3 or u.flat is None else u.flat.nbytes for u in self.units)
-        grads = sum(p.grad.nbytes for u in self.units for p in u.params if p.grad is not None)
-        grads += sum(u.master.grad.nbytes for u in self.units if u.master.grad is not None)
-        grads += sum(u.shard.grad.nbytes for u in self.units if u.master is not u.shard and u.shard.grad is not None)
+        full = sum(p.grad.nbytes for u in self.units for p in u.params if p.grad is not None)
+        summed = sum(u.master.grad.nbytes for u in self.units if u.master.grad is not None)
+        summed += sum(u.shard.grad.nbytes for u in self.units if u.master is not u.shard and u.shard.grad is not None)
+        in_flight, sent = self.buckets.in_flight_bytes() if self.buckets is not None else (0, 0)
+        summed += in_flight
+        grads, buffers = (full, summed + sent) if self.stage < 2 else (full + summed, sent)
         masters = sum(u.master.nbytes for u in self.units if u.master is not u.shard)
-        return {"weights": weights, "gradients": grads, "masters": masters}
+        return {"weights": weights, "gradients": grads, "masters": masters, "buffers": buffers}

@@ -131,6 +131,24 @@ def check_primitives(group) -> None:
             eq(comm.reduce_scatter(V(r, (total, 3)).t(), group, dim=1, sizes=sizes), want.t())
             nontrivial(want, V(r, (total, 3)).narrow(0, offsets(sz)[r], sz[r]))
 
+        # the asynchronous forms (torch.distributed's async_op): three in flight at once, waited on
+        # in reverse order, each the blocking one's result; uneven sizes padded as there
+        uneven = split_sizes(2 * n + 1, n)
+        summed = sum(V(j, (2 * n + 1, 3)) for j in range(n))
+        gathered = [V(j, (2, uneven[j])) for j in range(n)]
+        started = [
+            comm.all_reduce_start(V(r, (4, 3)), group),
+            comm.all_gather_start(gathered[r], group, dim=1, sizes=uneven),
+            comm.reduce_scatter_start(V(r, (2 * n + 1, 3)), group, sizes=uneven),
+        ]
+        wants = [
+            sum(V(j, (4, 3)) for j in range(n)),
+            torch.cat(gathered, 1),
+            summed.narrow(0, offsets(uneven)[r], uneven[r]),
+        ]
+        for pending, expected in reversed(list(zip(started, wants))):
+            eq(pending.wait(), expected)
+
         # all-to-all: rank r gets, from each j in rank order, the rows j addressed to r
         plan = a2a_plan(n)
         xs = [V(j, (sum(plan[j]), 2)) for j in range(n)]
@@ -259,6 +277,9 @@ def check_noop(group) -> None:
         comm.all_gather(x, group, dim=1),
         comm.reduce_scatter(x, group, sizes=[4]),
         comm.all_to_all(x, group, [4], [4]),
+        comm.all_reduce_start(x, group).wait(),
+        comm.all_gather_start(x, group, dim=1).wait(),
+        comm.reduce_scatter_start(x, group, sizes=[4]).wait(),
     ):
         assert out is x
     for region in (

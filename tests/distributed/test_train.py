@@ -21,6 +21,7 @@ import torch
 
 from harness.cli import main_exit, shardlm
 from harness.multirank import run_ranks, run_ranks_on
+from harness.overlap_rankfns import step_events
 from harness.rankfns import (
     evaluate_and_step,
     layer_activations_on_rank,
@@ -114,6 +115,13 @@ LAYOUTS = [
     # selective: the SwiGLU activation recomputed inside the down projection's backward
     (1, 1, 0, {"recompute": "selective"}),
     (1, 2, 3, {"recompute": "selective", "sequence_parallel": True}),
+    # overlap (train/overlap.py): buckets of one layer, and of three (rank-major, uneven over dp=3);
+    # two layers prefetched through 1F1B; and both turned off
+    (2, 1, 0, {"bucket_mb": 0.5}),
+    (2, 1, 2, {"bucket_mb": 0}),
+    (2, 1, 3, {"prefetch": 0}),
+    (3, 1, 2, {"bucket_mb": 1.0}),
+    (2, 1, 3, {"pp": 2, "grad_accum": 2, "prefetch": 2}),
 ]
 
 
@@ -122,7 +130,8 @@ def _layout_id(dp, tp, zero, extra) -> str:
     sp = "-sp" if extra.get("sequence_parallel") else ""
     sp += f"-recompute-{extra['recompute']}" if "recompute" in extra else ""
     ring = "-ring" if extra.get("cp_attention") == "ring" else ""
-    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}"
+    overlap = "".join(f"-{k.replace('_', '')}{extra[k]}" for k in ("bucket_mb", "prefetch") if k in extra)
+    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}{overlap}"
 
 
 @pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
@@ -198,6 +207,10 @@ def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monk
     units = trainer.zero.units
     assert sorted(map(id, gathers)) == sorted(map(id, units * 2))
     assert all(u.regathered is None for u in units)  # dropped once each unit's backward ended
+    # over two ranks too (where a gathered vector is a view of all_gather's buffer); the log of
+    # every gather, without prefetching (test_overlap.py: with)
+    for log in run_ranks(2, step_events, path, batch, dp=2, zero=3, prefetch=0):
+        assert sorted(e[2] for e in log if e[0] == "gather") == sorted(list(range(len(units))) * 2)
     for recompute, runs in (("none", 1), ("full", 2)):
         trainer, calls = Trainer(TrainConfig(model=path, recompute=recompute)), []
         for layer in trainer.model.modules():
@@ -512,6 +525,10 @@ def test_bad_input_is_refused_with_a_reason(tiny):
         TrainConfig(lr=0)
     with pytest.raises(UsageError, match="dtype='int8' is not supported for training"):
         TrainConfig(dtype="int8")
+    with pytest.raises(UsageError, match=r"prefetch=-1 must be a whole number of layers >= 0, e.g. 1 \(0: off\)"):
+        TrainConfig(prefetch=-1)
+    with pytest.raises(UsageError, match=r"bucket_mb=nan must be >= 0 MiB, e.g. 25 \(0: no overlap\)"):
+        TrainConfig(bucket_mb=float("nan"))
     llama = open_checkpoint(tiny("llama").path).config  # 6 query heads, 2 KV heads
     with pytest.raises(LayoutError, match=r"tp=3 splits a KV head's query group .* use tp in \[1, 2\]"):
         check_trainable(llama, 3)
@@ -604,6 +621,8 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
         (["--batch-size", "4000"], "fewer than one batch of 4000"),
         (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
         (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
+        (["--prefetch", "-2"], "prefetch=-2 must be a whole number of layers >= 0"),
+        (["--bucket-mb", "-1"], "bucket_mb=-1.0 must be >= 0 MiB"),
         (
             ["--tp", "3", "--sequence-parallel", "--batch-size", "1", "--seq-len", "16"],
             "splits a micro-batch's 16 tokens on a rank over tp=3 evenly",
