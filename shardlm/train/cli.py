@@ -80,6 +80,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with dynamic loss scaling; auto (default): bfloat16 on a GPU, float32 on CPU ranks",
     )
     p.add_argument(
+        "--offload",
+        default=None,
+        choices=["optimizer"],
+        help="ZeRO-Offload: on a GPU, float32 masters and AdamW moments in CPU memory, the step run there "
+        "(CPU ranks: nothing moves)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each decoder layer's forward and backward (a one-time compile, then fused kernels)",
@@ -185,6 +192,7 @@ def run(args) -> int:
         dtype=args.dtype,
         device=args.device,
         compile=args.compile,
+        offload=args.offload,
         zero=args.zero,
         prefetch=args.prefetch,
         bucket_mb=args.bucket_mb,
@@ -234,6 +242,8 @@ def run(args) -> int:
     world = config.dims().world_size
     device = resolve_device(args.device, env["local_world"] if env else world)  # as every rank resolves it
     dtype = train_dtype(args.dtype, device)
+    if speaker and args.offload and device == "cpu":
+        log("--offload optimizer: CPU ranks keep the optimizer in CPU memory already; nothing moves")
     if speaker:
         ring = " ring" if args.cp > 1 and args.cp_attention == "ring" else ""
         layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}{ring}, tp={args.tp}, ZeRO-{args.zero}, {device}, {dtype}"

@@ -108,6 +108,10 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per step on each dp rank (gradient accumulation; with pp, at least pp keeps
     every stage busy)."""
+    offload: str | None = None
+    """"optimizer": ZeRO-Offload: on a GPU each rank's float32 masters and AdamW moments live in
+    pinned CPU memory and the step runs there (torch's fused CPU AdamW), gradients copied down
+    and weights up asynchronously; CPU ranks already hold them in CPU memory (nothing moves)."""
     compile: bool = False
     """Run each decoder layer's forward and backward through torch.compile (inductor: fused
     kernels; a one-time compile of two graphs, the first layer's and the others')."""
@@ -129,6 +133,11 @@ class TrainConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise UsageError(
                 f"dtype={self.dtype!r} is not supported for training; use auto, float32, bfloat16 or float16"
+            )
+        if self.offload not in (None, "optimizer"):
+            raise UsageError(
+                f"offload={self.offload!r}: only the optimizer offloads (its masters and AdamW moments); "
+                f"use offload='optimizer' or None"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"device={self.device!r} is not a device; use auto, cpu or cuda")
@@ -319,6 +328,7 @@ class Trainer:
             tied=tied,
             prefetch=(1 if on_gpu else 0) if config.prefetch is None else config.prefetch,
             bucket_mb=(25.0 if on_gpu else 0.0) if config.bucket_mb is None else config.bucket_mb,
+            offload=config.offload == "optimizer",
         )
         if config.recompute == "selective":
             for module in model.modules():
@@ -330,8 +340,14 @@ class Trainer:
         if config.compile:  # the outermost wrapper: ZeRO-3's gathering and recomputation compile with the layer
             for layer in model.layers:
                 layer.compile()
+        offloaded = any(u.offloaded for u in self.zero.units)
         self.optimizer = torch.optim.AdamW(
-            self.zero.shards(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            self.zero.shards(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            fused=True if offloaded else None,  # the CPU step: torch's fused AdamW kernel
         )
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
@@ -391,6 +407,8 @@ class Trainer:
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
             t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
         )
+        if any(u.offloaded for u in self.zero.units):  # in CPU memory, not the device's
+            held["optimizer_offloaded"], held["optimizer"] = held["optimizer"], 0
         loss = all_reduce(all_reduce(total, self.dims.pp_group), self.dims.dp_cp_group) / count
         extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
         rss = (  # the process's peak: on a GPU its memory's, on CPU ranks resident memory (Linux: KiB)
@@ -398,7 +416,8 @@ class Trainer:
             if self.device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
-        heaviest = all_reduce(torch.tensor([float(sum(held.values())), float(rss)], dtype=torch.float64), None, "max")
+        on_device = sum(v for k, v in held.items() if k != "optimizer_offloaded")
+        heaviest = all_reduce(torch.tensor([float(on_device), float(rss)], dtype=torch.float64), None, "max")
         return {
             "loss": float(loss),
             "grad_norm": float(norm),

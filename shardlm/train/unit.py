@@ -13,7 +13,15 @@ from shardlm.parallel.comm import Pending, all_gather, all_gather_start, group_r
 class Unit:
     """Parameters flattened as one vector, of which this rank owns elements [lo, hi)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], group, stage: int, replicated: set[int], tp: int):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        group,
+        stage: int,
+        replicated: set[int],
+        tp: int,
+        offload: bool = False,
+    ):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
@@ -49,6 +57,11 @@ class Unit:
         # master copy of it (mixed precision, ZeRO §3: K = 12 bytes of state per parameter)
         wide = self.shard.dtype == torch.float32
         self.master = self.shard if wide else nn.Parameter(self.shard.detach().float())
+        # ZeRO-Offload (Ren et al. 2021, https://arxiv.org/abs/2101.06840): a GPU rank's master and
+        # (through the optimizer) its moments live in pinned CPU memory, where the step runs
+        self.offloaded = offload and self.shard.device.type != "cpu"
+        if self.offloaded:
+            self.master = nn.Parameter(self.shard.detach().float().cpu().pin_memory())
 
     def views(self, flat: Tensor) -> list[Tensor]:
         out, offset = [], 0
@@ -87,7 +100,8 @@ class Unit:
             p.grad = None
 
     def accumulate(self, g: Tensor) -> None:
-        g = g.float()
+        # offloaded: copied down asynchronously; Zero.finish_backward waits before the step reads it
+        g = g.float().to(self.master.device, non_blocking=True)
         if self.master.grad is None:
             self.master.grad = g
         else:
@@ -117,8 +131,8 @@ class Unit:
     def after_step(self) -> None:
         """The updated master into the shard; stages 1-2: every rank's shard back into everyone's
         full weights."""
-        if self.master is not self.shard:
-            self.shard.data.copy_(self.master.detach())
+        if self.master is not self.shard:  # offloaded: up from pinned memory, ahead of the next forward
+            self.shard.data.copy_(self.master.detach(), non_blocking=self.offloaded)
         self.master.grad = self.shard.grad = None
         if self.stage in (1, 2) and group_size(self.group) > 1:
             assert self.flat is not None

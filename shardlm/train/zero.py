@@ -110,6 +110,7 @@ class Zero:
         *,
         prefetch: int = 1,
         bucket_mb: float = 25.0,
+        offload: bool = False,
     ):
         """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
         in a unit of its own, laid out alike on both stages, so its gradients can be summed across.
@@ -123,11 +124,12 @@ class Zero:
         self.stage, self.model = stage, model
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
-        self.units = [Unit(list(layer.named_parameters()), group, stage, replicated, tp) for layer in model.layers]
+        unit = lambda named: Unit(named, group, stage, replicated, tp, offload)
+        self.units = [unit(list(layer.named_parameters())) for layer in model.layers]
         # outside the layers: the embedding, final norm and LM head; the tied embedding apart
         root = [(n, p) for n, p in outer if p is not tied]
         tied_named = [(n, p) for n, p in outer if p is tied]
-        self.outer = [Unit(named, group, stage, replicated, tp) for named in (root, tied_named) if named]
+        self.outer = [unit(named) for named in (root, tied_named) if named]
         self.tied = self.outer[-1] if tied_named else None
         self.units += self.outer
         self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
@@ -203,12 +205,14 @@ class Zero:
         16-bit shard gradients go to the float32 masters."""
         if self.buckets is not None:
             self.buckets.finish()
-            return
-        assert self.prefetch is not None and not self.prefetch.pending  # else next step would use stale weights
-        for unit in self.units:
-            if unit.master is not unit.shard and unit.shard.grad is not None:
-                unit.accumulate(unit.shard.grad)
-                unit.shard.grad = None
+        else:
+            assert self.prefetch is not None and not self.prefetch.pending  # else next step would use stale weights
+            for unit in self.units:
+                if unit.master is not unit.shard and unit.shard.grad is not None:
+                    unit.accumulate(unit.shard.grad)
+                    unit.shard.grad = None
+        if any(u.offloaded for u in self.units):
+            torch.cuda.synchronize()  # the gradients copied down (non-blocking) are in CPU memory now
 
     def grad_norm(self, tp_group, pp_group=None, count_tied: bool = True) -> Tensor:
         """The global gradient norm: every element of the model counted once (a tied embedding

@@ -439,6 +439,39 @@ def test_cuda_trains_bfloat16_by_default_and_resumes_a_cpu_state(hf_run, tmp_pat
     torch.testing.assert_close(stats["loss"], hf_run[2][2][0], rtol=1e-5, atol=0)
 
 
+@needs_cuda
+def test_optimizer_offload_on_cuda_keeps_masters_in_cpu_memory_and_takes_hfs_steps(hf_run):
+    """--offload optimizer on the GPU: masters (and so AdamW's moments) in pinned CPU memory, none of
+    the optimizer's bytes on the device, and HF's steps (test_layout_matches_hf's tolerances)."""
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    path, batches = hf_run[:2]
+    t = Trainer(TrainConfig(model=path, device="cuda", dtype="bfloat16", offload="optimizer"))
+    assert all(u.master.device.type == "cpu" and u.master.is_pinned() for u in t.zero.units)
+    stats = t.step(batches[0])
+    assert stats["state_bytes"]["optimizer"] == 0 and stats["state_bytes"]["optimizer_offloaded"] > 0
+    results = run_ranks_on(
+        "nccl", 1, train_steps, path, batches, 1, 1, 2, device="cuda", dtype="float32", offload="optimizer", **OPTIM
+    )
+    check_against_hf(results, hf_run)
+
+
+def test_optimizer_offload_on_cpu_ranks_changes_nothing(hf_run):
+    """On CPU ranks the optimizer is in CPU memory already: the same steps, bit for bit."""
+    from shardlm.errors import UsageError
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    path, batches = hf_run[:2]
+    runs = []
+    for offload in (None, "optimizer"):
+        t = Trainer(TrainConfig(model=path, offload=offload, **OPTIM))
+        runs.append([(s["loss"], s["grad_norm"]) for s in map(t.step, batches)])
+        assert not any(u.offloaded for u in t.zero.units)
+    assert runs[0] == runs[1]
+    with pytest.raises(UsageError, match="offload='weights': only the optimizer offloads"):
+        TrainConfig(offload="weights")
+
+
 def test_float16_skips_an_overflowing_step_and_halves_the_scale(hf_run, tmp_path):
     """A loss scale of 2^40 overflows float16 gradients: that step changes no weight and the scale
     halves; at 2^8 the next step trains. The scaler's state comes back on resume."""
