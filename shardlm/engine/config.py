@@ -161,11 +161,12 @@ class EngineConfig:
                 f"gpu_memory_utilization={self.gpu_memory_utilization} sizes the KV cache from GPU memory, but "
                 f"this run is on {device_type}; give kv_cache_memory (--kv-cache-memory) instead"
             )
-        d = model.head_dim
+        d = model.kv_lora_rank + model.qk_rope_head_dim if model.is_mla else model.head_dim
         if self.kv_cache_dtype == "int4" and (d % 2 or d % min(INT4_GROUP, d)):
+            what = "latent + rope row" if model.is_mla else "head_dim"
             raise UsageError(
-                f"kv_cache_dtype='int4' quantizes each head's elements in groups of {INT4_GROUP}, and this "
-                f"model's head_dim={d} does not split into them; use kv_cache_dtype='int8' or 'fp8'"
+                f"kv_cache_dtype='int4' quantizes each cache row's elements in groups of {INT4_GROUP}, and this "
+                f"model's {what}={d} does not split into them; use kv_cache_dtype='int8' or 'fp8'"
             )
         dtype = self.dtype
         if dtype == "auto":

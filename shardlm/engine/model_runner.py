@@ -1,9 +1,9 @@
 """Runs one scheduled step of the model on this rank (SPMD: every rank the same step).
 
-It owns this rank's KV cache (one ``[2, blocks, block_size, kv_heads, head_dim]``
-tensor per local layer, in the model's dtype or a one-byte one: ``--kv-cache-dtype``, whose
-int8 rows carry their scale in 4 more bytes), flattens the step's tokens (prefills first, then
-decodes),
+It owns this rank's KV cache (one ``[2, blocks, block_size, kv_heads, head_dim]`` tensor per
+local layer, or ``[1, blocks, block_size, 1, latent + rope]`` for MLA: the layer's
+``cache_layout``; in the model's dtype or a narrower one: ``--kv-cache-dtype``, whose int8 rows
+carry their scale in 4 more bytes), flattens the step's tokens (prefills first, then decodes),
 builds the attention metadata and returns the logits of each sequence's last token.
 
 With ``compile``, decode steps run the model through ``torch.compile`` (dynamic
@@ -67,7 +67,10 @@ class ModelRunner:
         attn = model.layers[0].attn if len(model.layers) else None
         kv_dtype = kv_dtype or dtype
         self.scratch_block = num_blocks
-        shape = (2, num_blocks + 1, block_size, attn.num_kv, kv_row(attn.head_dim, kv_dtype)) if attn else (0,)
+        shape: tuple[int, ...] = (0,)
+        if attn is not None:
+            planes, heads, row = attn.cache_layout()
+            shape = (planes, num_blocks + 1, block_size, heads, kv_row(row, kv_dtype))
         # torch.empty only reserves address space: pages are touched as tokens arrive
         self.caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in model.layers]
         for cache in self.caches:
@@ -95,8 +98,8 @@ class ModelRunner:
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
         if not len(model.layers):
             return 0
-        attn = model.layers[0].attn
-        return 2 * len(model.layers) * block_size * attn.num_kv * kv_row(attn.head_dim, dtype) * dtype.itemsize
+        planes, heads, row = model.layers[0].attn.cache_layout()
+        return planes * len(model.layers) * block_size * heads * kv_row(row, dtype) * dtype.itemsize
 
     def _zero_new_blocks(self, highest: int) -> None:
         """Zero blocks on their first use. Batched decode pads key slots (a block's unused
@@ -115,7 +118,7 @@ class ModelRunner:
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """A copy of these blocks of every local layer, as bytes (any cache element type):
-        [layers, 2, len(blocks), block_size, kv_heads, row bytes]."""
+        [layers, planes, len(blocks), block_size, kv_heads, row bytes] (see ``cache_layout``)."""
         idx = torch.tensor(blocks, device=self.device)
         return torch.stack([cache.view(torch.uint8).index_select(1, idx) for cache in self.caches])
 

@@ -109,9 +109,9 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     the whole cache every step. (``torch.library.Library`` rather than ``custom_op``,
     whose Python wrapper adds tens of microseconds to every call.)"""
     h, row = cache.shape[-2:]
-    raw = _raw(cache)
-    raw[0].view(-1, h, row).index_copy_(0, slots, _encode(k, cache.dtype))
-    raw[1].view(-1, h, row).index_copy_(0, slots, _encode(v, cache.dtype))
+    raw = raw_bytes(cache)
+    raw[0].view(-1, h, row).index_copy_(0, slots, encode_kv(k, cache.dtype))
+    raw[1].view(-1, h, row).index_copy_(0, slots, encode_kv(v, cache.dtype))
 
 
 _LIB = torch.library.Library("shardlm", "FRAGMENT")
@@ -127,13 +127,13 @@ def kv_row(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + 4 if dtype == INT8_SCALED else head_dim
 
 
-def _raw(cache: torch.Tensor) -> torch.Tensor:
+def raw_bytes(cache: torch.Tensor) -> torch.Tensor:
     """An fp8 cache as its bytes (torch has no fp8 index_copy / index_select on CPU); others as they are."""
     return cache.view(torch.uint8) if cache.dtype in FP8 else cache
 
 
-def _encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values [tokens, heads, d] as a cache of ``dtype`` stores them (see ``_raw``)."""
+def encode_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values [tokens, heads, d] as a cache of ``dtype`` stores them (see ``raw_bytes``)."""
     if dtype in FP8:
         return x.to(dtype).view(torch.uint8)
     if dtype == INT8_SCALED:
@@ -153,9 +153,9 @@ def _encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, d: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, d: int) -> torch.Tensor:
     """cache[:, blocks] as keys and values of ``dtype`` (a quantized cache is widened after the gather)."""
-    got = _raw(cache).index_select(1, blocks)
+    got = raw_bytes(cache).index_select(1, blocks)
     if cache.dtype in FP8:
         return got.view(cache.dtype).to(dtype)
     if cache.dtype == INT8_SCALED:
@@ -177,7 +177,7 @@ def _read_kv(
     """Keys and values of the first ``length`` positions of one sequence: [kv_heads, length, d] each."""
     bs, h = cache.shape[2:4]
     blocks = table[: (length + bs - 1) // bs]
-    kv = _gather_blocks(cache, blocks, dtype, d).view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
+    kv = gather_blocks(cache, blocks, dtype, d).view(2, -1, h, d)[:, :length]  # [2, length, kv_heads, d]
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
@@ -272,7 +272,7 @@ def decode_attention(
     # whole blocks, the unused slots (a block's tail, padding blocks) masked
     bs, h = cache.shape[2], cache.shape[3]
     tables = tables[:, : (max_context + bs - 1) // bs]
-    kv = _gather_blocks(cache, tables.flatten(), q.dtype, d).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
+    kv = gather_blocks(cache, tables.flatten(), q.dtype, d).view(2, n, -1, h, d).transpose(2, 3)  # [2, B, kv, S, d]
     k_pos = torch.arange(kv.shape[3], device=q.device)
     mask = k_pos[None, :] < lens[:, None]  # [B, S]
     if window is not None:

@@ -1,8 +1,7 @@
 """ModelConfig: the architecture of a decoder-only model, from HF config.json or GGUF metadata.
 
-One dataclass serves the runtime model and the planner. Fields the runtime does not
-implement yet (MLA, for instance) are still parsed so the planner can size them;
-``check_supported()`` says what the runtime can run.
+One dataclass serves the runtime model and the planner; ``check_supported()`` says what the
+runtime can run (the planner sizes more).
 """
 
 from __future__ import annotations
@@ -23,10 +22,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
-RUNTIME_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+RUNTIME_FAMILIES = tuple(MODEL_TYPES)
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
 class ConfigError(UsageError):
@@ -36,7 +37,8 @@ class ConfigError(UsageError):
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     family: str
-    """Architecture family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3."""
+    """Architecture family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v2,
+    deepseek_v3."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +49,7 @@ class ModelConfig:
     num_kv_heads: int
     """Key/value heads (GQA when fewer than num_heads)."""
     head_dim: int
+    """Width of a query/key head; for MLA, HF's convention: the RoPE part's (qk_rope_head_dim)."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -73,7 +76,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     """Width of one routed expert's SwiGLU."""
     shared_expert_intermediate_size: int = 0
-    """Width of the shared expert every token also takes (Qwen2-MoE; 0: none)."""
+    """Width of the shared expert(s) every token also takes (Qwen2-MoE's, gated; DeepSeek's
+    n_shared_experts x moe_intermediate_size; 0: none)."""
     first_k_dense: int = 0
     """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace)."""
     decoder_sparse_step: int = 1
@@ -82,12 +86,27 @@ class ModelConfig:
     """Layers that keep a dense MLP in an MoE model (Qwen-MoE's mlp_only_layers)."""
     norm_topk_prob: bool = True
     """Renormalise the top-k router probabilities to sum to one."""
-    # ---- multi-head latent attention (DeepSeek-V3), parsed for the planner ----
+    scoring_func: str = "softmax"
+    """Router scores: softmax over experts, or each expert's sigmoid (DeepSeek-V3)."""
+    topk_method: str = "greedy"
+    """'greedy' top-k, or 'group_limited': the top-k among the experts of the ``topk_group``
+    best of ``n_group`` expert groups (DeepSeek-V2 scores a group by its best expert, V3 by its two best)."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (DeepSeek)."""
+    # ---- multi-head latent attention (DeepSeek-V2/V3, https://arxiv.org/abs/2405.04434 §2.1) ----
     kv_lora_rank: int = 0
+    """Width of the compressed KV latent c_kv (0: not MLA)."""
     q_lora_rank: int = 0
+    """Width of the compressed query (0: q is projected directly, as DeepSeek-V2-Lite)."""
     qk_rope_head_dim: int = 0
+    """Width of each head's rotary part of q and k (the key's is shared by all heads)."""
     qk_nope_head_dim: int = 0
+    """Width of each head's non-rotary part of q and k."""
     v_head_dim: int = 0
+    rope_interleave: bool = False
+    """The rotary dims come as interleaved pairs (DeepSeek's checkpoints) rather than two halves."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -118,6 +137,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def rotary_dim(self) -> int:
+        """Width RoPE rotates: a head's, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -132,7 +156,7 @@ class ModelConfig:
 
     def check_supported(self) -> None:
         """Raise unless the runtime model can run this config."""
-        if self.family not in RUNTIME_FAMILIES or self.is_mla:
+        if self.family not in RUNTIME_FAMILIES:
             raise ConfigError(
                 f"architecture family {self.family!r} is not runnable yet; shardlm runs "
                 f"{', '.join(RUNTIME_FAMILIES)} (the planner still accepts it)"
@@ -141,16 +165,28 @@ class ModelConfig:
             raise ConfigError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
             )
-        if self.shared_expert_intermediate_size and self.family != "qwen2_moe":
+        if self.shared_expert_intermediate_size and self.family not in ("qwen2_moe", *DEEPSEEK):
             raise ConfigError(
                 f"a shared expert (shared_expert_intermediate_size="
-                f"{self.shared_expert_intermediate_size}) is implemented for qwen2_moe only"
+                f"{self.shared_expert_intermediate_size}) is implemented for qwen2_moe and DeepSeek only"
             )
+        if self.is_moe and self.num_experts % self.n_group:
+            raise ConfigError(f"n_group={self.n_group} does not divide the {self.num_experts} experts into groups")
+        if self.is_moe and not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} must be between 1 and n_group={self.n_group}")
+        per_group = self.num_experts // self.n_group if self.is_moe else 0
+        if self.topk_method == "group_limited" and self.topk_group * per_group < self.num_experts_per_tok:
+            raise ConfigError(
+                f"topk_group={self.topk_group} of n_group={self.n_group} groups leaves fewer experts than "
+                f"num_experts_per_tok={self.num_experts_per_tok} to choose from; raise topk_group"
+            )
+        if self.family == "deepseek_v3" and self.is_moe and per_group < 2:
+            raise ConfigError(f"DeepSeek-V3 scores a group by its two best experts; n_group={self.n_group} leaves one")
         if self.hidden_act not in ("silu", "swish"):
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; shardlm runs SwiGLU (silu) MLPs")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ConfigError(f"rope_type={rope_type!r} is not supported; use default, linear or llama3")
+        if rope_type not in ("default", "llama3", "linear", "yarn"):
+            raise ConfigError(f"rope_type={rope_type!r} is not supported; use default, linear, llama3 or yarn")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -250,12 +286,19 @@ class ModelConfig:
             first_k_dense=cfg.get("first_k_dense_replace", 0) or 0,
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "mixtral")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family in ("mixtral", "deepseek_v3"))),
+            scoring_func="sigmoid" if family == "deepseek_v3" else cfg.get("scoring_func", "softmax"),
+            topk_method=_topk_method(family, cfg),
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             kv_lora_rank=cfg.get("kv_lora_rank") or 0,
             q_lora_rank=cfg.get("q_lora_rank") or 0,
             qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
             qk_nope_head_dim=cfg.get("qk_nope_head_dim") or 0,
             v_head_dim=cfg.get("v_head_dim") or 0,
+            # HF's DeepSeek-V2 rotates interleaved pairs always (complex numbers), V3 when asked
+            rope_interleave=family == "deepseek_v2" or bool(cfg.get("rope_interleave", False)),
             extra=cfg,
         )
 
@@ -307,3 +350,14 @@ class ModelConfig:
             raise ConfigError(f"cannot read model config {str(path)!r}: {e}") from None
         except KeyError as e:
             raise ConfigError(f"{str(path)!r} lacks the field {e}; is it a decoder-only HF config.json?") from None
+
+
+def _topk_method(family: str, cfg: dict[str, Any]) -> str:
+    """DeepSeek-V3 always limits the choice to its best groups (n_group = 1: no limit); V2 when its
+    ``topk_method`` says so; the other families pick greedily."""
+    method = cfg.get("topk_method", "greedy")
+    if family == "deepseek_v3" or method in ("group_limited_greedy", "noaux_tc"):
+        return "group_limited"
+    if method != "greedy":
+        raise ConfigError(f"topk_method={method!r} is not supported; shardlm routes greedy or group-limited top-k")
+    return method

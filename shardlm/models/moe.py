@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts blocks: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Sparse mixture-of-experts blocks: Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeekMoE.
 
 y = sum over the top-k experts e of w_e * SwiGLU_e(x) (Shazeer et al. 2017,
 https://arxiv.org/abs/1701.06538; Mixtral, Jiang et al. 2024, https://arxiv.org/abs/2401.04088),
@@ -6,6 +6,14 @@ with the router's probabilities p = softmax(x W_r^T) in float32 and w = the top-
 renormalised to sum to one for Mixtral (= softmax over the top-k logits) and when
 ``norm_topk_prob`` is set (Qwen3-MoE), left as they are otherwise (Qwen1.5/Qwen2-MoE).
 Qwen2-MoE adds a shared expert every token goes through, scaled by sigmoid(x w_g).
+
+DeepSeekMoE (DeepSeek-V2 §2.2, https://arxiv.org/abs/2405.04434; DeepSeek-V3 §2.1.2,
+https://arxiv.org/abs/2412.19437): shared experts (one ungated SwiGLU of n_shared x the expert
+width) beside the routed ones; group-limited routing (the top-k among the experts of the
+``topk_group`` best of ``n_group`` groups); V2 scores by softmax and a group by its best expert,
+V3 by sigmoid and a group by its two best, choosing with a learned correction bias added
+(auxiliary-loss-free balancing) while weighting by the unbiased scores; both scale the routed
+weights by ``routed_scaling_factor``. The router runs in float32 (HF keeps DeepSeek's gate in it).
 
 No collectives here: the routed experts are an ``ExpertParallelSwiGLU`` (parallel/expert.py),
 which decides which rank computes what; the shared expert is a tensor-parallel SwiGLU.
@@ -18,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.models.config import ModelConfig
+from shardlm.models.config import DEEPSEEK, ModelConfig
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.eplb import ExpertPlacement
 from shardlm.parallel.expert import ExpertParallelSwiGLU
@@ -62,30 +70,64 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.layer_prefix, self.k = cfg, layer_prefix, cfg.num_experts_per_tok
         self.normalise = cfg.norm_topk_prob or cfg.family == "mixtral"  # HF's Mixtral always renormalises
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.deepseek = cfg.family in DEEPSEEK
+        gate_dtype = torch.float32 if self.deepseek else dtype
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=gate_dtype), requires_grad=False)
+        # DeepSeek-V3's correction bias: it steers the choice only, never the weights
+        self.bias = (
+            nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+            if cfg.family == "deepseek_v3"
+            else None
+        )
 
     def load(self, src: TensorSource) -> None:
+        prefix = f"{block_prefix(self.cfg, self.layer_prefix, src)}.gate"
         with torch.no_grad():
-            self.weight.copy_(src.read(f"{block_prefix(self.cfg, self.layer_prefix, src)}.gate.weight"))
+            self.weight.copy_(src.read(f"{prefix}.weight"))
+            if self.bias is not None and src.has(f"{prefix}.e_score_correction_bias"):
+                self.bias.copy_(src.read(f"{prefix}.e_score_correction_bias"))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, k], expert ids [tokens, k]), highest probability first."""
-        probs = F.softmax(linear(x, self.weight).float(), dim=-1)  # [tokens, experts]
-        weights, ids = torch.topk(probs, self.k, dim=-1)
+        """(weights [tokens, k], expert ids [tokens, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight) if self.deepseek else linear(x, self.weight).float()
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else F.softmax(logits, dim=-1)  # [tokens, experts]
+        if cfg.topk_method == "group_limited":
+            ids = self._group_limited(scores if self.bias is None else scores + self.bias)
+            weights = scores.gather(1, ids)
+        else:
+            weights, ids = torch.topk(scores, self.k, dim=-1)  # highest probability first
         if self.normalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        # HF's Mixtral scales by float32 weights, Qwen by weights in the model's dtype
-        return (weights if self.cfg.family == "mixtral" else weights.to(x.dtype)), ids
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        # HF's Mixtral and DeepSeek scale by float32 weights, Qwen by weights in the model's dtype
+        return (weights if cfg.family == "mixtral" or self.deepseek else weights.to(x.dtype)), ids
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids among the ``topk_group`` best groups of ``choice`` [tokens, experts]."""
+        g = self.cfg.n_group
+        grouped = choice.view(choice.shape[0], g, choice.shape[1] // g)  # [tokens, groups, experts per group]
+        if self.cfg.family == "deepseek_v3":  # a group scores the sum of its two best experts
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = torch.topk(group_scores, self.cfg.topk_group, dim=-1).indices  # [tokens, topk_group]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        masked = grouped.masked_fill(~allowed[..., None], float("-inf")).view_as(choice)
+        return torch.topk(masked, self.k, dim=-1).indices
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE: sigmoid(x w_g) * SwiGLU(x), the SwiGLU split over tp like a dense MLP."""
+    """Qwen2-MoE: sigmoid(x w_g) * SwiGLU(x); DeepSeek: SwiGLU(x) (its shared experts fused into
+    one); the SwiGLU split over tp like a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, dims: ParallelDims, prefix: str, dtype: torch.dtype):
         super().__init__()
         self.prefix = prefix
         rows = shard_range(cfg.shared_expert_intermediate_size, dims.tp, dims.tp_rank)
-        p = f"{prefix}.shared_expert"
+        gated = cfg.family not in DEEPSEEK
+        p = f"{prefix}.shared_expert" if gated else f"{prefix}.shared_experts"
         self.gate_up = ColumnParallelLinear(
             cfg.hidden_size,
             [(f"{p}.gate_proj", rows), (f"{p}.up_proj", rows)],
@@ -96,15 +138,19 @@ class SharedExpert(nn.Module):
         self.down = RowParallelLinear(
             f"{p}.down_proj", rows, cfg.hidden_size, bias=False, group=dims.tp_group, dtype=dtype
         )
-        self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.gate_weight = (
+            nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False) if gated else None
+        )
 
     def load(self, src: TensorSource) -> None:  # the gate only; gate_up and down load themselves
-        with torch.no_grad():
-            self.gate_weight.copy_(src.read(f"{self.prefix}.shared_expert_gate.weight"))
+        if self.gate_weight is not None:
+            with torch.no_grad():
+                self.gate_weight.copy_(src.read(f"{self.prefix}.shared_expert_gate.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [tokens, local shared width] each
-        return torch.sigmoid(linear(x, self.gate_weight)) * self.down(F.silu(gate) * up)
+        y = self.down(F.silu(gate) * up)
+        return y if self.gate_weight is None else torch.sigmoid(linear(x, self.gate_weight)) * y
 
 
 class SparseMoE(nn.Module):
@@ -176,4 +222,4 @@ def idle_forward(model: nn.Module) -> None:
     """
     for block in moe_blocks(model):
         w = block.router.weight
-        block(w.new_zeros((0, w.shape[1])))
+        block(w.new_zeros((0, w.shape[1]), dtype=block.experts.dtype))

@@ -1,5 +1,6 @@
-"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2 and the MoE
-families Mixtral, Qwen2-MoE and Qwen3-MoE (whose MLP is a ``SparseMoE``, see moe.py).
+"""One decoder-only transformer for Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, the MoE
+families Mixtral, Qwen2-MoE and Qwen3-MoE (whose MLP is a ``SparseMoE``, see moe.py) and
+DeepSeek-V2/V3 (MoE with multi-head latent attention, see mla.py).
 
 Pre-norm blocks: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (Touvron et al.
 2023, https://arxiv.org/abs/2302.13971). The families differ only in QKV bias
@@ -18,6 +19,7 @@ from torch import nn
 
 from shardlm.models.attention import AttentionMetadata, GroupedHeads, paged_attention
 from shardlm.models.config import ModelConfig
+from shardlm.models.mla import LatentAttention
 from shardlm.models.moe import SparseMoE
 from shardlm.models.rope import Rotary, apply_rotary
 from shardlm.parallel.comm import copy_to_region
@@ -139,6 +141,10 @@ class Attention(nn.Module):
         )
         self.qk_norm = QKNorm(prefix, part, cfg, dtype) if cfg.qk_norm else None
 
+    def cache_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, elements a row) of this layer's KV cache: keys and values of its KV heads."""
+        return 2, self.num_kv, self.head_dim
+
     def forward(self, x, rope, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         d, nq, nkv = self.head_dim, self.num_q, self.num_kv
         qkv = self.qkv(x)  # [tokens, (q_heads + 2 kv_heads) * d] (all tokens, also under sequence parallel)
@@ -220,7 +226,10 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{index}"
         seq = dims.tp_group if sp else None
         self.input_norm = RMSNorm(f"{p}.input_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
-        self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, sp)
+        if cfg.is_mla:
+            self.attn: Attention | LatentAttention = LatentAttention(cfg, dims, f"{p}.self_attn", dtype)
+        else:
+            self.attn = Attention(cfg, dims, f"{p}.self_attn", dtype, sp)
         self.post_norm = RMSNorm(f"{p}.post_attention_layernorm", cfg.hidden_size, cfg.rms_norm_eps, dtype, seq)
         self.mlp = SparseMoE(cfg, dims, p, dtype) if cfg.is_moe_layer(index) else MLP(cfg, dims, f"{p}.mlp", dtype, sp)
 
@@ -254,8 +263,8 @@ class Transformer(nn.Module):
         cfg.check_supported()
         self.cfg = cfg
         sp = sequence_parallel and dims.tp > 1
-        if sp and cfg.is_moe:
-            raise LayoutError("sequence parallelism is not supported for MoE models yet; leave it off")
+        if sp and (cfg.is_moe or cfg.is_mla):
+            raise LayoutError("sequence parallelism is not supported for MoE or MLA models yet; leave it off")
         self.layer_ids = layers if layers is not None else range(cfg.num_layers)
         self.first = self.layer_ids.start == 0
         self.last = self.layer_ids.stop == cfg.num_layers

@@ -18,11 +18,11 @@ import torch
 from test_moe_models import expert_elements
 
 from harness.moe_rankfns import block_outputs, eplb_round_trip, read_and_held
-from harness.moe_reference import cached_tiny_moe, routers
+from harness.moe_reference import cached_tiny_moe, choice_margin, routers
 from harness.multirank import run_ranks
 from harness.reference import TINY_MOE_MODELS
 
-MOE_LAYER = {"qwen2_moe": 1}  # its layer 0 is dense (mlp_only_layers)
+MOE_LAYER = {"qwen2_moe": 1, "deepseek_v3": 1, "deepseek_v2": 1}  # their layer 0 is dense
 # 4 ranks; counts[d] = tokens of dp rank d (0: idle). The comment names the path taken.
 LAYOUTS = [
     dict(tp=1, dp=4, ep=4, counts=[5, 0, 3, 1]),  # all-to-all
@@ -52,8 +52,7 @@ def hf_block(path, name):
 
 def router_margin(block, x) -> float:
     router = routers(block)[0]
-    s = torch.nn.functional.linear(x, router.weight).sort(dim=-1, descending=True).values
-    return (s[:, router.top_k - 1] - s[:, router.top_k]).min().item()
+    return choice_margin(router, torch.nn.functional.linear(x, router.weight))
 
 
 def expected_path(spec) -> str:

@@ -29,6 +29,7 @@ LAYOUTS = {
     (1, 1, 1): None,
     (2, 1, 1): None,
     (2, 1, 2): None,
+    (4, 1, 4): None,
     (1, 2, 2): [[1, 3], [0, 2]],
     (2, 2, 2): [[3, 0], [1, 2]],
     (2, 2, 4): [[2], [0, 1, 3]],
@@ -43,7 +44,8 @@ def tiny_moe(tmp_path_factory):
 
 def expert_elements(cfg) -> int:
     """Routed-expert weight elements of the whole model (gate, up, down of every expert)."""
-    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i not in getattr(cfg, "mlp_only_layers", []))
+    dense = set(getattr(cfg, "mlp_only_layers", [])) | set(range(getattr(cfg, "first_k_dense_replace", 0)))
+    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i not in dense)
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     return moe_layers * experts * 3 * width * cfg.hidden_size

@@ -70,12 +70,18 @@ def test_speculative_serving_streams_the_offline_tokens(tiny):
 
 
 @pytest.mark.parametrize(
-    "layout",
-    [dict(dp=2, ep=2), dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2), dict(tp=2, dp=2, ep=2, eplb_interval=3)],
-    ids=["lockstep", "lockstep+eplb", "replicated+eplb"],
+    "name, layout",
+    [
+        ("qwen3_moe", dict(dp=2, ep=2)),
+        ("qwen3_moe", dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2)),
+        ("qwen3_moe", dict(tp=2, dp=2, ep=2, eplb_interval=3)),
+        ("deepseek_v3", dict(tp=2, pp=2, ep=2)),
+        ("deepseek_v2", dict(dp=2, ep=2, eplb_interval=3)),
+    ],
+    ids=["lockstep", "lockstep+eplb", "replicated+eplb", "deepseek_v3-tp2-pp2-ep2", "deepseek_v2-lockstep+eplb"],
 )
-def test_moe_serving_matches_hf(tmp_path_factory, layout):
-    ref = cached_tiny_moe("qwen3_moe", tmp_path_factory)
+def test_moe_serving_matches_hf(tmp_path_factory, name, layout):
+    ref = cached_tiny_moe(name, tmp_path_factory)
     tokens, stats = serve_all(str(ref.path), **layout)
     assert tokens == [t[:n] for t, n in zip(ref.tokens, MAX_TOKENS)]
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0  # everything freed

@@ -35,9 +35,10 @@ class MiniRunner:
 
         self.model, self.meta_cls, self.prefill_cls = model, AttentionMetadata, PrefillSeq
         self.per_seq = -(-max_len // BLOCK)
-        attn = model.layers[0].attn
-        shape = (2, self.per_seq * max(num_seqs, 1), BLOCK, attn.num_kv, attn.head_dim)
-        self.caches = [torch.zeros(shape, dtype=attn.qkv.weight.dtype) for _ in model.layers]
+        planes, heads, row = model.layers[0].attn.cache_layout()
+        shape = (planes, self.per_seq * max(num_seqs, 1), BLOCK, heads, row)
+        dtype = model.layers[0].post_norm.weight.dtype
+        self.caches = [torch.zeros(shape, dtype=dtype) for _ in model.layers]
 
     def table(self, i: int) -> list[int]:
         return list(range(i * self.per_seq, (i + 1) * self.per_seq))

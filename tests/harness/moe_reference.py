@@ -33,11 +33,36 @@ def hf_model(name: str, *, seed: int = 0):
     cls_name, kwargs = TINY_MOE_MODELS[name]
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for r in routers(model):  # HF starts DeepSeek-V3's correction bias at zero: make it steer
+        if hasattr(r, "e_score_correction_bias"):
+            r.e_score_correction_bias.copy_(0.05 * torch.randn(r.e_score_correction_bias.shape))
+    return model
 
 
 def routers(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def choice_margin(router, logits: torch.Tensor) -> float:
+    """The smallest gap, over tokens, that a router's choice rests on: between the k-th and
+    (k+1)-th score, and for group-limited routers (DeepSeek) also between the last group taken
+    and the next, and the k-th and (k+1)-th score within the groups taken."""
+    logits = logits.float()
+    k = router.top_k
+    if not hasattr(router, "num_group"):
+        s = logits.sort(dim=-1, descending=True).values
+        return (s[:, k - 1] - s[:, k]).min().item()
+    bias = getattr(router, "e_score_correction_bias", None)
+    v3 = bias is not None
+    scores = logits.sigmoid() + bias if v3 else logits.softmax(dim=-1)
+    grouped = scores.view(scores.shape[0], router.num_group, -1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1) if v3 else grouped.amax(-1)
+    g = group_scores.sort(dim=-1, descending=True)
+    gap_groups = (g.values[:, router.topk_group - 1] - g.values[:, router.topk_group]).min().item()
+    taken = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, g.indices[:, : router.topk_group], True)
+    s = grouped.masked_fill(~taken[..., None], float("-inf")).flatten(1).sort(dim=-1, descending=True).values
+    return min(gap_groups, (s[:, k - 1] - s[:, k]).min().item())
 
 
 def build_tiny_moe(name: str, directory: Path) -> MoEReference:
@@ -47,8 +72,7 @@ def build_tiny_moe(name: str, directory: Path) -> MoEReference:
     gaps: list[float] = []
 
     def hook(module, args, out):
-        s = out[0].float().sort(dim=-1, descending=True).values  # router logits [tokens, experts]
-        gaps.append((s[:, module.top_k - 1] - s[:, module.top_k]).min().item())
+        gaps.append(choice_margin(module, out[0]))  # out[0]: router logits [tokens, experts]
 
     handles = [r.register_forward_hook(hook) for r in routers(model)]
     tokens, logits, token_gaps = [], [], []

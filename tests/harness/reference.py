@@ -100,6 +100,17 @@ def _record(model, directory: Path, prompts: list[list[int]], **generate_kw) -> 
     return ref
 
 
+def word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """Give a tiny model directory a HF tokenizer: token i is the word ``w{i}``, so the server can
+    turn ids into text and back (``decode([3, 7]) == "w3 w7"``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+
+
 SMOLLM2_QUESTIONS = [
     "Explain tensor parallelism in one paragraph.",
     "What is the capital of France?",
@@ -125,7 +136,10 @@ def smollm2_reference(model, directory: Path, prompts: list[list[int]]) -> Refer
 # not be razor-thin either: with these seeds and initializer_range=0.2 the smallest gap
 # between the k-th and (k+1)-th router logit over every routed token is >= 5e-4, while
 # layouts move router logits by ~1e-6; moe_reference records and the tests assert it.
-# qwen3_moe has 6 experts, so ep=4 splits them unevenly (2, 2, 1, 1).
+# qwen3_moe has 6 experts, so ep=4 splits them unevenly (2, 2, 1, 1). The DeepSeek models have MLA
+# (V3 with a low-rank q, V2 without, as V2-Lite), a dense layer 0 (first_k_dense_replace), shared
+# experts, group-limited routing (4 groups, 2 taken), 6 heads (tp=4 splits them 2, 2, 1, 1),
+# V3 a random correction bias (moe_reference.hf_model) and YaRN RoPE with DeepSeek's mscale.
 _MOE_COMMON = dict(_COMMON, num_hidden_layers=2)
 TINY_MOE_MODELS = {
     "mixtral": (
@@ -164,6 +178,58 @@ TINY_MOE_MODELS = {
             num_experts_per_tok=2,
             moe_intermediate_size=64,
             norm_topk_prob=True,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            _MOE_COMMON,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=24,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            _MOE_COMMON,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=24,
+            v_head_dim=16,
         ),
     ),
 }

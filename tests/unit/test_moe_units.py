@@ -11,7 +11,8 @@ import itertools
 import pytest
 import torch
 
-from harness.moe_reference import FOLDS, cached_tiny_moe, hf_model, routers
+from harness.moe_reference import FOLDS, cached_tiny_moe, choice_margin, hf_model, routers
+from harness.reference import TINY_MOE_MODELS
 from shardlm.parallel.dims import EXPERT_GROUPS, LayoutError, ParallelDims
 from shardlm.parallel.eplb import ExpertPlacement, imbalance, rebalance
 
@@ -113,16 +114,39 @@ def test_moe_layers_and_support(tiny_moe):
     import dataclasses
 
     assert [dataclasses.replace(q2, decoder_sparse_step=2).is_moe_layer(i) for i in range(4)] == [False, True] * 2
-    with pytest.raises(ConfigError, match="deepseek_v3"):
-        dataclasses.replace(mx, family="deepseek_v3").check_supported()
+    with pytest.raises(ConfigError, match="'gpt_oss' is not runnable"):
+        dataclasses.replace(mx, family="gpt_oss").check_supported()
     with pytest.raises(ConfigError, match="num_experts_per_tok=9"):
         dataclasses.replace(mx, num_experts_per_tok=9).check_supported()
+    v3 = ModelConfig.from_json_file(tiny_moe("deepseek_v3").path / "config.json")
+    v3.check_supported()
+    assert (v3.scoring_func, v3.topk_method, v3.n_group, v3.topk_group, v3.first_k_dense) == (
+        "sigmoid",
+        "group_limited",
+        4,
+        2,
+        1,
+    )
+    assert v3.is_mla and v3.rope_interleave and v3.rotary_dim == 16 and v3.shared_expert_intermediate_size == 48
+    v2 = ModelConfig.from_json_file(tiny_moe("deepseek_v2").path / "config.json")
+    assert (v2.scoring_func, v2.topk_method, v2.q_lora_rank, v2.shared_expert_intermediate_size) == (
+        "softmax",
+        "group_limited",
+        0,
+        64,
+    )
+    with pytest.raises(ConfigError, match="n_group=3 does not divide the 8 experts"):
+        dataclasses.replace(v3, n_group=3).check_supported()
+    with pytest.raises(ConfigError, match="topk_group=1 of n_group=4 groups leaves fewer experts than"):
+        dataclasses.replace(v2, topk_group=1).check_supported()
+    with pytest.raises(ConfigError, match="topk_method='mystery' is not supported"):
+        ModelConfig.from_hf({**v2.extra, "topk_method": "mystery"})
 
 
 # ---- router and fused checkpoints -------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("name", list(TINY_MOE_MODELS))
 def test_router_matches_hf(name, tiny_moe):
     from shardlm.models.config import ModelConfig
     from shardlm.models.loader import open_checkpoint
@@ -130,18 +154,23 @@ def test_router_matches_hf(name, tiny_moe):
 
     ref = tiny_moe(name)
     ckpt = open_checkpoint(ref.path)
-    layer = 1 if name == "qwen2_moe" else 0
+    layer = 0 if name in ("mixtral", "qwen3_moe") else 1  # the others' layer 0 is dense
     router = Router(ckpt.config, f"model.layers.{layer}", torch.float32)
     router.load(ckpt.source())
     hf = routers(hf_model(name))[0]  # its weight is overwritten with ours below
     x = torch.randn(16, ckpt.config.hidden_size, generator=torch.Generator().manual_seed(0))
     assert isinstance(ckpt.config, ModelConfig)
     hf.weight.data.copy_(router.weight)
-    _, w_hf, ids_hf = hf(x)
+    if router.bias is not None:  # DeepSeek-V3's correction bias, loaded from the file
+        assert torch.equal(router.bias, hf.e_score_correction_bias) and router.bias.abs().max() > 0
+    logits_hf, w_hf, ids_hf = hf(x)
+    assert choice_margin(hf, logits_hf) > 1e-4
     w, ids = router(x)
-    assert torch.equal(ids, ids_hf)
-    torch.testing.assert_close(w, w_hf, rtol=0, atol=1e-7)
-    gap = (w.sum(-1) - 1).abs().max()  # renormalised top-k sum to one; qwen2_moe's do not
+    order, order_hf = ids.sort(-1), ids_hf.sort(-1)  # DeepSeek's HF router returns them unsorted
+    assert torch.equal(order.values, order_hf.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_hf.gather(1, order_hf.indices), rtol=0, atol=1e-7)
+    scale = ckpt.config.routed_scaling_factor
+    gap = (w.sum(-1) - scale).abs().max()  # renormalised top-k sum to one (times the scaling); the others do not
     assert gap < 1e-6 if router.normalise else gap > 1e-3
 
 
