@@ -41,6 +41,9 @@ class Replicated(nn.Module):
         self.name = name
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
+    def whole_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{self.name}.weight", self.weight)]
+
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
             self.weight.copy_(src.read(f"{self.name}.weight"))

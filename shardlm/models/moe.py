@@ -66,6 +66,8 @@ def expert_reader(cfg: ModelConfig, layer_prefix: str):
 class Router(nn.Module):
     """Top-k routing with a replicated [experts, hidden] gate."""
 
+    bias: torch.Tensor | None  # DeepSeek-V3's correction bias (a buffer), else None
+
     def __init__(self, cfg: ModelConfig, layer_prefix: str, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.layer_prefix, self.k = cfg, layer_prefix, cfg.num_experts_per_tok
@@ -73,15 +75,17 @@ class Router(nn.Module):
         self.deepseek = cfg.family in DEEPSEEK
         gate_dtype = torch.float32 if self.deepseek else dtype
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=gate_dtype), requires_grad=False)
-        # DeepSeek-V3's correction bias: it steers the choice only, never the weights
-        self.bias = (
-            nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
-            if cfg.family == "deepseek_v3"
-            else None
-        )
+        # DeepSeek-V3's correction bias: it steers the choice only, never the weights (not trained
+        # by gradients: a buffer, as in HF)
+        bias = torch.zeros(cfg.num_experts, dtype=torch.float32) if cfg.family == "deepseek_v3" else None
+        self.register_buffer("bias", bias, persistent=False)
+        self.source = f"{layer_prefix}.mlp.gate"  # block_prefix settles it at load
+
+    def whole_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{self.source}.weight", self.weight)]
 
     def load(self, src: TensorSource) -> None:
-        prefix = f"{block_prefix(self.cfg, self.layer_prefix, src)}.gate"
+        self.source = prefix = f"{block_prefix(self.cfg, self.layer_prefix, src)}.gate"
         with torch.no_grad():
             self.weight.copy_(src.read(f"{prefix}.weight"))
             if self.bias is not None and src.has(f"{prefix}.e_score_correction_bias"):
@@ -141,6 +145,9 @@ class SharedExpert(nn.Module):
         self.gate_weight = (
             nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False) if gated else None
         )
+
+    def whole_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        return [] if self.gate_weight is None else [(f"{self.prefix}.shared_expert_gate.weight", self.gate_weight)]
 
     def load(self, src: TensorSource) -> None:  # the gate only; gate_up and down load themselves
         if self.gate_weight is not None:

@@ -53,6 +53,10 @@ class RMSNorm(nn.Module):
         self.sequence_group = sequence_group
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
+    def whole_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        """Checkpoint tensors every tp rank holds whole (parallel/tensor.py's ``whole_tensors``)."""
+        return [(f"{self.source}.weight", self.weight)]
+
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
             self.weight.copy_(src.read(f"{self.source}.weight"))
@@ -94,23 +98,33 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class QKNorm(nn.Module):
-    """Qwen3's RMSNorm over head_dim of every q and k head, with q_norm's weight on the
-    q heads and k_norm's on the k heads, applied to both at once."""
+    """Qwen3's RMSNorm over head_dim of every q and k head, q_norm's weight on the q heads and
+    k_norm's on the k heads, applied to both at once. Training: each weight's gradient is summed
+    over its heads (autograd, through the expand) and over the tp ranks that hold the heads."""
 
-    def __init__(self, prefix: str, part, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, prefix: str, part, cfg: ModelConfig, dtype: torch.dtype, group=None):
         super().__init__()
         self.prefix, self.eps, self.num_q, self.num_kv = prefix, cfg.rms_norm_eps, part.num_q, part.num_kv
-        self.weight = nn.Parameter(
-            torch.empty(part.num_q + part.num_kv, cfg.head_dim, dtype=dtype), requires_grad=False
-        )
+        self.group = group
+        self.q_weight = nn.Parameter(torch.empty(cfg.head_dim, dtype=dtype), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.empty(cfg.head_dim, dtype=dtype), requires_grad=False)
+
+    def whole_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{self.prefix}.q_norm.weight", self.q_weight), (f"{self.prefix}.k_norm.weight", self.k_weight)]
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
-            self.weight[: self.num_q] = src.read(f"{self.prefix}.q_norm.weight")
-            self.weight[self.num_q :] = src.read(f"{self.prefix}.k_norm.weight")
+            for name, p in self.whole_tensors():
+                p.copy_(src.read(name))
 
     def forward(self, qk: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(qk, qk.shape[-1:], None, self.eps) * self.weight  # [tokens, heads, d]
+        q_w: torch.Tensor = self.q_weight
+        k_w: torch.Tensor = self.k_weight
+        if torch.is_grad_enabled() and q_w.requires_grad:  # each tp rank's heads give part of the gradient
+            q_w, k_w = copy_to_region(q_w, self.group), copy_to_region(k_w, self.group)
+        d = q_w.shape[0]
+        w = torch.cat([q_w.expand(self.num_q, d), k_w.expand(self.num_kv, d)])  # [heads, d]
+        return F.rms_norm(qk, qk.shape[-1:], None, self.eps) * w  # [tokens, heads, d]
 
 
 class Attention(nn.Module):
@@ -139,7 +153,7 @@ class Attention(nn.Module):
             dtype=dtype,
             sequence_parallel=sp,
         )
-        self.qk_norm = QKNorm(prefix, part, cfg, dtype) if cfg.qk_norm else None
+        self.qk_norm = QKNorm(prefix, part, cfg, dtype, group) if cfg.qk_norm else None
 
     def cache_layout(self) -> tuple[int, int, int]:
         """(planes, heads, elements a row) of this layer's KV cache: keys and values of its KV heads."""

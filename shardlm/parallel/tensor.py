@@ -9,7 +9,10 @@ KV-head, MLP or vocabulary sizes:
 * MLP rows and vocabulary rows are split the same way, with a remainder.
 
 Each layer knows which rows/columns of which checkpoint tensor it holds (``sources``)
-and loads exactly those (``load``), so no rank ever reads the whole model.
+and loads exactly those (``load``), so no rank ever reads the whole model. A module that holds
+checkpoint tensors whole on every tp rank (a norm, a router, MLA's down projections) says so with
+``whole_tensors()`` (``whole_tensors(module)`` below): training counts their gradients once, and
+saving names them.
 
 ``sequence_parallel`` (Korthikanti et al. 2022, https://arxiv.org/abs/2205.05198 §4.2.2): between
 the tp regions activations are split by tokens over the tp ranks instead of replicated, so the
@@ -356,6 +359,13 @@ class ParallelLMHead(nn.Module):
         if not gather:
             return logits
         return gather_from_region(logits, self.group, dim=-1, sizes=self.vocab_sizes)  # [tokens, vocab]
+
+
+def whole_tensors(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(checkpoint name, parameter) of the tensors ``module`` itself holds whole on every tp rank
+    (its ``whole_tensors`` method; none without one)."""
+    method = getattr(module, "whole_tensors", None)
+    return method() if callable(method) else []
 
 
 def attention_sources(prefix: str, part: HeadPartition, head_dim: int) -> list[tuple[str, slice]]:

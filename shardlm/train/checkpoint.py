@@ -18,8 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlm.models.tokenizer import TokenizerError
-from shardlm.models.transformer import RMSNorm
-from shardlm.parallel.tensor import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from shardlm.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    whole_tensors,
+)
 
 
 @dataclass
@@ -49,8 +54,7 @@ def pieces(model: nn.Module) -> list[Piece]:
                 out.append(Piece(f"{m.source}.bias", None, None, m.bias))
         elif isinstance(m, (VocabParallelEmbedding, ParallelLMHead)) and m.source is not None:
             out.append(Piece(f"{m.source}.weight", m.rows, None, m.weight))
-        elif isinstance(m, RMSNorm):
-            out.append(Piece(f"{m.source}.weight", None, None, m.weight))
+        out.extend(Piece(name, None, None, p) for name, p in whole_tensors(m))
     for p in out:
         p.tensor = p.tensor.detach().to("cpu", copy=True)  # gathered as objects: no GPU tensor in a pickle
     return out
@@ -74,6 +78,12 @@ def assemble(all_pieces: list[Piece]) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_config(checkpoint) -> dict:
+    """The saved model's config.json: a HF source's own (every field it had, MoE and MLA ones
+    included), or one written from a GGUF file's metadata."""
+    return dict(checkpoint.config.extra) if checkpoint.kind == "hf" else checkpoint.config.to_hf()
+
+
 def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
     """Write the model as a HF directory. Collective: every rank calls it with the model's whole
     (tp-shard) weights in place; the pieces of one replica (dp and cp rank 0) go to global rank 0,
@@ -92,7 +102,7 @@ def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in assemble([p for part in everything for p in part]).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(checkpoint.config.to_hf(), indent=2))
+    (directory / "config.json").write_text(json.dumps(hf_config(checkpoint), indent=2))
     try:
         tokenizer = checkpoint.tokenizer()
     except TokenizerError:  # the source has none (e.g. a bare test model): neither does the copy

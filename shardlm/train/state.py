@@ -42,9 +42,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardlm.errors import UsageError
-from shardlm.models.transformer import RMSNorm
 from shardlm.parallel.comm import group_rank
-from shardlm.parallel.tensor import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from shardlm.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    whole_tensors,
+)
 
 if TYPE_CHECKING:
     from shardlm.parallel.dims import ParallelDims
@@ -125,7 +130,7 @@ def segments(trainer: Trainer) -> list[list[Segment]]:
 
     def add(p, name: str, row: int, rows: int | None, at: tuple[int, ...], whole_on_every_tp_rank=False):
         i, offset, shape = where[id(p)]
-        width = shape[1] if len(shape) == 2 else 0
+        width = shape[-1] if len(shape) >= 2 else 0
         start = offset + row * max(width, 1)
         if (i, start) in seen:  # a tied weight met through the LM head too
             return
@@ -149,8 +154,8 @@ def segments(trainer: Trainer) -> list[list[Segment]]:
                 add(m.bias, f"{m.source}.bias", 0, None, (0,), whole_on_every_tp_rank=True)
         elif isinstance(m, (VocabParallelEmbedding, ParallelLMHead)) and m.source is not None:
             add(m.weight, f"{m.source}.weight", 0, None, (m.rows.start, 0))
-        elif isinstance(m, RMSNorm):
-            add(m.weight, f"{m.source}.weight", 0, None, (0,), whole_on_every_tp_rank=True)
+        for name, p in whole_tensors(m):
+            add(p, name, 0, None, (0,) * p.dim(), whole_on_every_tp_rank=True)
     for unit, segs in zip(zero.units, out):
         if sum(s.numel for s in segs) != unit.numel:
             raise NotImplementedError(

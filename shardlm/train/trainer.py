@@ -25,12 +25,12 @@ from shardlm.errors import UsageError
 from shardlm.launch import cpu_threads, init_distributed, resolve_device, torchrun_env
 from shardlm.models.attention import causal_metadata
 from shardlm.models.loader import load_model, open_checkpoint
-from shardlm.models.transformer import MLP, RMSNorm
+from shardlm.models.transformer import MLP
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
-from shardlm.parallel.tensor import RowParallelLinear, partition_heads
+from shardlm.parallel.tensor import RowParallelLinear, partition_heads, whole_tensors
 from shardlm.train import state
 from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -199,11 +199,6 @@ def _count(v) -> bool:
 
 def check_trainable(cfg, tp: int) -> None:
     """Refuse what training does not support yet, with the reason."""
-    if cfg.qk_norm:
-        raise UsageError(
-            "training a model with per-head q/k norms (Qwen3) is not supported yet: shardlm stores "
-            "that norm's weight once per head, so its gradients would not be summed"
-        )
     if cfg.is_moe:
         raise UsageError(
             "training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, SmolLM2) train"
@@ -220,11 +215,10 @@ def check_trainable(cfg, tp: int) -> None:
 
 def replicated_over_tp(model: torch.nn.Module) -> set[int]:
     """Parameters every tp rank holds whole (their gradients are equal on every tp rank)."""
-    out = set()
+    out: set[int] = set()
     for m in model.modules():
-        if isinstance(m, RMSNorm):
-            out.add(id(m.weight))
-        elif isinstance(m, RowParallelLinear) and m.bias is not None:
+        out.update(id(p) for _, p in whole_tensors(m))
+        if isinstance(m, RowParallelLinear) and m.bias is not None:
             out.add(id(m.bias))
     return out
 

@@ -184,14 +184,11 @@ def read_and_held(path: str, tp: int, dp: int, ep: int, etp: int = 1):
     per MoE layer)."""
     from shardlm.models.loader import CountingSource, load_model, open_checkpoint
     from shardlm.models.moe import moe_blocks
-    from shardlm.models.transformer import QKNorm
 
     ckpt = open_checkpoint(path)
     source = CountingSource(ckpt.source())
     model = load_model(ckpt, _layout(tp, dp, ep, etp), source=source)
     blocks = moe_blocks(model)
     held = sum(b.experts.w13.numel() + b.experts.w2.numel() for b in blocks)
-    # QKNorm reads q_norm and k_norm once and repeats them per local head
-    repeated = sum(m.weight.numel() - 2 * m.weight.shape[1] for m in model.modules() if isinstance(m, QKNorm))
-    params = sum(p.numel() for p in model.parameters()) - repeated
+    params = sum(p.numel() for p in model.parameters())
     return source.elements, params, held, [b.experts.local_experts for b in blocks]
