@@ -29,6 +29,7 @@ from torch import nn
 from shardlm.models.attention import AttentionMetadata, encode_kv, gather_blocks, raw_bytes
 from shardlm.models.config import ModelConfig
 from shardlm.models.rope import apply_rotary, deinterleave, yarn_factor, yarn_mscale
+from shardlm.parallel.comm import copy_to_region
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TensorSource, linear, shard_range
 
@@ -69,6 +70,7 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.latent = cfg.kv_lora_rank
         self.interleaved, self.eps, self.scale = cfg.rope_interleave, cfg.rms_norm_eps, softmax_scale(cfg)
+        self.group = dims.tp_group
         qk, h, group = self.nope + self.rope, cfg.hidden_size, dims.tp_group
         q_rows = slice(heads.start * qk, heads.stop * qk)
         self.q_a: Replicated | None = None
@@ -118,6 +120,8 @@ class LatentAttention(nn.Module):
         kv = linear(x, self.kv_a.weight)  # [tokens, latent + rope]
         c = F.rms_norm(kv[:, : self.latent], (self.latent,), self.kv_a_norm.weight, self.eps)
         k_pe = kv[:, None, self.latent :]  # [tokens, 1, rope]
+        if torch.is_grad_enabled() and self.kv_a.weight.requires_grad:  # each rank's heads: part of its gradient
+            k_pe = copy_to_region(k_pe, self.group)
         if self.interleaved:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, *rope), apply_rotary(k_pe, *rope)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.models.config import DEEPSEEK, ModelConfig
+from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.eplb import ExpertPlacement
 from shardlm.parallel.expert import ExpertParallelSwiGLU
@@ -40,6 +41,20 @@ def block_prefix(cfg: ModelConfig, layer_prefix: str, src: TensorSource) -> str:
     return legacy if cfg.family == "mixtral" and src.has(f"{legacy}.gate.weight") else f"{layer_prefix}.mlp"
 
 
+def expert_names(cfg: ModelConfig, layer_prefix: str):
+    """names(src, e) -> the checkpoint names of logical expert e's gate, up and down weights, one
+    2-D tensor each (Mixtral: experts.{e}.w1/w3/w2; the others: gate_proj/up_proj/down_proj), as
+    transformers writes them and loads them back."""
+    kinds = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+    def names(src: TensorSource, e: int) -> tuple[str, str, str]:
+        p = f"{block_prefix(cfg, layer_prefix, src)}.experts.{e}"
+        gate, up, down = (f"{p}.{k}.weight" for k in kinds)
+        return gate, up, down
+
+    return names
+
+
 def expert_reader(cfg: ModelConfig, layer_prefix: str):
     """read(src, e, rows) -> (gate rows, up rows, down columns) of logical expert e.
 
@@ -48,14 +63,13 @@ def expert_reader(cfg: ModelConfig, layer_prefix: str):
     A fused 3-D layout (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) is read
     one expert at a time (that expert's whole rows: with etp > 1 more than the rank keeps).
     """
-    names = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    width = cfg.moe_intermediate_size
+    names, width = expert_names(cfg, layer_prefix), cfg.moe_intermediate_size
 
     def read(src: TensorSource, e: int, rows: slice):
-        p = f"{block_prefix(cfg, layer_prefix, src)}.experts"
-        gate, up, down = (f"{p}.{e}.{n}.weight" for n in names)
+        gate, up, down = names(src, e)
         if src.has(gate):
             return src.read(gate, rows=rows), src.read(up, rows=rows), src.read(down, cols=rows)
+        p = f"{block_prefix(cfg, layer_prefix, src)}.experts"
         fused = src.read(f"{p}.gate_up_proj", rows=slice(e, e + 1))[0]  # [2I, H]
         fused_down = src.read(f"{p}.down_proj", rows=slice(e, e + 1))[0]  # [H, I]
         return fused[rows], fused[width + rows.start : width + rows.stop], fused_down[:, rows]
@@ -67,6 +81,7 @@ class Router(nn.Module):
     """Top-k routing with a replicated [experts, hidden] gate."""
 
     bias: torch.Tensor | None  # DeepSeek-V3's correction bias (a buffer), else None
+    scores: torch.Tensor | None = None  # the last forward's scores (SparseMoE takes them)
 
     def __init__(self, cfg: ModelConfig, layer_prefix: str, dtype: torch.dtype):
         super().__init__()
@@ -92,10 +107,12 @@ class Router(nn.Module):
                 self.bias.copy_(src.read(f"{prefix}.e_score_correction_bias"))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, k], expert ids [tokens, k])."""
+        """(weights [tokens, k], expert ids [tokens, k]); ``scores`` keeps the router's scores
+        [tokens, experts] (float32) for the load-balancing loss."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight) if self.deepseek else linear(x, self.weight).float()
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else F.softmax(logits, dim=-1)  # [tokens, experts]
+        self.scores = scores
         if cfg.topk_method == "group_limited":
             ids = self._group_limited(scores if self.bias is None else scores + self.bias)
             weights = scores.gather(1, ids)
@@ -163,6 +180,10 @@ class SharedExpert(nn.Module):
 class SparseMoE(nn.Module):
     """The MLP of an MoE decoder layer: routed experts (+ Qwen2-MoE's shared expert)."""
 
+    keep_stats = False
+    """Training with a load-balancing loss: each forward appends (router probabilities summed over
+    its tokens [experts], differentiable; top-k choices per expert [experts]; tokens) to ``stats``."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -179,6 +200,7 @@ class SparseMoE(nn.Module):
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.moe_intermediate_size,
             read=expert_reader(cfg, layer_prefix),
+            names=expert_names(cfg, layer_prefix),
             dims=dims,
             dtype=dtype,
             placement=placement,
@@ -187,11 +209,34 @@ class SparseMoE(nn.Module):
         self.shared = (
             SharedExpert(cfg, dims, f"{layer_prefix}.mlp", dtype) if cfg.shared_expert_intermediate_size else None
         )
+        self.stats: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)  # [tokens, k] each
+        if self.keep_stats:
+            counts = torch.bincount(ids.flatten(), minlength=self.router.weight.shape[0]).float()
+            assert self.router.scores is not None  # the router's forward just set them
+            self.stats.append((self.router.scores.sum(0), counts, x.shape[0]))
+        self.router.scores = None
         y = self.experts(x, ids, weights)  # [tokens, hidden]
         return y if self.shared is None else y + self.shared(x)
+
+
+def load_balancing_loss(blocks: list[SparseMoE], group) -> torch.Tensor:
+    """This rank's share of the load-balancing loss over every block's statistics since the last
+    call (then cleared): E * sum_e f_e * P_e, with f_e the fraction of all top-k choices that went
+    to expert e and P_e its mean router probability, both over every token and layer of the ranks
+    of ``group`` (dp x cp; HF's load_balancing_loss_func concatenates the layers the same way). f
+    and the token count are summed over ``group`` first; P's sum stays this rank's, so the shares
+    of the group's ranks add up to the loss and each rank's gradient is its tokens' part."""
+    stats = [s for b in blocks for s in b.stats]
+    for b in blocks:
+        b.stats = []
+    probs = torch.stack([p for p, _, _ in stats]).sum(0)  # [experts], differentiable
+    counts = torch.stack([c for _, c, _ in stats]).sum(0)  # [experts]: top-k choices
+    rows = torch.tensor([float(sum(n for _, _, n in stats))], device=counts.device)
+    counts, rows = all_reduce(counts, group), all_reduce(rows, group)
+    return (counts / rows * (probs / rows)).sum() * probs.shape[0]
 
 
 def check_expert_layout(cfg: ModelConfig, ep: int, etp: int) -> None:

@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 MESH_AXES = ("pp", "dp", "cp", "tp")  # outermost first: the rank formula above
 EXPERT_AXES = ("edp", "ep", "etp")  # the folded dp x tp ranks of a stage, outermost first
-EXPERT_GROUPS = ("ep", "etp", "edp", "ep_etp")  # ep_etp: the ep x etp ranks that hold one copy of all experts
+EXPERT_GROUPS = ("ep", "etp", "edp", "ep_etp", "edp_cp")
+"""ep_etp: the ep x etp ranks that hold one copy of all experts; edp_cp: the ranks of a stage that
+hold the same expert slices (edp x cp: training sums their gradients)."""
+_VARY = {"ep_etp": ("ep", "etp"), "edp_cp": ("edp", "cp")}  # the coordinates a group kind spans
 
 
 class LayoutError(UsageError):
@@ -199,11 +202,11 @@ class ParallelDims:
             vary = ("dp", "cp") if kind == "dp_cp" else (kind,)
             key = lambda r: tuple(v for a, v in self.coords(r).items() if a not in vary)
         elif kind in EXPERT_GROUPS:
-            vary = ("ep", "etp") if kind == "ep_etp" else (kind,)
+            vary = _VARY.get(kind, (kind,))
 
             def key(r: int) -> tuple[int, ...]:
                 c, e = self.coords(r), self.expert_coords(r)
-                return (c["pp"], c["cp"], *(v for a, v in e.items() if a not in vary))
+                return (c["pp"], *(() if "cp" in vary else (c["cp"],)), *(v for a, v in e.items() if a not in vary))
         else:
             raise KeyError(
                 f"unknown group {kind!r}; mesh axes are {MESH_AXES} (and dp_cp), expert groups {EXPERT_GROUPS}"
@@ -339,7 +342,7 @@ class ParallelDims:
         return self._dp_cp_group if self._need_mesh() is not None else None
 
     def expert_group(self, kind: str) -> dist.ProcessGroup | None:
-        """The ep, etp, edp or ep_etp group of this rank (None when it has one rank)."""
+        """The ep, etp, edp, ep_etp or edp_cp group of this rank (None when it has one rank)."""
         if kind not in EXPERT_GROUPS:
             raise KeyError(f"unknown expert group {kind!r}; expert groups are {EXPERT_GROUPS}")
         self._need_mesh()
@@ -373,6 +376,7 @@ class ParallelDims:
     etp_group = property(lambda s: s.expert_group("etp"))
     edp_group = property(lambda s: s.expert_group("edp"))
     ep_etp_group = property(lambda s: s.expert_group("ep_etp"))
+    edp_cp_group = property(lambda s: s.expert_group("edp_cp"))
     ep_rank = property(lambda s: s.expert_rank("ep"))
     etp_rank = property(lambda s: s.expert_rank("etp"))
     edp_rank = property(lambda s: s.expert_rank("edp"))

@@ -26,6 +26,14 @@ every collective with zero counts, so the ranks' collectives always match.
 
 Each layer counts, per slot, the (token, expert) pairs it computes (``slot_tokens``) and
 the seconds spent in collectives (``comm_s``); ``expert_stats.py`` reads them.
+
+Training: the token rows and the routing weights enter through regions whose backward completes
+their gradients (``replicated``: summed over the ep x etp block, which splits the pairs; ``all_to_all``:
+each tp rank's share gathered back), so the router's and the residual stream's gradients are
+whole on every tp rank; the all-to-alls' backward is the reverse all-to-all. An expert slice's
+gradient is this rank's pairs' share; the trainer sums it over the ranks that hold the same slice
+(``edp_cp_group``). In the replicated path every ep x etp block of a tp group computes the same
+pairs, so each block's weight gradient is scaled by ``1 / blocks`` first (``duplicates``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from shardlm.parallel.tensor import TensorSource, linear, shard_range
 
 # (source, logical expert, intermediate rows) -> (gate [rows, H], up [rows, H], down [H, rows])
 ExpertReader = Callable[[TensorSource, int, slice], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (source, logical expert) -> the checkpoint names of its (gate [I, H], up [I, H], down [H, I]) tensors
+ExpertNames = Callable[[TensorSource, int], tuple[str, str, str]]
 DISPATCH = ("auto", "replicated", "all_to_all")
 
 
@@ -70,6 +80,7 @@ class ExpertParallelSwiGLU(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         read: ExpertReader,
+        names: ExpertNames,
         dims: ParallelDims,
         dtype: torch.dtype,
         placement: ExpertPlacement | None = None,
@@ -80,7 +91,8 @@ class ExpertParallelSwiGLU(nn.Module):
             raise LayoutError(
                 f"etp={dims.etp} is larger than the expert width {intermediate_size}; use etp <= {intermediate_size}"
             )
-        self.read, self.hidden, self.dtype = read, hidden_size, dtype
+        self.read, self.names, self.hidden, self.dtype = read, names, hidden_size, dtype
+        self.tensor_names: dict[int, tuple[str, str, str]] = {}  # logical expert -> its checkpoint names (load)
         self.ep, self.etp, self.tp = dims.ep, dims.etp, dims.tp
         self.ep_rank, self.etp_rank, self.tp_rank = dims.ep_rank, dims.etp_rank, dims.tp_rank
         self.tp_group, self.ep_group = dims.tp_group, dims.ep_group
@@ -98,6 +110,8 @@ class ExpertParallelSwiGLU(nn.Module):
                 f"{dims.ep * dims.etp} to divide tp={dims.tp}; use 'auto' or 'all_to_all'"
             )
         self.dispatch = ("replicated" if inside_tp else "all_to_all") if dispatch == "auto" else dispatch
+        # blocks of a tp group that compute the same pairs (replicated path; see the module docstring)
+        self.duplicates = dims.tp // (dims.ep * dims.etp) if self.dispatch == "replicated" else 1
         # Each (token, expert) pair is computed by etp ranks, and in the replicated path by every
         # ep x etp block of the tp group: one of those copies counts it, so sums over ranks are exact.
         first_block = self.dispatch == "all_to_all" or dims.tp_rank < dims.ep * dims.etp
@@ -127,6 +141,19 @@ class ExpertParallelSwiGLU(nn.Module):
                 gate, up, down = self.read(src, e, self.rows)
                 self.w13[s].copy_(torch.cat([gate, up]))
                 self.w2[s].copy_(down)
+                self.tensor_names[e] = self.names(src, e)
+
+    def expert_blocks(self) -> list[tuple[str, nn.Parameter, int, int, tuple[int, int]]]:
+        """Where each local expert's slice of a checkpoint tensor lives: (name, w13 or w2, first
+        row of the parameter viewed as [rows, last dim], rows, offset (row, col) in the checkpoint
+        tensor). gate and up are rows ``self.rows`` of [I, H]; down is those columns of [H, I]."""
+        r, h, out = self.rows.stop - self.rows.start, self.hidden, []
+        for s, e in enumerate(self.local_experts):
+            gate, up, down = self.tensor_names[e]
+            out.append((gate, self.w13, s * 2 * r, r, (self.rows.start, 0)))
+            out.append((up, self.w13, s * 2 * r + r, r, (self.rows.start, 0)))
+            out.append((down, self.w2, s * h, h, (0, self.rows.start)))
+        return out
 
     def place(self, placement: ExpertPlacement, src: TensorSource) -> None:
         """Move to a new placement (every rank of the stage with the same one), reading this
@@ -141,7 +168,12 @@ class ExpertParallelSwiGLU(nn.Module):
             return self._replicated(x, ids, weights)
         return self._all_to_all(x, ids, weights)
 
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and self.w13.requires_grad
+
     def _replicated(self, x, ids, weights):
+        if self._training():  # the block's ranks compute different pairs: their gradients are summed
+            x, weights = comm.copy_to_region(x, self.block_group), comm.copy_to_region(weights, self.block_group)
         slots = self._choose_slots(ids, offset=0)  # [tokens, k]; the same on every rank of the block
         tok, k = (self.slot_rank[slots] == self.ep_rank).nonzero(as_tuple=True)  # pairs this rank computes
         by_slot = torch.argsort(slots[tok, k], stable=True)  # HF adds a token's experts in expert order
@@ -156,12 +188,13 @@ class ExpertParallelSwiGLU(nn.Module):
         tp_sizes = comm.split_sizes(n, self.tp)
         mine = slice(sum(tp_sizes[: self.tp_rank]), sum(tp_sizes[: self.tp_rank + 1]))
         x = comm.split_to_region(x, self.tp_group, 0, tp_sizes)  # [own tokens, H]
-        ids, weights = ids[mine], weights[mine]
+        weights = comm.split_to_region(weights, self.tp_group, 0, tp_sizes)  # backward: gathered back
+        ids = ids[mine]
         if self.etp > 1:  # an expert's etp ranks must all see its tokens
             etp_sizes = self._timed(_exchange_counts, x.shape[0], x.device, self.etp_group)
             x = self._timed(comm.all_gather_region, x, self.etp_group, 0, etp_sizes)
             ids = self._timed(comm.all_gather, ids, self.etp_group, 0, etp_sizes)
-            weights = self._timed(comm.all_gather, weights, self.etp_group, 0, etp_sizes)
+            weights = self._timed(comm.all_gather_region, weights, self.etp_group, 0, etp_sizes)
         slots = self._choose_slots(ids, offset=self.stage_index).flatten()  # [pairs]
         order = torch.argsort(slots, stable=True)  # by slot: grouped by ep rank, then local slot
         token = order // k  # the token of each pair, in send order
@@ -210,12 +243,15 @@ class ExpertParallelSwiGLU(nn.Module):
             self.slot_tokens += counts[: len(self.local_experts)]
         out = torch.empty_like(rows)
         order = torch.argsort(local, stable=True)
+        w13, w2 = self.w13, self.w2
+        if self.duplicates > 1 and self._training():
+            w13, w2 = _ScaleGrad.apply(w13, 1 / self.duplicates), _ScaleGrad.apply(w2, 1 / self.duplicates)
         start = 0
         for s, c in enumerate(counts.tolist()):
             if c:
                 idx = order[start : start + c]
-                gate, up = linear(rows[idx], self.w13[s]).chunk(2, dim=-1)  # [c, rows] each
-                out[idx] = linear(F.silu(gate) * up, self.w2[s])  # [c, H]
+                gate, up = linear(rows[idx], w13[s]).chunk(2, dim=-1)  # [c, rows] each
+                out[idx] = linear(F.silu(gate) * up, w2[s])  # [c, H]
                 start += c
         return out
 
@@ -224,6 +260,19 @@ class ExpertParallelSwiGLU(nn.Module):
         out = fn(*args)
         self.comm_s += time.perf_counter() - t0  # wall time: exact on CPU, launch time on CUDA
         return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 def _exchange_counts(n: int, device, group) -> list[int]:

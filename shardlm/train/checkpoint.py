@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlm.models.tokenizer import TokenizerError
+from shardlm.parallel.expert import ExpertParallelSwiGLU
 from shardlm.parallel.tensor import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -37,10 +38,22 @@ class Piece:
     tensor: torch.Tensor
 
 
-def pieces(model: nn.Module) -> list[Piece]:
-    """This rank's parameters as pieces of checkpoint tensors (copies, detached)."""
+def pieces(model: nn.Module, *, dense: bool = True, experts: bool = True) -> list[Piece]:
+    """This rank's parameters as pieces of checkpoint tensors (copies, detached): the routed
+    experts' (``experts``), the others' (``dense``)."""
     out = []
     for m in model.modules():
+        if isinstance(m, ExpertParallelSwiGLU):
+            if experts:
+                for name, w, first, count, at in m.expert_blocks():
+                    block = w.view(-1, w.shape[-1])[first : first + count]
+                    if w is m.w13:  # gate / up rows
+                        out.append(Piece(name, slice(at[0], at[0] + count), None, block))
+                    else:  # down columns
+                        out.append(Piece(name, None, slice(at[1], at[1] + w.shape[-1]), block))
+            continue
+        if not dense:
+            continue
         if isinstance(m, ColumnParallelLinear):
             start = 0
             for (name, rows), n in zip(m.sources, m.out_sizes):
@@ -90,7 +103,9 @@ def save(model: nn.Module, checkpoint, dims, directory: str | Path) -> None:
     which writes."""
     from safetensors.torch import save_file
 
-    mine = pieces(model) if dims.dp_rank == 0 and dims.cp_rank == 0 else []
+    # one replica's dense weights; the experts from the ranks of every slice's first copy
+    first = dims.cp_rank == 0
+    mine = pieces(model, dense=first and dims.dp_rank == 0, experts=first and dims.edp_rank == 0)
     everything: list | None = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

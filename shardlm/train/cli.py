@@ -104,6 +104,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="selective: recompute the SwiGLU activation in backward (half the MLP's activations); "
         "full: each layer keeps only its inputs and runs its forward again in backward",
     )
+    p.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.0,
+        help="MoE: weight of the load-balancing loss (HF's router_aux_loss_coef; default 0: none)",
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate (default 1e-4)")
     p.add_argument(
         "--lr-schedule",
@@ -189,6 +195,7 @@ def run(args) -> int:
         cp_attention=args.cp_attention,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
+        aux_loss_coef=args.aux_loss_coef,
         dtype=args.dtype,
         device=args.device,
         compile=args.compile,

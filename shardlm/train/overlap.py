@@ -102,8 +102,8 @@ class Buckets:
         cap = bucket_mb * 2**20
         self.buckets: list[Bucket] = []
         current: list[Unit] = []
-        for unit in units:
-            if current and 4 * sum(u.numel for u in current + [unit]) > cap:  # float32 sums
+        for unit in units:  # a bucket is reduced in one collective: its units share a group
+            if current and (4 * sum(u.numel for u in current + [unit]) > cap or unit.group is not current[0].group):
                 self.buckets.append(Bucket(current))
                 current = []
             current.append(unit)

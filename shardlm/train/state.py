@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardlm.errors import UsageError
 from shardlm.parallel.comm import group_rank
+from shardlm.parallel.expert import ExpertParallelSwiGLU
 from shardlm.parallel.tensor import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -128,8 +129,9 @@ def segments(trainer: Trainer) -> list[list[Segment]]:
     out: list[list[Segment]] = [[] for _ in zero.units]
     seen: set[tuple[int, int]] = set()
 
-    def add(p, name: str, row: int, rows: int | None, at: tuple[int, ...], whole_on_every_tp_rank=False):
-        i, offset, shape = where[id(p)]
+    def add(p, name: str, row: int, rows: int | None, at: tuple[int, ...] | None, whole_on_every_tp_rank=False):
+        i, offset, shape = where[id(p)]  # the shape the unit recorded (ZeRO-3 releases the parameter's data)
+        at = (0,) * len(shape) if at is None else at
         width = shape[-1] if len(shape) >= 2 else 0
         start = offset + row * max(width, 1)
         if (i, start) in seen:  # a tied weight met through the LM head too
@@ -155,7 +157,10 @@ def segments(trainer: Trainer) -> list[list[Segment]]:
         elif isinstance(m, (VocabParallelEmbedding, ParallelLMHead)) and m.source is not None:
             add(m.weight, f"{m.source}.weight", 0, None, (m.rows.start, 0))
         for name, p in whole_tensors(m):
-            add(p, name, 0, None, (0,) * p.dim(), whole_on_every_tp_rank=True)
+            add(p, name, 0, None, None, whole_on_every_tp_rank=True)
+        if isinstance(m, ExpertParallelSwiGLU):  # its unit's group holds each slice once (or whole: stage 0)
+            for name, w, first, count, at in m.expert_blocks():
+                add(w, name, first, count, at)
     for unit, segs in zip(zero.units, out):
         if sum(s.numel for s in segs) != unit.numel:
             raise NotImplementedError(
@@ -182,8 +187,8 @@ def chunks(trainer: Trainer, *, saving: bool) -> tuple[list[Chunk], dict[str, tu
     out: list[Chunk] = []
     extent: dict[str, tuple[int, ...]] = {}
     moments = _moments(trainer)
-    zero_only = trainer.zero.stage == 0 and group_rank(trainer.dims.dp_cp_group) != 0
     for unit, segs in zip(trainer.zero.units, segments(trainer)):
+        zero_only = trainer.zero.stage == 0 and group_rank(unit.group) != 0  # whole copies: one saves
         buffers = {"": unit.master.detach()} | {f"optimizer.{k}.": moments[k][unit] for k in MOMENTS}
         for seg in segs:
             end = (seg.at[0] + seg.rows,) if not seg.width else (seg.at[0] + seg.rows, seg.at[1] + seg.width)

@@ -24,7 +24,9 @@ import torch.utils.checkpoint
 from shardlm.errors import UsageError
 from shardlm.launch import cpu_threads, init_distributed, resolve_device, torchrun_env
 from shardlm.models.attention import causal_metadata
+from shardlm.models.config import DEEPSEEK
 from shardlm.models.loader import load_model, open_checkpoint
+from shardlm.models.moe import load_balancing_loss, moe_blocks
 from shardlm.models.transformer import MLP
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
@@ -39,8 +41,8 @@ from shardlm.train.schedule import StageIO, one_f_one_b
 from shardlm.train.zero import STAGES, Zero
 
 RECOMPUTE = ("none", "selective", "full")
-AXES = ("dp", "pp", "cp", "tp")
-"""The parallel axes training runs (MoE training with ep is not built yet)."""
+AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
+"""The parallel axes training runs (ep and etp fold over dp x tp in MoE layers)."""
 
 
 @dataclass(kw_only=True)
@@ -112,6 +114,13 @@ class TrainConfig:
     """"optimizer": ZeRO-Offload: on a GPU each rank's float32 masters and AdamW moments live in
     pinned CPU memory and the step runs there (torch's fused CPU AdamW), gradients copied down
     and weights up asynchronously; CPU ranks already hold them in CPU memory (nothing moves)."""
+    aux_loss_coef: float = 0.0
+    """MoE: weight of the load-balancing loss added to the loss (Switch Transformer's, Fedus et al.
+    2021, https://arxiv.org/abs/2101.03961 eq. 4-6, over the step's whole batch and every layer at
+    once, as HF transformers computes it with output_router_logits: num_experts x sum over experts
+    of the fraction of top-k choices x the mean router probability); 0: none, as HF by default. Its
+    statistics are summed over the dp and cp ranks; it needs pp=1 and grad_accum=1 (a step's whole
+    batch in one forward)."""
     compile: bool = False
     """Run each decoder layer's forward and backward through torch.compile (inductor: fused
     kernels; a one-time compile of two graphs, the first layer's and the others')."""
@@ -174,6 +183,16 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelDims):
             raise UsageError(f"parallel={self.parallel!r} must be a ParallelDims, e.g. ParallelDims(dp=2)")
         self.parallel.refuse_beyond(AXES, "training")
+        if not self.aux_loss_coef >= 0:
+            raise UsageError(
+                f"aux_loss_coef={self.aux_loss_coef!r} must be >= 0, e.g. 0.01 (0: no load-balancing loss)"
+            )
+        if self.aux_loss_coef and (self.parallel.pp > 1 or self.grad_accum > 1):
+            raise UsageError(
+                f"aux_loss_coef={self.aux_loss_coef} balances the experts over the step's whole batch and every "
+                f"layer at once (HF's formula), which pp={self.parallel.pp} stages and grad_accum="
+                f"{self.grad_accum} micro-batches never hold together; use pp=1 and grad_accum=1, or aux_loss_coef=0"
+            )
 
     @classmethod
     def of(cls, **options) -> TrainConfig:
@@ -197,11 +216,21 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def check_trainable(cfg, tp: int) -> None:
+def check_trainable(cfg, tp: int, *, cp: int = 1, dtype: str = "float32", aux_loss_coef: float = 0.0) -> None:
     """Refuse what training does not support yet, with the reason."""
-    if cfg.is_moe:
+    if cfg.is_mla and cp > 1:
+        raise LayoutError(
+            f"cp={cp}: context parallelism does not run multi-head latent attention ({cfg.family}) yet; use cp=1"
+        )
+    if cfg.family in DEEPSEEK and dtype != "float32":
         raise UsageError(
-            "training MoE models is not supported yet; dense models (Llama, Mistral, Qwen2, SmolLM2) train"
+            f"dtype={dtype!r}: {cfg.family}'s router stays in float32 (as in HF), and a ZeRO unit holds one "
+            f"dtype; train it in float32"
+        )
+    if aux_loss_coef and cfg.family in DEEPSEEK:
+        raise UsageError(
+            f"aux_loss_coef={aux_loss_coef}: {cfg.family} balances its experts without an auxiliary loss "
+            f"(HF trains it with none); use aux_loss_coef=0"
         )
     parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, tp, r) for r in range(tp)]
     if any(a.kv.stop > b.kv.start for a, b in itertools.pairwise(parts)):
@@ -274,6 +303,7 @@ class _Pass:
     count: torch.Tensor  # target tokens of the whole global batch
     io: StageIO
     total: torch.Tensor  # the loss summed over this rank's tokens (last stage), filled by forward
+    aux: torch.Tensor  # this rank's share of the load-balancing loss (summed over dp x cp: the whole)
     forward: Callable[[int], None]
 
 
@@ -295,9 +325,9 @@ class Trainer:
         self.dims = dims = dims.build_mesh(device_type)
         self.config = config
         self.checkpoint = ckpt = open_checkpoint(config.model)
-        check_trainable(ckpt.config, dims.tp)
-        layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
         self.dtype_name = train_dtype(config.dtype, device_type)
+        check_trainable(ckpt.config, dims.tp, cp=dims.cp, dtype=self.dtype_name, aux_loss_coef=config.aux_loss_coef)
+        layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
         on_gpu = device_type == "cuda"  # overlap's defaults (TrainConfig.prefetch, bucket_mb)
         self.dtype = getattr(torch, self.dtype_name)
         self.model = model = load_model(
@@ -320,6 +350,7 @@ class Trainer:
             config.zero,
             replicated_over_tp(model),
             tied=tied,
+            expert_group=dims.edp_cp_group,
             prefetch=(1 if on_gpu else 0) if config.prefetch is None else config.prefetch,
             bucket_mb=(25.0 if on_gpu else 0.0) if config.bucket_mb is None else config.bucket_mb,
             offload=config.offload == "optimizer",
@@ -343,6 +374,9 @@ class Trainer:
             weight_decay=config.weight_decay,
             fused=True if offloaded else None,  # the CPU step: torch's fused AdamW kernel
         )
+        self.moe = moe_blocks(model)
+        for block in self.moe:  # the load-balancing loss reads each forward's router statistics
+            block.keep_stats = config.aux_loss_coef > 0
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
 
@@ -404,7 +438,11 @@ class Trainer:
         if any(u.offloaded for u in self.zero.units):  # in CPU memory, not the device's
             held["optimizer_offloaded"], held["optimizer"] = held["optimizer"], 0
         loss = all_reduce(all_reduce(total, self.dims.pp_group), self.dims.dp_cp_group) / count
-        extra = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
+        extra: dict = {} if self.scaler is None else {"loss_scale": scale, "skipped": skipped}
+        if self.config.aux_loss_coef:  # the loss includes it, as HF's does; also reported alone
+            aux = float(all_reduce(run.aux, self.dims.dp_cp_group))
+            loss = loss + self.config.aux_loss_coef * aux
+            extra["aux_loss"] = aux
         rss = (  # the process's peak: on a GPU its memory's, on CPU ranks resident memory (Linux: KiB)
             torch.cuda.max_memory_allocated(self.device)
             if self.device.type == "cuda"
@@ -462,6 +500,7 @@ class Trainer:
         total = torch.zeros(
             (), dtype=torch.float64, device=self.device
         )  # the loss summed over this rank's tokens (last stage)
+        aux_total = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's share of the aux loss
 
         def forward(i: int) -> None:
             inputs, targets, positions = micros[i]
@@ -474,10 +513,15 @@ class Trainer:
             if io.last:
                 loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
                 total.add_(loss.detach().sum().double())
-                out = loss.sum() / count * scale
+                out = loss.sum() / count
+                if self.config.aux_loss_coef:  # pp=1: every layer's statistics are on this rank
+                    aux = load_balancing_loss(self.moe, self.dims.dp_cp_group)
+                    aux_total.add_(aux.detach().double())
+                    out = out + self.config.aux_loss_coef * aux
+                out = out * scale
             io.produced(i, out)
 
-        return _Pass(micros, count, io, total, forward)
+        return _Pass(micros, count, io, total, aux_total, forward)
 
     def evaluate(self, batch: torch.Tensor | list[list[int]]) -> dict:
         """The mean next-token loss of a global batch [batch, seq_len + 1] without training

@@ -21,7 +21,9 @@ class Unit:
         replicated: set[int],
         tp: int,
         offload: bool = False,
+        expert: bool = False,
     ):
+        self.expert = expert  # routed experts: ``group`` holds the ranks with the same expert slices
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from shardlm.models.transformer import Transformer
 
 from shardlm.parallel.comm import all_reduce, group_size, reduce_scatter
+from shardlm.parallel.expert import ExpertParallelSwiGLU
 from shardlm.train.overlap import Buckets, Prefetch
 from shardlm.train.unit import Unit
 
@@ -79,15 +80,16 @@ class _SavedWeight:
 
 
 class _Sharded(nn.Module):
-    """Stage 3: runs ``inner`` (a decoder layer) with its unit's weights gathered for the call."""
+    """Stage 3: runs ``inner`` (a decoder layer) with its units' weights gathered for the call."""
 
-    def __init__(self, inner: nn.Module, unit: Unit, zero: Zero):
+    def __init__(self, inner: nn.Module, units: list[Unit], zero: Zero):
         super().__init__()
         self.inner = inner
-        self._unit, self._zero = unit, zero
+        self._units, self._zero = units, zero
 
     def forward(self, *args):
-        return functional_call(self.inner, self._zero.gathered(self._unit), args)
+        weights = {name: w for unit in self._units for name, w in self._zero.gathered(unit).items()}
+        return functional_call(self.inner, weights, args)
 
 
 class Zero:
@@ -108,12 +110,15 @@ class Zero:
         replicated: set[int],
         tied: nn.Parameter | None = None,
         *,
+        expert_group=None,
         prefetch: int = 1,
         bucket_mb: float = 25.0,
         offload: bool = False,
     ):
         """``tied``: the embedding a first and a last pipeline stage both hold (tied LM head), kept
         in a unit of its own, laid out alike on both stages, so its gradients can be summed across.
+        ``expert_group``: the ranks that hold the same routed-expert slices (dims.edp_cp_group); an
+        MoE layer's experts form a unit of their own over it, beside the layer's other weights.
         ``prefetch``: stage 3's layers gathered ahead (0: none); ``bucket_mb``: stages 0-2's gradient
         buckets (0: no overlap); see overlap.py."""
         if stage not in STAGES:
@@ -121,25 +126,36 @@ class Zero:
                 f"zero={stage!r} is not a ZeRO stage; use one of {STAGES} "
                 f"(0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + weights)"
             )
-        self.stage, self.model = stage, model
+        self.stage, self.model, self.group, self.expert_group = stage, model, group, expert_group
         in_layers = {id(p) for layer in model.layers for p in layer.parameters()}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
         unit = lambda named: Unit(named, group, stage, replicated, tp, offload)
-        self.units = [unit(list(layer.named_parameters())) for layer in model.layers]
+        routed = {id(p) for m in model.modules() if isinstance(m, ExpertParallelSwiGLU) for p in (m.w13, m.w2)}
+
+        def layer_units(layer: nn.Module) -> list[Unit]:
+            named = list(layer.named_parameters())
+            units = [unit([(n, p) for n, p in named if id(p) not in routed])]
+            experts = [(n, p) for n, p in named if id(p) in routed]
+            if experts:  # summed over the ranks holding the same slices; never whole on every tp rank
+                units.append(Unit(experts, expert_group, stage, set(), tp, offload, expert=True))
+            return units
+
+        self.layer_units = [layer_units(layer) for layer in model.layers]
         # outside the layers: the embedding, final norm and LM head; the tied embedding apart
         root = [(n, p) for n, p in outer if p is not tied]
         tied_named = [(n, p) for n, p in outer if p is tied]
         self.outer = [unit(named) for named in (root, tied_named) if named]
         self.tied = self.outer[-1] if tied_named else None
-        self.units += self.outer
+        self.units = [u for units in self.layer_units for u in units] + self.outer
         self._owner = WeakTensorKeyDictionary()  # stage 3: gathered flat vector -> its unit
-        layers = self.units[: len(model.layers)]
         # in the order backward completes them: the last layer first, the embedding's unit last
-        self.buckets = Buckets(layers[::-1] + self.outer, stage, bucket_mb) if stage < 3 else None
+        backward_order = [u for units in self.layer_units[::-1] for u in units] + self.outer
+        self.buckets = Buckets(backward_order, stage, bucket_mb) if stage < 3 else None
+        layers = [units[0] for units in self.layer_units]  # prefetched; experts are gathered when met
         self.prefetch = Prefetch(layers, prefetch if group_size(group) > 1 else 0) if stage == 3 else None
         if stage == 3:
             for i, layer in enumerate(model.layers):
-                model.layers[i] = _Sharded(layer, self.units[i], self)
+                model.layers[i] = _Sharded(layer, self.layer_units[i], self)
 
     def start_backward(self) -> None:
         """Call before a step's first backward."""
@@ -217,9 +233,15 @@ class Zero:
     def grad_norm(self, tp_group, pp_group=None, count_tied: bool = True) -> Tensor:
         """The global gradient norm: every element of the model counted once (a tied embedding
         that two pipeline stages hold: on the one with ``count_tied``)."""
-        sq = torch.stack([u.grad_sq() for u in self.units if count_tied or u is not self.tied]).sum()
+        counted = [u for u in self.units if count_tied or u is not self.tied]
+        sq = torch.stack([u.grad_sq() for u in counted if not u.expert]).sum()
         if self.stage > 0:  # each rank of the group owns different elements
-            all_reduce(sq, self.units[0].group)
+            all_reduce(sq, self.group)
+        experts = [u.grad_sq() for u in counted if u.expert]
+        if experts:  # the stage's dp x cp x tp ranks hold each expert slice's gradient once over the
+            # expert group (stages 1-3: its parts), every rank of that group (stage 0: whole)
+            e = all_reduce(torch.stack(experts).sum(), self.group)
+            sq = sq + (e / group_size(self.expert_group) if self.stage == 0 else e)
         return all_reduce(all_reduce(sq, tp_group), pp_group).sqrt()
 
     def clip(self, max_norm: float, norm: Tensor) -> None:

@@ -50,25 +50,34 @@ def hf_training(path: str, aux_loss_coef: float | None = None):
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 251, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    before = _as_saved(hf)
     opt = torch.optim.AdamW(
         hf.parameters(), lr=OPTIM["lr"], betas=(0.9, 0.95), eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"]
     )
     stats = []
     for b in batches:
-        if aux_loss_coef is None:
-            logits = hf(b[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
-        else:
-            hf.config.router_aux_loss_coef = aux_loss_coef
-            loss = hf(b[:, :-1], labels=b[:, :-1].clone(), output_router_logits=True).loss  # HF shifts labels
+        out = hf(b[:, :-1], output_router_logits=aux_loss_coef is not None)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), b[:, 1:].flatten())
+        if aux_loss_coef is not None:
+            loss = loss + aux_loss_coef * out.aux_loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), OPTIM["max_grad_norm"])
         opt.step()
         opt.zero_grad()
         stats.append((loss.item(), norm.item()))
-    after = {n: p.detach().clone() for n, p in hf.named_parameters()}
-    return path, batches, stats, before, after
+    return path, batches, stats, before, _as_saved(hf)
+
+
+def _as_saved(hf) -> dict[str, torch.Tensor]:
+    """The model's weights under the names its saved checkpoint gives them (the names shardlm
+    loads and saves: transformers keeps experts fused in memory, one tensor each in the file)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        return load_file(f"{d}/model.safetensors")
 
 
 def check_against_hf(results, hf_run) -> None:

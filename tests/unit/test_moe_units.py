@@ -31,17 +31,19 @@ def test_expert_groups_partition_each_stage_by_the_folded_coordinates(kw):
     for kind in EXPERT_GROUPS:
         groups = dims.group_ranks(kind)
         assert sorted(itertools.chain(*groups)) == list(range(dims.world_size))  # a partition
-        vary = ("ep", "etp") if kind == "ep_etp" else (kind,)
-        size = {"ep": dims.ep, "etp": dims.etp, "edp": dims.edp, "ep_etp": dims.ep * dims.etp}[kind]
+        vary = {"ep_etp": ("ep", "etp"), "edp_cp": ("edp", "cp")}.get(kind, (kind,))
+        sizes = {"ep": dims.ep, "etp": dims.etp, "edp": dims.edp, "ep_etp": dims.ep * dims.etp}
+        size = dims.edp * dims.cp if kind == "edp_cp" else sizes[kind]
         for g in groups:
             assert len(g) == size
             c = [dims.coords(r) for r in g]
-            assert len({(x["pp"], x["cp"]) for x in c}) == 1  # never across stages or context slices
+            # never across stages; across context slices only the gradient group
+            assert len({(x["pp"], x["cp"] if kind != "edp_cp" else 0) for x in c}) == 1
             e = [dims.expert_coords(r) for r in g]
             fixed = {tuple(v for a, v in x.items() if a not in vary) for x in e}
             assert len(fixed) == 1  # members differ only in the varying expert axes
             # group-local rank order = the axis coordinate (so group rank == ep_rank etc.)
-            if kind != "ep_etp":
+            if kind in sizes and kind != "ep_etp":
                 assert [x[kind] for x in e] == list(range(size))
 
 

@@ -141,3 +141,26 @@ def test_flops_per_token_and_peaks(tiny):
     assert datasheet_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
     assert datasheet_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
     assert datasheet_flops("NVIDIA GeForce RTX 4090", "bfloat16") is None
+
+
+def test_moe_training_refuses_what_it_cannot_do(tmp_path_factory):
+    """The load-balancing loss needs the whole batch in one forward; DeepSeek trains without one, in
+    float32, and without cp (multi-head latent attention)."""
+    from harness.moe_reference import cached_tiny_moe
+    from shardlm.errors import UsageError
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.parallel.dims import LayoutError
+    from shardlm.train.trainer import TrainConfig, check_trainable
+
+    with pytest.raises(UsageError, match=r"aux_loss_coef=0.01 balances .* pp=2 stages and grad_accum=2 .* use pp=1"):
+        TrainConfig.of(pp=2, grad_accum=2, aux_loss_coef=0.01)
+    with pytest.raises(UsageError, match="aux_loss_coef=-1 must be >= 0"):
+        TrainConfig(aux_loss_coef=-1)
+    v3 = open_checkpoint(cached_tiny_moe("deepseek_v3", tmp_path_factory).path).config
+    check_trainable(v3, 4)
+    with pytest.raises(LayoutError, match="cp=2: context parallelism does not run multi-head latent attention"):
+        check_trainable(v3, 1, cp=2)
+    with pytest.raises(UsageError, match="dtype='bfloat16': deepseek_v3's router stays in float32"):
+        check_trainable(v3, 1, dtype="bfloat16")
+    with pytest.raises(UsageError, match="aux_loss_coef=0.01: deepseek_v3 balances its experts without"):
+        check_trainable(v3, 1, aux_loss_coef=0.01)
