@@ -239,6 +239,18 @@ def load_balancing_loss(blocks: list[SparseMoE], group) -> torch.Tensor:
     return (counts / rows * (probs / rows)).sum() * probs.shape[0]
 
 
+@torch.no_grad()
+def update_expert_bias(blocks: list[SparseMoE], rate: float, group) -> None:
+    """DeepSeek-V3's bias update (§2.1.2 of https://arxiv.org/abs/2412.19437): each layer's correction
+    bias += rate * sign(mean load - load), the load being each expert's top-k choices since the
+    last update, summed over ``group`` (dp x cp), so every rank moves it alike."""
+    for b in blocks:
+        if b.router.bias is None or not b.stats:
+            continue
+        load = all_reduce(torch.stack([c for _, c, _ in b.stats]).sum(0), group)
+        b.router.bias += rate * torch.sign(load.mean() - load)
+
+
 def check_expert_layout(cfg: ModelConfig, ep: int, etp: int) -> None:
     """Reject ep/etp the model cannot take (before any rank starts)."""
     if not cfg.is_moe:

@@ -110,6 +110,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=0.0,
         help="MoE: weight of the load-balancing loss (HF's router_aux_loss_coef; default 0: none)",
     )
+    p.add_argument(
+        "--bias-update-rate",
+        type=float,
+        default=0.0,
+        help="DeepSeek-V3: move each expert's correction bias by this much a step towards balance (default 0: off)",
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate (default 1e-4)")
     p.add_argument(
         "--lr-schedule",
@@ -196,6 +202,7 @@ def run(args) -> int:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         aux_loss_coef=args.aux_loss_coef,
+        bias_update_rate=args.bias_update_rate,
         dtype=args.dtype,
         device=args.device,
         compile=args.compile,

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardlm.errors import UsageError
+from shardlm.models.moe import moe_blocks
 from shardlm.parallel.comm import group_rank
 from shardlm.parallel.expert import ExpertParallelSwiGLU
 from shardlm.parallel.tensor import (
@@ -187,6 +188,14 @@ def chunks(trainer: Trainer, *, saving: bool) -> tuple[list[Chunk], dict[str, tu
     out: list[Chunk] = []
     extent: dict[str, tuple[int, ...]] = {}
     moments = _moments(trainer)
+    dims = trainer.dims
+    first = dims.dp_rank == 0 and dims.cp_rank == 0 and dims.tp_rank == 0  # one rank of each stage
+    for block in moe_blocks(trainer.model):  # DeepSeek-V3's correction biases (bias_update_rate moves them)
+        if block.router.bias is not None:
+            name, bias = f"{block.router.source}.e_score_correction_bias", block.router.bias
+            extent[name] = tuple(bias.shape)
+            if first or not saving:
+                out.append(Chunk(name, name, (0,), tuple(bias.shape), bias))
     for unit, segs in zip(trainer.zero.units, segments(trainer)):
         zero_only = trainer.zero.stage == 0 and group_rank(unit.group) != 0  # whole copies: one saves
         buffers = {"": unit.master.detach()} | {f"optimizer.{k}.": moments[k][unit] for k in MOMENTS}

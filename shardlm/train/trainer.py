@@ -26,7 +26,7 @@ from shardlm.launch import cpu_threads, init_distributed, resolve_device, torchr
 from shardlm.models.attention import causal_metadata
 from shardlm.models.config import DEEPSEEK
 from shardlm.models.loader import load_model, open_checkpoint
-from shardlm.models.moe import load_balancing_loss, moe_blocks
+from shardlm.models.moe import load_balancing_loss, moe_blocks, update_expert_bias
 from shardlm.models.transformer import MLP
 from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
@@ -121,6 +121,12 @@ class TrainConfig:
     of the fraction of top-k choices x the mean router probability); 0: none, as HF by default. Its
     statistics are summed over the dp and cp ranks; it needs pp=1 and grad_accum=1 (a step's whole
     batch in one forward)."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing (https://arxiv.org/abs/2412.19437 §2.1.2): after
+    each step every MoE layer's correction bias (which steers the choice of experts, not their
+    weights) moves by this much for each expert, up if the step's tokens chose it less often than
+    the mean expert, down if more often (counted over the dp and cp ranks); 0: fixed, as in HF.
+    V3 trained with 0.001."""
     compile: bool = False
     """Run each decoder layer's forward and backward through torch.compile (inductor: fused
     kernels; a one-time compile of two graphs, the first layer's and the others')."""
@@ -183,6 +189,8 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelDims):
             raise UsageError(f"parallel={self.parallel!r} must be a ParallelDims, e.g. ParallelDims(dp=2)")
         self.parallel.refuse_beyond(AXES, "training")
+        if not self.bias_update_rate >= 0:
+            raise UsageError(f"bias_update_rate={self.bias_update_rate!r} must be >= 0, e.g. 0.001 (0: off)")
         if not self.aux_loss_coef >= 0:
             raise UsageError(
                 f"aux_loss_coef={self.aux_loss_coef!r} must be >= 0, e.g. 0.01 (0: no load-balancing loss)"
@@ -216,8 +224,15 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def check_trainable(cfg, tp: int, *, cp: int = 1, dtype: str = "float32", aux_loss_coef: float = 0.0) -> None:
+def check_trainable(
+    cfg, tp: int, *, cp: int = 1, dtype: str = "float32", aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0
+) -> None:
     """Refuse what training does not support yet, with the reason."""
+    if bias_update_rate and cfg.family != "deepseek_v3":
+        raise UsageError(
+            f"bias_update_rate={bias_update_rate}: {cfg.family} has no expert correction bias "
+            f"(DeepSeek-V3's); use aux_loss_coef to balance its experts, or bias_update_rate=0"
+        )
     if cfg.is_mla and cp > 1:
         raise LayoutError(
             f"cp={cp}: context parallelism does not run multi-head latent attention ({cfg.family}) yet; use cp=1"
@@ -375,8 +390,8 @@ class Trainer:
             fused=True if offloaded else None,  # the CPU step: torch's fused AdamW kernel
         )
         self.moe = moe_blocks(model)
-        for block in self.moe:  # the load-balancing loss reads each forward's router statistics
-            block.keep_stats = config.aux_loss_coef > 0
+        for block in self.moe:  # the load-balancing loss and the bias update read the router's statistics
+            block.keep_stats = config.aux_loss_coef > 0 or config.bias_update_rate > 0
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
 
@@ -431,6 +446,10 @@ class Trainer:
                 param_group["lr"] = lr
             self.optimizer.step()
             self.zero.after_step()
+            if self.config.bias_update_rate:
+                update_expert_bias(self.moe, self.config.bias_update_rate, self.dims.dp_cp_group)
+        for block in self.moe:
+            block.stats = []
         self.steps += 1
         held["optimizer"] = held.pop("masters") + sum(  # moments (not the step count), 16-bit's masters
             t.nbytes for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
@@ -532,6 +551,8 @@ class Trainer:
             for i in range(len(run.micros)):
                 run.forward(i)
             run.io.flush()
+        for block in self.moe:  # an evaluation moves no bias
+            block.stats = []
         loss = all_reduce(all_reduce(run.total, self.dims.pp_group), self.dims.dp_cp_group) / run.count
         return {"loss": float(loss), "tokens": int(run.count)}
 

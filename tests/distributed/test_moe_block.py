@@ -120,15 +120,24 @@ def test_eplb_keeps_outputs_and_evens_the_load(tiny_moe, spec):
 
 
 @pytest.mark.parametrize(
-    "layout", [(2, 2, 4, 1), (2, 2, 2, 2), (1, 4, 4, 1)], ids=lambda t: "tp{}-dp{}-ep{}-etp{}".format(*t)
+    "name, layout",
+    [
+        ("qwen3_moe", (2, 2, 4, 1)),
+        ("qwen3_moe", (2, 2, 2, 2)),
+        ("qwen3_moe", (1, 4, 4, 1)),
+        ("deepseek_v3", (4, 1, 2, 1)),
+    ],
+    ids=["tp2-dp2-ep4-etp1", "tp2-dp2-ep2-etp2", "tp1-dp4-ep4-etp1", "deepseek_v3-tp4-ep2"],
 )
-def test_each_rank_reads_and_holds_only_its_experts(tiny_moe, layout):
+def test_each_rank_reads_and_holds_only_its_experts(tiny_moe, name, layout):
+    """qwen3_moe's 6 experts at ep=4 split 2, 2, 1, 1; DeepSeek-V3 at tp=4: each rank reads its
+    heads' rows of q_b and kv_b (the latent's projections whole) and its experts."""
     from shardlm.parallel.collectives import split_sizes
 
-    ref = tiny_moe("qwen3_moe")  # 6 experts: ep=4 splits them 2, 2, 1, 1
+    ref = tiny_moe(name)
     tp, dp, ep, etp = layout
     results = run_ranks(tp * dp, read_and_held, str(ref.path), tp, dp, ep, etp)
-    experts = ref.config.num_experts
+    experts = getattr(ref.config, "num_local_experts", None) or ref.config.num_experts
     per_expert = expert_elements(ref.config) // experts  # all layers
     for rank, (read, params, held, slots) in enumerate(results):
         ep_rank = (rank // etp) % ep  # stage index folded as (edp, ep, etp)

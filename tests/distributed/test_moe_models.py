@@ -20,7 +20,7 @@ import torch
 from harness.moe_rankfns import dp_greedy_and_logits
 from harness.moe_reference import cached_tiny_moe
 from harness.multirank import run_ranks
-from harness.rankfns import greedy_and_logits, llm_generate
+from harness.rankfns import greedy_and_logits, llm_generate, llm_greedy
 from harness.reference import NEW_TOKENS, PROMPTS, TINY_MOE_MODELS
 from shardlm.parallel.collectives import split_sizes
 
@@ -100,3 +100,16 @@ def test_moe_engine_dp_with_uneven_requests(tiny_moe, layout):
         # the expert load is reported, each (token, expert) pair counted once: k per token routed
         routed = sum(len(p) + n - 1 for p, n in zip(PROMPTS, max_tokens))
         assert [sum(layer) for layer in load["expert_tokens"]] == [2 * routed] * len(load["expert_tokens"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"speculative_config": {"num_speculative_tokens": 3}}, {"max_num_batched_tokens": 8}],
+    ids=["ngram", "chunked"],
+)
+def test_deepseek_with_drafts_and_chunked_prefill_gives_hf_tokens(tiny_moe, options):
+    """MLA verifying n-gram drafts (several new tokens over the cached latents) and prefilling a
+    prompt in chunks (a later chunk expands the earlier chunks' latents from the cache)."""
+    ref = tiny_moe("deepseek_v3")
+    [(tokens, _, _)] = run_ranks(1, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, **options)
+    assert tokens == ref.tokens

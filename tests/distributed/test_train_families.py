@@ -125,3 +125,36 @@ def test_moe_model_saved_from_expert_ranks_loads_in_hf(moe_runs, tmp_path):
     assert saved.keys() == after.keys()
     for k in after:
         torch.testing.assert_close(saved[k], after[k], rtol=0, atol=1e-4, msg=k)
+
+
+def test_deepseek_v3_bias_moves_towards_balance_and_resumes(moe_runs, tmp_path):
+    """One step with bias_update_rate: each layer's correction bias moved by the rate, up for the
+    experts HF's routers chose less often than the mean on that batch and down for the others, on
+    every rank alike (dp=2 x ep=2 counts both halves of the batch); a resumed run has it back."""
+    import transformers
+
+    from harness.moe_reference import routers
+    from harness.rankfns import expert_biases_after
+
+    path, batches = moe_runs("deepseek_v3", False)[:2]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    picks = []
+    hooks = [r.register_forward_hook(lambda m, a, out: picks.append(out[2])) for r in routers(hf)]
+    with torch.no_grad():
+        hf(batches[0][:, :-1])
+    for h in hooks:
+        h.remove()
+    rate = 0.01
+    want = []
+    for router, ids in zip(routers(hf), picks):
+        load = torch.bincount(ids.flatten(), minlength=router.e_score_correction_bias.numel()).float()
+        assert len(set(load.tolist())) > 1  # the load is uneven: the update has a direction
+        want.append(router.e_score_correction_bias + rate * torch.sign(load.mean() - load))
+    got = run_ranks(
+        2, expert_biases_after, path, batches[:1], str(tmp_path), dp=2, ep=2, bias_update_rate=rate, **OPTIM
+    )
+    for biases in got:
+        for b, w in zip(biases, want):
+            torch.testing.assert_close(b, w, rtol=0, atol=1e-7)
+    back = run_ranks(2, expert_biases_after, path, [], str(tmp_path), resume=True, tp=2, ep=2, **OPTIM)
+    assert all(torch.equal(b, g) for biases in back for b, g in zip(biases, got[0]))

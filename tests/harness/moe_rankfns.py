@@ -191,4 +191,5 @@ def read_and_held(path: str, tp: int, dp: int, ep: int, etp: int = 1):
     blocks = moe_blocks(model)
     held = sum(b.experts.w13.numel() + b.experts.w2.numel() for b in blocks)
     params = sum(p.numel() for p in model.parameters())
+    params += sum(b.router.bias.numel() for b in blocks if b.router.bias is not None)  # DeepSeek-V3's buffer
     return source.elements, params, held, [b.experts.local_experts for b in blocks]

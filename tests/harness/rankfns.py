@@ -261,3 +261,21 @@ def evaluate_and_step(model: str, batch, **options):
         TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
     )
     return trainer.evaluate(batch), trainer.step(batch)
+
+
+def expert_biases_after(model: str, batches, directory: str | None, resume: bool = False, **options):
+    """The MoE layers' correction biases (DeepSeek-V3) after training on ``batches`` and saving the
+    state to ``directory``; with ``resume``, those of a new run that loaded that state instead."""
+    from shardlm.models.moe import moe_blocks
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(
+        TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
+    )
+    if resume:
+        trainer.load_state(directory)
+    else:
+        for b in batches:
+            trainer.step(b)
+        trainer.save_state(directory)
+    return [b.router.bias.clone() for b in moe_blocks(trainer.model)]

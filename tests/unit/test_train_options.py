@@ -164,3 +164,9 @@ def test_moe_training_refuses_what_it_cannot_do(tmp_path_factory):
         check_trainable(v3, 1, dtype="bfloat16")
     with pytest.raises(UsageError, match="aux_loss_coef=0.01: deepseek_v3 balances its experts without"):
         check_trainable(v3, 1, aux_loss_coef=0.01)
+    check_trainable(v3, 1, bias_update_rate=0.001)
+    mixtral = open_checkpoint(cached_tiny_moe("mixtral", tmp_path_factory).path).config
+    with pytest.raises(UsageError, match="bias_update_rate=0.001: mixtral has no expert correction bias"):
+        check_trainable(mixtral, 1, bias_update_rate=0.001)
+    with pytest.raises(UsageError, match="bias_update_rate=-1 must be >= 0"):
+        TrainConfig(bias_update_rate=-1)
