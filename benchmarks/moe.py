@@ -22,6 +22,9 @@ ep rank, mean over layers). The ranks drive the model with the tests' minimal DP
 loop (``tests/harness/moe_rankfns.py``), so the engine's scheduler is not part of the measurement.
 
     python benchmarks/moe.py [--prompts 16] [--new-tokens 16] [--repeats 3]
+
+DeepSeek's rows (MLA's latent cache and absorbed decode, MoE training at ep1 vs ep2) come from
+benchmarks/deepseek.py, in the same table format.
 """
 
 from __future__ import annotations
