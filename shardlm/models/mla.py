@@ -126,9 +126,8 @@ class LatentAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = apply_rotary(q_pe, *rope), apply_rotary(k_pe, *rope)
         latent = torch.cat([c, k_pe[:, 0]], dim=-1)  # [tokens, latent + rope]: what the cache keeps
-        if (
-            cache is not None and meta.slot_mapping is not None
-        ):  # [c, k_pe] as one row of one head (a quantized cache: one scale for both)
+        if cache is not None and meta.slot_mapping is not None:
+            # [c, k_pe] as one row of one head (a quantized cache: one scale for both)
             plane = raw_bytes(cache)[0]
             plane.view(-1, 1, plane.shape[-1]).index_copy_(
                 0, meta.slot_mapping, encode_kv(latent[:, None], cache.dtype)
@@ -168,7 +167,10 @@ class LatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
         """One new token per sequence [B, heads, *] over the cached latents, W_UK folded into the
         query and W_UV applied after attention."""
-        w = self.kv_b.weight.view(self.num_q, self.nope + self.v_dim, self.latent)
+        w = self.kv_b.weight
+        if self.kv_b.weight_scale is not None:  # --quantization int8: each row's scale
+            w = w.to(q_nope.dtype) * self.kv_b.weight_scale[:, None].to(q_nope.dtype)
+        w = w.view(self.num_q, self.nope + self.v_dim, self.latent)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, latent], [heads, v, latent]
         q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [B, heads, latent + rope]
