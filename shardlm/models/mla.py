@@ -167,7 +167,7 @@ class LatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
         """One new token per sequence [B, heads, *] over the cached latents, W_UK folded into the
         query and W_UV applied after attention."""
-        w = self.kv_b.weight
+        w: torch.Tensor = self.kv_b.weight
         if self.kv_b.weight_scale is not None:  # --quantization int8: each row's scale
             w = w.to(q_nope.dtype) * self.kv_b.weight_scale[:, None].to(q_nope.dtype)
         w = w.view(self.num_q, self.nope + self.v_dim, self.latent)
