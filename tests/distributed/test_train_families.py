@@ -69,6 +69,15 @@ def _moe_id(layout) -> str:
 
 
 def _moe_cases():
+    """Every (model, layout), ordered by world size: the rank pools (two alive at once) start once."""
+    return sorted(_all_moe_cases(), key=lambda case: _world(*case.values[2:]))
+
+
+def _world(dp, tp, ep, zero, extra) -> int:
+    return dp * tp * extra.get("cp", 1) * extra.get("pp", 1)
+
+
+def _all_moe_cases():
     for name in TINY_MOE_MODELS:
         deepseek = name.startswith("deepseek")  # no aux loss in HF; MLA has no cp yet; tp=4 splits no KV head
         layouts = [lay for lay in MOE_LAYOUTS if not (deepseek and "cp" in lay[4])]
@@ -79,12 +88,11 @@ def _moe_cases():
             yield pytest.param(name, False, *lay, id=f"{name}-{_moe_id(lay)}")
 
 
-@pytest.mark.parametrize("name,aux,dp,tp,ep,zero,extra", list(_moe_cases()))
+@pytest.mark.parametrize("name,aux,dp,tp,ep,zero,extra", _moe_cases())
 def test_moe_trains_as_hf(moe_runs, name, aux, dp, tp, ep, zero, extra):
     run = moe_runs(name, aux)
     options = {**OPTIM, **extra, **({"aux_loss_coef": AUX} if aux else {})}
-    world = dp * tp * extra.get("cp", 1) * extra.get("pp", 1)
-    results = run_ranks(world, train_steps, run[0], run[1], dp, tp, zero, ep=ep, **options)
+    results = run_ranks(_world(dp, tp, ep, zero, extra), train_steps, run[0], run[1], dp, tp, zero, ep=ep, **options)
     check_against_hf(results, run)
     if aux:
         assert all(s["aux_loss"] > 0 for stats, *_ in results for s in stats)
