@@ -84,7 +84,7 @@ def _all_moe_cases():
         layouts += [(1, 4, 4, 1, {})] if deepseek else []
         for lay in layouts:
             yield pytest.param(name, not deepseek, *lay, id=f"{name}-{_moe_id(lay)}")
-        for lay in PIPELINED if name in ("mixtral", "deepseek_v3") else []:
+        for lay in PIPELINED:
             yield pytest.param(name, False, *lay, id=f"{name}-{_moe_id(lay)}")
 
 
