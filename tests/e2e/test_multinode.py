@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import selectors
 import time
 
 import pytest
@@ -79,7 +80,12 @@ def test_a_lost_host_ends_generation_with_one_line(hosts):
     args = ["generate", "--tp", "2", "--pp", "2", "--no-chat", "--max-new-tokens", "3000", "--threads", "1"]
     port = next(_ports)
     procs = {h: hosts.torchrun(h, 2, [*args, "--timeout", "60", "1, 2, 3, 4, 5,"], port=port) for h in ("A", "B")}
-    time.sleep(20)  # loaded and generating (3000 tokens take minutes)
+    # generating once global rank 0 (on either host) streams its first text (3000 tokens take minutes);
+    # a fixed sleep was not enough on a loaded machine, where host B died while A still initialised
+    ready = selectors.DefaultSelector()
+    for p in procs.values():
+        ready.register(p.stdout, selectors.EVENT_READ)
+    assert ready.select(timeout=180), "no rank started generating within 180 s"
     assert procs["A"].poll() is None, procs["A"].communicate()
     hosts.kill("B")
     start = time.monotonic()
