@@ -533,7 +533,7 @@ class Trainer:
                 loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
                 total.add_(loss.detach().sum().double())
                 out = loss.sum() / count
-                if self.config.aux_loss_coef:  # pp=1: every layer's statistics are on this rank
+                if self.config.aux_loss_coef and torch.is_grad_enabled():  # pp=1: every layer's statistics here
                     aux = load_balancing_loss(self.moe, self.dims.dp_cp_group)
                     aux_total.add_(aux.detach().double())
                     out = out + self.config.aux_loss_coef * aux
