@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, then a real 3-rank tensor-parallel generation on SmolLM2
-#   make test   set up .venv, then the whole test suite (tests/unit, tests/distributed, tests/e2e)
+#   make test   set up .venv, then the test suite (tests/unit, tests/distributed, tests/e2e) but the slow tier
+# `make test-slow` runs the slow tier (@pytest.mark.slow: multi-host, soak, compile, full CLI runs);
+# CI runs lint, test and test-slow
 # TORCH pins the CPU wheel of the development machine; on a GPU host use e.g.
 #   make TORCH="torch>=2.5" test
 PYTHON ?= python3
@@ -9,7 +11,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-slow test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -25,7 +27,11 @@ demo: $(STAMP)
 	$(BIN)/shardlm generate --tp 3 "Explain tensor parallelism in one paragraph."
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# the tests marked slow (each ~10 s to 2 min on 2 cores): CI runs them after `make test`
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 # the unit tier (no process group, no ranks): what to run while editing
 test-fast: $(STAMP)

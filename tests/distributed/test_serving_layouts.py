@@ -73,10 +73,10 @@ def test_speculative_serving_streams_the_offline_tokens(tiny):
     "name, layout",
     [
         ("qwen3_moe", dict(dp=2, ep=2)),
-        ("qwen3_moe", dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2)),
+        pytest.param("qwen3_moe", dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2), marks=pytest.mark.slow),
         ("qwen3_moe", dict(tp=2, dp=2, ep=2, eplb_interval=3)),
         ("deepseek_v3", dict(tp=2, pp=2, ep=2)),
-        ("deepseek_v2", dict(dp=2, ep=2, eplb_interval=3)),
+        pytest.param("deepseek_v2", dict(dp=2, ep=2, eplb_interval=3), marks=pytest.mark.slow),
     ],
     ids=["lockstep", "lockstep+eplb", "replicated+eplb", "deepseek_v3-tp2-pp2-ep2", "deepseek_v2-lockstep+eplb"],
 )

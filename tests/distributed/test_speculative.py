@@ -99,6 +99,7 @@ def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
             assert tokens == [o.token_ids for o in plain], layout
 
 
+@pytest.mark.slow
 def test_smollm2_repeating_text_takes_fewer_steps_for_the_same_tokens():
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     chat = [{"role": "user", "content": "Repeat this code exactly, then add a mul function:\n" + code}]

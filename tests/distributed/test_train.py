@@ -597,6 +597,7 @@ def test_bad_input_is_refused_with_a_reason(tiny):
     assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
     """Context parallel with ring attention (each sequence's zig-zag halves on two ranks), ZeRO-2
     over those two, flags from a --config file, a warm-up and cosine decay; --checkpoint and

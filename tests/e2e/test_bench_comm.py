@@ -53,6 +53,7 @@ def test_a_wrong_result_is_reported():
     assert got[0] == [("all_reduce", False), ("broadcast", True)]
 
 
+@pytest.mark.slow
 def test_cli_json_and_plots(tmp_path):
     """One run (its ranks cost most of it); the table's text is checked through the Python API above."""
     cmd = [

@@ -147,6 +147,7 @@ def test_python_api_needs_no_main_guard(tmp_path):
     assert len(json.loads(r.stdout.strip().splitlines()[-1])) == 4
 
 
+@pytest.mark.slow
 def test_runs_unchanged_under_torchrun(single_rank_tokens):
     r = subprocess.run(
         [

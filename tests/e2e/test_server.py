@@ -279,6 +279,7 @@ def test_penalties_and_logit_bias_match_offline(client, reference):
     assert r.choices[0].text == reference["penalized"] != reference[RAW][1]
 
 
+@pytest.mark.slow
 def test_structured_outputs_through_the_openai_client(client):
     import jsonschema
 

@@ -52,6 +52,7 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_queue_full_then_a_killed_rank_fails_requests_and_exits_cleanly():
     """tp=2, --max-queue 1: a second request gets 429. Then rank 1 is killed mid-stream: the stream ends
     with an error event, /health and new requests answer 503, and the server exits 1 with the reason

@@ -37,6 +37,7 @@ def llm():
         yield llm
 
 
+@pytest.mark.slow
 def test_json_schema_answers_validate_for_20_prompts(llm):
     params = SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs = llm.chat([[{"role": "user", "content": q}] for q in PEOPLE], params)
@@ -76,6 +77,7 @@ def test_regex_choice_grammar_and_json_object(llm):
     assert obj[0].finish_reason == "stop" and isinstance(json.loads(obj[0].text), dict)
 
 
+@pytest.mark.slow
 def test_a_pipeline_samples_under_the_grammar_as_one_rank(llm):
     params = SamplingParams(
         n=2, max_tokens=96, temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(json=SCHEMA)

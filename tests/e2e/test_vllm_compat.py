@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness.cli import BIN, shardlm
 from harness.reference import NEW_TOKENS, PROMPTS
 
@@ -63,6 +65,7 @@ def test_a_hub_id_from_the_local_cache_serves_hf_tokens(tiny, tmp_path, monkeypa
     assert r.returncode == 2 and f"is not in the HF cache {tmp_path}" in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_template_and_generation_config(tmp_path):
     from shardlm import LLM
 
