@@ -87,7 +87,8 @@ def run_generate(args) -> int:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in llm.param_bytes)
             log(
                 f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
-                f"of {llm.config.block_size} tokens"
+                f"of {llm.config.block_size} tokens{' on each cp rank' if llm.dims.cp > 1 else ''} = "
+                f"{llm.kv_tokens} tokens per replica"
             )
         stream = speaker and not args.json and len(prompts) == 1
         decoder = IncrementalDecoder(tokenizer)

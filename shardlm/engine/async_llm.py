@@ -108,10 +108,10 @@ class AsyncLLM(EngineFront):
     def room(self, prompt_len: int) -> tuple[int, str]:
         """Most new tokens a prompt of this length may ask for, and what bounds it (for messages):
         the context, or the KV cache (a request's last token needs no KV slot)."""
-        slots = self.kv_blocks * self.config.block_size
+        slots = self.kv_tokens
         if self.max_model_len <= slots + 1:
             return self.max_model_len - prompt_len, f"the context {self.max_model_len}"
-        return slots + 1 - prompt_len, f"the KV cache {slots} tokens (--kv-cache-memory)"
+        return slots + 1 - prompt_len, f"the KV cache {slots} tokens (--kv-cache-memory, or more --cp ranks)"
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Refuse a request that cannot be served, with a message for the client (HTTP 400)."""

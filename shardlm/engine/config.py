@@ -22,8 +22,8 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
-AXES = ("dp", "pp", "tp", "ep", "etp")
-"""The parallel axes the engine runs (context parallelism at inference is not built yet)."""
+AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
+"""The parallel axes the engine runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,8 +31,9 @@ class EngineConfig:
     model: str = "smollm2"
     """'smollm2' (the embedded SmolLM2-135M-Instruct GGUF), a HF directory, or a .gguf file."""
     parallel: ParallelDims = field(default_factory=ParallelDims)
-    """The layout over ranks (dp x pp x tp, experts folded as ep x etp; ``AXES``); tp may be any
-    value from 1 to the number of attention heads."""
+    """The layout over ranks (dp x pp x cp x tp, experts folded as ep x etp; ``AXES``); tp may be any
+    value from 1 to the number of attention heads; cp stripes every sequence and its KV cache over
+    its ranks (``parallel/context_paged.py``)."""
     pp_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage, e.g. (10, 10, 10); default: balanced by per-token work (the LM head
     counts, the embedding lookup does not)."""
@@ -146,8 +147,23 @@ class EngineConfig:
                 f"replicas to decode; use {fits}{more}"
             )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
+        self._check_cp()
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
+
+    def _check_cp(self) -> None:
+        """Refuse what context parallelism does not run yet, each with its reason."""
+        cp = self.parallel.cp
+        if cp == 1:
+            return
+        refused = {
+            "speculative_config": "a verify step's draft rows would need their own owners on the cp ranks",
+            "compile": "the striped step's gather and all-to-all are not traced yet",
+            "prefill_replicas": "a handoff would move a cache striped over cp ranks",
+        }
+        for name, why in refused.items():
+            if getattr(self, name):
+                raise UsageError(f"{name}={getattr(self, name)!r} does not work with cp={cp} yet: {why}; drop one")
 
     def dims(self) -> ParallelDims:
         """The layout, without a mesh: each rank builds its own on a copy."""
@@ -160,6 +176,11 @@ class EngineConfig:
             raise UsageError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} sizes the KV cache from GPU memory, but "
                 f"this run is on {device_type}; give kv_cache_memory (--kv-cache-memory) instead"
+            )
+        if model.is_mla and self.parallel.cp > 1:
+            raise UsageError(
+                f"cp={self.parallel.cp} stripes K/V heads over ranks, and DeepSeek's latent attention cache is not "
+                "striped yet; use cp=1 (tp, pp, dp and ep split a DeepSeek model)"
             )
         d = model.kv_lora_rank + model.qk_rope_head_dim if model.is_mla else model.head_dim
         if self.kv_cache_dtype == "int4" and (d % 2 or d % min(INT4_GROUP, d)):

@@ -266,7 +266,7 @@ class Engine:
         """Run this stage's part of one step; the last stage samples (and sends) the tokens."""
         hidden = None
         if not self.links.first:
-            shape = (2, batch.num_tokens(), self.runner.model.cfg.hidden_size)
+            shape = (2, self.runner.step_tokens(batch), self.runner.model.cfg.hidden_size)
             hidden = self.links.recv_hidden(shape, self.runner.dtype, self.runner.device)
         t0 = time.perf_counter()
         out = self.runner.run(batch, hidden)

@@ -200,9 +200,13 @@ class EngineFront:
 
     def _took_ready(self, infos: list[dict]) -> None:
         self.param_bytes = [i["param_bytes"] for i in infos]
-        self.kv_blocks = infos[0]["kv_blocks"]
+        self.kv_blocks = infos[0]["kv_blocks"]  # a block under cp is one on each of the replica's cp ranks
+        self.kv_tokens = self.kv_blocks * self.config.block_size * self.dims.cp
+        """Tokens one replica's KV cache holds (its cp ranks together)."""
         # the first rank of each replica speaks for it (all its ranks hold the same results)
-        self._replica_leaders = [r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["tp"] == 0]
+        self._replica_leaders = [
+            r for r, i in enumerate(infos) if i["coords"]["pp"] == i["coords"]["cp"] == i["coords"]["tp"] == 0
+        ]
 
 
 class LLM(EngineFront):
@@ -236,9 +240,11 @@ class LLM(EngineFront):
         self.load_s = time.perf_counter() - start
         self._took_ready(infos)
         stages = sorted(
-            (i["coords"]["pp"], r) for r, i in enumerate(infos) if i["coords"]["dp"] == i["coords"]["tp"] == 0
+            (i["coords"]["pp"], r)
+            for r, i in enumerate(infos)
+            if i["coords"]["dp"] == i["coords"]["cp"] == i["coords"]["tp"] == 0
         )
-        self._stage_leaders = [r for _, r in stages]  # replica 0's tp-rank-0 of each stage, in pp order
+        self._stage_leaders = [r for _, r in stages]  # replica 0's cp- and tp-rank-0 of each stage, in pp order
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -262,6 +268,19 @@ class LLM(EngineFront):
                 f"{self.checkpoint.config.max_position_embeddings})"
             )
         return ids
+
+    def check_kv(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a request whose KV cache one replica cannot hold, suggesting enough cp ranks."""
+        need = prompt_len + max_tokens - 1  # the last token sampled needs no slot
+        if need <= self.kv_tokens:
+            return
+        per_rank = self.kv_tokens // self.dims.cp
+        cp = -(-need // per_rank)
+        raise UsageError(
+            f"a prompt of {prompt_len} tokens with max_tokens={max_tokens} needs {need} KV-cache slots, but a "
+            f"replica holds {self.kv_tokens} ({per_rank} per rank at cp={self.dims.cp}); stripe it over cp={cp} "
+            f"ranks (--cp {cp}), raise kv_cache_memory, or lower max_tokens"
+        )
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **template) -> str:
         if not (template.get("chat_template") or self.tokenizer.chat_template):
@@ -296,6 +315,7 @@ class LLM(EngineFront):
             room = self.max_model_len - len(ids)
             if p.max_tokens > room:
                 p = dataclasses.replace(p, max_tokens=room)  # stops at the context end ("length")
+            self.check_kv(len(ids), p.max_tokens)
             first = len(requests)
             for j in range(p.generated):  # n choices: seeds seed, seed + 1, ...; the first computes the prompt
                 seed = p.seed + j if p.seed is not None else self.config.seed + len(requests)

@@ -35,6 +35,7 @@ from shardlm.engine.scheduler import Batch
 from shardlm.launch import busy
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
+from shardlm.parallel.context_paged import ContextShards, owner
 
 PROGRESS_EVERY_S = 30.0
 
@@ -53,8 +54,11 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 256,
         announce: bool = False,
+        cp_group=None,
     ):
         self.model = model
+        # context parallelism: this rank computes and caches its stripe of every sequence
+        self.cp_group, self.cp, self.cp_rank = cp_group, comm.group_size(cp_group), comm.group_rank(cp_group)
         self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
@@ -181,6 +185,58 @@ class ModelRunner:
             torch.tensor(rows, device=dev, dtype=torch.long),
         )
 
+    def prepare_striped(
+        self, batch: Batch, all_positions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``prepare`` under cp: the step's tokens this cp rank owns (``context_paged.owner``), and
+        metadata in which ``prefills`` lists every sequence of the step by its rows among all the
+        step's tokens (the all-gathered queries); the rows whose logits are wanted are this rank's
+        own (``ContextShards.gather_rows`` brings them all to every cp rank)."""
+        bs, cp, dev = self.block_size, self.cp, self.device
+        meta = AttentionMetadata(slot_mapping=None, block_size=bs)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        owners: list[int] = []
+        wanted: list[int] = []
+        local: dict[int, int] = {}  # step row -> this rank's row, for the rows it owns
+        for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.counts, batch.samples())):
+            start, end, table, row = seq.num_computed, seq.num_computed + n, seq.block_table, len(owners)
+            meta.prefills.append(PrefillSeq(row, n, end, torch.tensor(table, device=dev)))
+            for p, token in zip(range(start, end), seq.tokens(start, end)):
+                owners.append(owner(p, bs, cp))
+                if owners[-1] == self.cp_rank:
+                    local[len(owners) - 1] = len(ids)
+                    ids.append(token)
+                    positions.append(p)
+                    slots.append(table[p // (bs * cp)] * bs + p % bs)  # this rank's run of the group block
+            wanted.extend(row + q - start for q in batch.prompt_rows(i))  # prompt logprobs
+            if samples:
+                wanted.append(row + n - 1)
+        if all_positions:
+            wanted = list(range(len(owners)))
+        meta.num_prefill_tokens = len(owners)
+        meta.slot_mapping = torch.tensor(slots, device=dev, dtype=torch.long)
+        meta.context = ContextShards.build(self.cp_group, self.cp_rank, owners, wanted, dev)
+        self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
+        rows = [local[r] for r in wanted if r in local]
+        return (
+            torch.tensor(ids, device=dev, dtype=torch.long),
+            torch.tensor(positions, device=dev, dtype=torch.long),
+            meta,
+            torch.tensor(rows, device=dev, dtype=torch.long),
+        )
+
+    def step_tokens(self, batch: Batch) -> int:
+        """Tokens of the step this rank computes (its own under cp, else all)."""
+        if self.cp == 1:
+            return batch.num_tokens()
+        return sum(
+            owner(p, self.block_size, self.cp) == self.cp_rank
+            for s, n in zip(batch.seqs, batch.counts)
+            for p in range(s.num_computed, s.num_computed + n)
+        )
+
     @torch.inference_mode()
     def run(self, batch: Batch, hidden: torch.Tensor | None = None, all_positions: bool = False):
         """This stage's part of one step. The first stage starts from token ids, the others
@@ -195,6 +251,10 @@ class ModelRunner:
         compiled the same way. Prompt chunks deep into long contexts
         (``cuda_graphs.prompt_rows_fit``) and, with graphs, longer steps run eagerly.
         """
+        if self.cp > 1:  # the config refuses graphs, compile and drafts with cp
+            ids, positions, meta, rows = self.prepare_striped(batch, all_positions)
+            out = self.model(ids if hidden is None else hidden, positions, meta, self.caches, rows)
+            return out.float() if self.model.last else out
         rows_only = graph = False
         scores = any(batch.prompt_rows(i) for i in range(len(batch.seqs)))  # prompt logprobs: eager
         if (self.graphs is not None or self.compiled is not None) and not all_positions and not scores:

@@ -1,6 +1,6 @@
 """The serving loop on the ranks: requests arrive between rounds, tokens stream out.
 
-The leader of each replica (its first stage's tp rank 0) talks to the driver: it
+The leader of each replica (its first stage's cp and tp rank 0) talks to the driver: it
 reads new requests and cancellations and streams tokens and finished requests back.
 Every round it broadcasts what arrived to all ranks of its replica (one small
 collective over the replica's group), so every rank adds and aborts the same
@@ -45,7 +45,7 @@ def serve(worker, link) -> None:
     """Run until the driver says stop. ``link`` is this rank's DriverLink."""
     engine, dims = worker.engine, worker.dims
     group = dims.replica_group()
-    leader = dims.pp_rank == 0 and dims.tp_rank == 0
+    leader = dims.pp_rank == dims.cp_rank == dims.tp_rank == 0
     rounds = 0
     load = None
     while True:

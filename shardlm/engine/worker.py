@@ -76,16 +76,17 @@ class Worker:
         if config.quantization == "int8":
             quantize_int8(self.model)
         self.load_s = time.perf_counter() - start
-        bs = config.block_size
+        bs, cp = config.block_size, self.dims.cp
         self.kv_block_bytes = per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
-        needed = -(-config.max_num_seqs * self.max_model_len // bs)  # more could never be used
+        # under cp a block of the block manager is one block on each cp rank: cp x bs tokens
+        needed = -(-config.max_num_seqs * self.max_model_len // (bs * cp))  # more could never be used
         budget = config.kv_cache_memory
         if config.gpu_memory_utilization is not None:  # for_model refused it off a GPU
             budget = kv_budget(config.gpu_memory_utilization, *torch.cuda.mem_get_info(self.device))
         self.num_blocks = max(1, min(budget // max(per_block, 1), needed))
         self.moe = bool(moe_blocks(self.model))
         # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)
-        graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == 1 and not self.moe
+        graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == cp == 1 and not self.moe
         self.runner = ModelRunner(
             self.model,
             num_blocks=self.num_blocks,
@@ -97,10 +98,11 @@ class Worker:
             cuda_graphs=graphs,
             max_num_seqs=config.max_num_seqs,
             announce=rank == 0,
+            cp_group=self.dims.cp_group,
         )
         self.engine = Engine(
             self.runner,
-            BlockManager(self.num_blocks, bs),
+            BlockManager(self.num_blocks, bs * cp),
             eos_ids=ckpt.config.eos_token_ids,
             config=SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shardlm.parallel.context_paged import ContextShards, local_key_positions, partial_attention
+
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 INT8_SCALED = torch.uint8
 """A KV cache of this dtype holds int8 values and one float32 scale (absmax / 127) per token and
@@ -58,6 +60,10 @@ class AttentionMetadata:
     decode_padded: bool = False
     """Decode tables, ``decode_max_context`` and the batch are padded past what the sequences use
     (a CUDA graph's fixed shapes, ``engine/cuda_graphs.py``): every key slot beyond a context is masked."""
+    context: ContextShards | None = None
+    """Context parallelism (``parallel/context_paged.py``): this rank holds only its stripe of the
+    step's tokens (``slot_mapping`` places them), and ``prefills`` lists every sequence of the step,
+    decodes too, by its rows among all the step's tokens."""
 
 
 def causal_metadata(lengths: list[int]) -> AttentionMetadata:
@@ -204,6 +210,8 @@ def paged_attention(
     slots, then attends. Returns [tokens, q_heads, d]. With no ``cache`` (training, see
     ``causal_metadata``) every sequence attends causally to its own fresh keys.
     """
+    if meta.context is not None:
+        return _striped(q, k, v, cache, meta, heads, scale, window)
     gqa = heads.group > 1
     if cache is None and window is None and _same_length(meta.prefills):  # a training batch: one call
         b, n, d = len(meta.prefills), meta.prefills[0].length, q.shape[-1]
@@ -236,6 +244,41 @@ def paged_attention(
     if meta.decode_block_tables is not None:
         outputs.append(_decode(q[meta.num_prefill_tokens :], cache, meta, heads, scale, window))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _striped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    heads: GroupedHeads,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """cp inference: this rank's new keys go to its cache; every query of the step attends to the
+    keys this rank holds (its runs of each sequence's group blocks); the partial outputs merge at
+    the queries' owners. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
+    shards = meta.context
+    assert shards is not None
+    torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
+    everyone = shards.gather_queries(q)  # [step tokens, q_heads, d]
+    n, d, bs, cp = everyone.shape[0], q.shape[-1], meta.block_size, len(shards.counts)
+    out = torch.zeros((n, heads.num_kv * heads.group, d), dtype=torch.float32, device=q.device)
+    lse = torch.full((n, heads.num_kv * heads.group), float("-inf"), device=q.device)
+    for s in meta.prefills:
+        assert s.block_table is not None
+        blocks = -(-s.context_len // (bs * cp))  # group blocks; this rank holds one run of each
+        ks, vs = _read_kv(cache, s.block_table, blocks * bs, q.dtype, d)  # [kv, blocks * bs, d]
+        k_pos = local_key_positions(blocks, bs, cp, shards.rank, q.device)
+        q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
+        rows = slice(s.start, s.start + s.length)
+        qs = heads.group_q(everyone[rows]).view(s.length, heads.num_kv, heads.group, d).permute(1, 2, 0, 3)
+        o, o_lse = partial_attention(qs, ks, vs, q_pos, k_pos, scale, window)  # [kv, group, L, d], [kv, group, L]
+        out[rows] = o.permute(2, 0, 1, 3).reshape(s.length, -1, d)
+        lse[rows] = o_lse.permute(2, 0, 1).reshape(s.length, -1)
+    mine = shards.return_outputs(out, lse)  # [own tokens, kv * group, d]
+    return heads.ungroup(mine).to(q.dtype)
 
 
 def _same_length(prefills: list[PrefillSeq]) -> bool:

@@ -336,4 +336,6 @@ class Transformer(nn.Module):
         h, _ = self.norm(h, residual)
         if logits_indices is not None:
             h = h[logits_indices]
+        if (shards := getattr(meta, "context", None)) is not None:  # cp inference: every cp rank gets every row
+            h = shards.gather_rows(h)
         return self.lm_head(h, gather=not local_logits)

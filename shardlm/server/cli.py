@@ -172,7 +172,8 @@ def _start_engine(args):
             f"disaggregated: replica {span(0, args.prefill_replicas - 1)} prefill, "
             f"{span(args.prefill_replicas, args.dp - 1)} decode (KV cache handed over after each first token)"
         )
-    bs = engine.config.block_size
+    bs, cp = engine.config.block_size, engine.dims.cp
+    per_cp = f" on each of the {cp} cp ranks (a sequence's blocks striped over them)" if cp > 1 else ""
     sizing = (
         f"--gpu-memory-utilization {args.gpu_memory_utilization}"
         if args.gpu_memory_utilization is not None
@@ -181,7 +182,7 @@ def _start_engine(args):
     mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
     log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
     log(
-        f"KV cache: {engine.kv_blocks} blocks of {bs} tokens = {engine.kv_blocks * bs} tokens per replica "
+        f"KV cache: {engine.kv_blocks} blocks of {bs} tokens{per_cp} = {engine.kv_tokens} tokens per replica "
         f"({sizing}, {engine.config.kv_torch_dtype} elements)"
     )
     return engine

@@ -22,6 +22,7 @@ def test_busbw_factors_are_nccl_tests_definitions():
     assert sizes_between(8, 64) == [8, 16, 32, 64]
 
 
+@pytest.mark.slow
 def test_python_api_every_op_both_backends():
     report = bench_comm(ranks=3, ops=OPS, min_bytes=8, max_bytes=4096, backends=("auto", "gloo"), budget_s=0.002)
     assert report.paths == {"auto": "shm", "gloo": "gloo"}

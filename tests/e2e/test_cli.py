@@ -29,6 +29,7 @@ def single_rank_tokens():
         return llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
 
 
+@pytest.mark.slow
 def test_json_contract_at_tp2(single_rank_tokens):
     r = shardlm(
         "generate", "--tp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1", PROMPT, "Hello"
@@ -133,6 +134,7 @@ def test_a_killed_rank_ends_the_run_with_a_message():
     assert not rank_processes()
 
 
+@pytest.mark.slow
 def test_python_api_needs_no_main_guard(tmp_path):
     """Ranks are not spawned by re-running the caller's script, so a plain script works."""
     script = tmp_path / "plain.py"

@@ -267,7 +267,7 @@ def test_axis_flags_come_from_parallel_dims():
         flags = {a.option_strings[0]: a.help for a in p._actions if a.option_strings[0] != "-h"}
         assert flags == {f"--{a}": axis_help(a) for a in offered}
         assert axis_options(p.parse_args(["--tp", "2"])) == {a: 2 if a == "tp" else 1 for a in offered}
-    assert "cp" not in ENGINE_AXES and set(TRAIN_AXES) == set(MESH_AXES) | {"ep", "etp"}  # cp inference: not yet
+    assert set(ENGINE_AXES) == set(TRAIN_AXES) == set(MESH_AXES) | {"ep", "etp"}
 
 
 def test_configs_hold_a_parallel_dims_and_refuse_axes_they_cannot_run():
@@ -278,8 +278,7 @@ def test_configs_hold_a_parallel_dims_and_refuse_axes_they_cannot_run():
     assert cfg.parallel == ParallelDims(tp=2, pp=3) and cfg.dtype == "bfloat16"
     assert cfg.dims() == cfg.parallel and cfg.dims() is not cfg.parallel  # a rank builds its mesh on a copy
     assert TrainConfig.of(dp=2, cp=2, zero=3).parallel == ParallelDims(dp=2, cp=2)
-    with pytest.raises(LayoutError, match=r"cp=2: the inference engine does not split over cp; use cp=1"):
-        EngineConfig.of(cp=2)
+    assert EngineConfig.of(cp=2, tp=2).parallel == ParallelDims(cp=2, tp=2)
     assert TrainConfig.of(ep=2, dp=2).parallel == ParallelDims(dp=2, ep=2)
     with pytest.raises(UsageError, match="must be a ParallelDims"):
         EngineConfig(parallel={"tp": 2})

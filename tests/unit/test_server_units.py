@@ -60,6 +60,7 @@ def engine(tok):
         tokenizer=tok,
         max_model_len=64,
         kv_blocks=100,
+        kv_tokens=1600,
         config=SimpleNamespace(block_size=16, speculative_config=None),
         sampling_defaults={},
         checkpoint=SimpleNamespace(config=SimpleNamespace(vocab_size=49152)),
@@ -182,7 +183,7 @@ def test_refusals_name_the_field(engine, req, param, words):
 
 
 def test_max_tokens_is_bounded_by_the_kv_cache_too(engine):
-    engine.kv_blocks = 2  # 32 slots: a request may use at most 33 tokens
+    engine.kv_tokens = 32  # 2 blocks of 16: a request may use at most 33 tokens
     p = prepare(chat(), engine, "smollm2")
     assert len(p.prompts[0]) + p.params.max_tokens - 1 == 32
     assert "the KV cache 32 tokens" in refused(engine, chat(max_tokens=30)).message
@@ -214,7 +215,7 @@ def test_the_engine_guards_the_same_bounds_for_python_callers(engine):
     from shardlm import SamplingParams
     from shardlm.errors import UsageError
 
-    engine.kv_blocks = 2  # 32 slots: at most 33 tokens per request
+    engine.kv_tokens = 32  # 2 blocks of 16: at most 33 tokens per request
     AsyncLLM.check(engine, [1] * 30, SamplingParams(temperature=0.0, max_tokens=3))
     with pytest.raises(UsageError, match=r"max_tokens=4 does not fit.*the KV cache 32 tokens.*to 3 or less"):
         AsyncLLM.check(engine, [1] * 30, SamplingParams(temperature=0.0, max_tokens=4))

@@ -1,0 +1,134 @@
+"""Context parallelism at inference: each sequence's tokens and its KV cache striped over the cp ranks.
+
+Layout. The cache is striped by block: a sequence's positions come in runs of ``block_size`` tokens,
+run j held by cp rank j % cp, so rank r holds positions p with (p // block_size) % cp == r. The block
+manager hands out *group blocks* of cp x block_size tokens, one physical block on every cp rank
+(rank r's holds the group block's r-th run), so a request is admitted when the cp group together has
+room, a prefix hit is a group block, and every rank holds 1/cp of every long context (within one
+run). Striping, rather than training's two zig-zag chunks, balances a causal prefill for any length
+and keeps a token's place fixed as the sequence grows (striped attention, Brandon et al. 2023,
+https://arxiv.org/abs/2311.09431, with stripes of a block).
+
+A step's tokens are computed where their K/V is kept: each rank runs the model on the tokens it owns.
+Attention passes the queries, never the cache (pass-Q, as Yang et al. 2024 decode and prefill with a
+warm cache, https://arxiv.org/abs/2411.01783): the step's queries are all-gathered, every rank
+attends all of them to the keys it holds (its cached blocks and the step's own new keys), and the
+partial outputs return to the queries' owners by an all-to-all, where they merge by their
+log-sum-exp (the online softmax of flash and ring attention). One path serves prefill, chunked
+prefill, prefix hits and decode, and the cache never moves. Per layer and step a rank sends its
+queries (tokens x q_heads x head_dim) and receives the partial outputs of its own (tokens x q_heads x
+(head_dim + 1)) from every other rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from shardlm.parallel.comm import ProcessGroup, all_gather, all_reduce, all_to_all, group_size
+
+
+def owner(position: int, block_size: int, cp: int) -> int:
+    """The cp rank that holds (and computes) the token at ``position``."""
+    return (position // block_size) % cp
+
+
+def local_key_positions(blocks: int, block_size: int, cp: int, rank: int, device=None) -> Tensor:
+    """[blocks * block_size]: the positions rank ``rank`` holds in a sequence's first ``blocks``
+    group blocks, in the order its physical blocks store them."""
+    group = torch.arange(blocks, device=device)[:, None] * (block_size * cp)
+    return (group + rank * block_size + torch.arange(block_size, device=device)[None, :]).flatten()
+
+
+@dataclass
+class ContextShards:
+    """One inference step under cp: which rank holds which of the step's tokens, and the
+    collectives that bring the queries together and the outputs home.
+
+    ``order[i]``: the step row (tokens flattened in the batch's order, prefills then decodes) of
+    the i-th all-gathered row (rank 0's tokens, then rank 1's, ...); ``inverse`` undoes it.
+    ``wanted``: of the rows whose logits the step needs (in step order), the indices this rank holds."""
+
+    group: ProcessGroup | None  # the cp group
+    rank: int
+    counts: list[int]  # the step tokens each cp rank holds
+    order: Tensor  # [step tokens] long
+    inverse: Tensor  # [step tokens] long
+    wanted: Tensor  # [this rank's wanted rows] long: their places among all wanted rows
+    num_wanted: int
+
+    @classmethod
+    def build(cls, group, rank: int, owners: list[int], wanted_rows: list[int], device) -> ContextShards:
+        """``owners``: the cp rank of each step row; ``wanted_rows``: step rows whose logits are needed."""
+        cp = group_size(group)
+        by_rank = [[i for i, o in enumerate(owners) if o == r] for r in range(cp)]
+        order = torch.tensor([i for rows in by_rank for i in rows], dtype=torch.long, device=device)
+        wanted = [j for j, row in enumerate(wanted_rows) if owners[row] == rank]
+        return cls(
+            group,
+            rank,
+            [len(rows) for rows in by_rank],
+            order,
+            torch.argsort(order),
+            torch.tensor(wanted, dtype=torch.long, device=device),
+            len(wanted_rows),
+        )
+
+    def gather_queries(self, q: Tensor) -> Tensor:
+        """This rank's queries [own tokens, heads, d] -> every rank's, in step order [tokens, heads, d]."""
+        return all_gather(q.contiguous(), self.group, dim=0, sizes=self.counts).index_select(0, self.inverse)
+
+    def return_outputs(self, out: Tensor, lse: Tensor) -> Tensor:
+        """Every step row's partial output [tokens, heads, d] (float32) and log-sum-exp [tokens,
+        heads] over this rank's keys -> this rank's own rows' attention output [own, heads, d],
+        merged over the cp ranks' keys."""
+        h, d = out.shape[1:]
+        mine = self.counts[self.rank]
+        both = torch.cat([out, lse[..., None]], dim=-1).index_select(0, self.order)  # [tokens, h, d + 1], by owner
+        got = all_to_all(both, self.group, send_sizes=self.counts, recv_sizes=[mine] * len(self.counts))
+        parts = got.view(len(self.counts), mine, h, d + 1)
+        return merge_partials(parts[..., :d], parts[..., d])
+
+    def gather_rows(self, h: Tensor) -> Tensor:
+        """This rank's wanted rows [own wanted, dim] -> all of them in step order [wanted, dim], on
+        every cp rank (each row is non-zero on its owner only, so the sum is exact)."""
+        full = h.new_zeros(self.num_wanted, h.shape[-1])
+        full[self.wanted] = h
+        return all_reduce(full, self.group)
+
+
+def merge_partials(out: Tensor, lse: Tensor) -> Tensor:
+    """Attention over the union of disjoint key sets from each part's output [parts, ..., d] and
+    log-sum-exp [parts, ...] (-inf: the part had no visible key): softmax weights exp(lse - max)."""
+    top = lse.amax(0)
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    w = torch.exp(lse - top)  # [parts, ...]
+    return (w[..., None] * out).sum(0) / w.sum(0)[..., None]
+
+
+def partial_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window: int | None, tile: int = 256
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of queries q [kv, group, n, d] at ``q_pos`` [n] to keys and values k, v
+    [kv, m, d] at ``k_pos`` [m] (any order): (output [kv, group, n, d], log-sum-exp [kv, group, n]),
+    float32; a query with no visible key gets output 0 and log-sum-exp -inf. Queries go ``tile``
+    at a time, so the scores stay [tile, m] per head."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    kf, vf = k.float().unsqueeze(1), v.float().unsqueeze(1)  # [kv, 1, m, d]
+    for a in range(0, q.shape[2], tile):
+        qp = q_pos[a : a + tile, None]
+        mask = k_pos[None, :] <= qp  # [t, m]
+        if window is not None:
+            mask &= k_pos[None, :] > qp - window
+        s = (q[:, :, a : a + tile].float() @ kf.transpose(-1, -2)) * scale  # [kv, g, t, m]
+        s = s.masked_fill(~mask, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = m.masked_fill(m == float("-inf"), 0.0)
+        p = torch.exp(s - m)
+        total = p.sum(-1, keepdim=True)  # [kv, g, t, 1]
+        out[:, :, a : a + tile] = (p @ vf) / total.clamp_min(1e-38)
+        lse[:, :, a : a + tile] = (m + torch.log(total)).squeeze(-1)  # log 0 = -inf: nothing visible
+    return out, lse
