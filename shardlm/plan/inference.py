@@ -3,9 +3,11 @@
 Per stage, a step costs the roofline time of its layers (``roofline.py``) plus the
 collectives the runner issues: two all-reduces of the hidden state per layer under TP
 (Megatron-LM §3), dispatch + combine all-to-alls per MoE layer under EP (GShard, Lepikhin
-et al. 2020, https://arxiv.org/abs/2006.16668 §2.2), a ring of KV blocks overlapped with
-attention for CP prefill (Ring Attention, Liu et al. 2023, https://arxiv.org/abs/2310.01889 §3)
-and a merge of partial attention for CP decode; the vocab-parallel LM head all-gathers
+et al. 2020, https://arxiv.org/abs/2006.16668 §2.2), and under CP what the engine's striped
+KV cache costs (``parallel/context_paged.py``): each rank computes the tokens it holds (1/cp of a
+prefill chunk, of a decode batch), attends every query of the step to its 1/cp of the keys,
+all-gathers the queries and all-to-alls the float32 partial outputs to their owners per layer,
+and all-reduces the sampled rows' hidden states; the vocab-parallel LM head all-gathers
 logits; stages hand hidden states on with send/recv.
 
 A replica serves a batch of B sequences as a round: prefill every prompt (in chunks of
@@ -27,7 +29,7 @@ from shardlm.plan import constants as C
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
-from shardlm.plan.roofline import ModelCosts, Step, Work, kv_bytes_per_token, kv_element_bytes, layer_work
+from shardlm.plan.roofline import ModelCosts, Step, Work, kv_element_bytes, layer_work
 
 LOGIT_BYTES = 4
 """Logits are gathered in fp32 for sampling."""
@@ -68,7 +70,7 @@ class StepTime:
     ep_comm: float = 0.0
     """Expert-parallel dispatch and combine."""
     cp_comm: float = 0.0
-    """Context-parallel KV ring (prefill) or partial-attention merge (decode), as exposed."""
+    """Context parallelism: the queries' all-gather and the partial outputs' all-to-all."""
     head: float = 0.0
     """Embedding all-reduce, LM head and the logits all-gather."""
 
@@ -136,6 +138,18 @@ def stage_step(
         mm, at = layer_work(
             cfg, rl, step, w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, ep=lay.ep, half_rows=gpu.gemm_half_rows
         )
+        if decode and lay.cp > 1:  # a decode token runs through the layers on its owner cp rank only
+            own = Step(tokens=tokens / lay.cp, ctx=ctx, decode=True, seqs=seqs, moe_tokens=moe_tokens / lay.cp)
+            mm, _ = layer_work(
+                cfg,
+                rl,
+                own,
+                w_bytes=w_bytes,
+                a_bytes=a_bytes,
+                kv_bytes=kv_bytes,
+                ep=lay.ep,
+                half_rows=gpu.gemm_half_rows,
+            )
         t_attn = at.time(gpu, dtype)
         out.matmul += n * mm.time(gpu, dtype)
         out.attention += n * t_attn
@@ -145,14 +159,12 @@ def stage_step(
                 tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a_bytes, ep_group, cluster
             )
             out.ep_comm += n * 2 * a2a
-        if lay.cp > 1:
-            if decode:  # merge partial softmax results: output + log-sum-exp per head
-                merge = tokens * rl.q_heads * (cfg.head_dim + 1) * 4
-                out.cp_comm += n * comm.all_reduce(merge, cp_group, cluster)
-            else:  # ring attention: cp-1 KV blocks pass by, hidden behind the attention core
-                block = tokens * kv_bytes_per_token(cfg, rl, kv_bytes)
-                ring = (lay.cp - 1) * comm.send_recv(block, cp_group[0], cp_group[1], cluster)
-                out.cp_comm += n * max(0.0, ring - t_attn)
+        if lay.cp > 1:  # the engine's pass-Q attention (parallel/context_paged.py), prefill and decode
+            queries = tokens if decode else tokens * lay.cp  # the step's queries over the cp group
+            gather_q = comm.all_gather(queries * rl.q_heads * cfg.head_dim * a_bytes, cp_group, cluster)
+            # every rank sends each query's float32 partial output and log-sum-exp to its owner
+            partials = comm.all_to_all(queries * rl.q_heads * (cfg.head_dim + 1) * 4, cp_group, cluster)
+            out.cp_comm += n * (gather_q + partials)
     vocab = costs.vocab_rows(lay.tp)
     if stage == 0:  # vocab-parallel embedding: lookup + all-reduce
         out.head += ar
@@ -162,6 +174,8 @@ def stage_step(
             gpu, dtype
         )
         out.head += comm.all_gather(last * cfg.vocab_size * LOGIT_BYTES, tp_group, cluster)
+        if lay.cp > 1:  # the sampled rows' hidden states to every cp rank (an all-reduce of owned rows)
+            out.cp_comm += comm.all_reduce(last * cfg.hidden_size * a_bytes, cp_group, cluster)
     return out
 
 

@@ -249,3 +249,29 @@ def test_inference_reserve_is_vllms_and_a_bad_reserve_is_refused():
     assert Cluster(gpu=gpu, num_gpus=8, gpus_per_node=8).reserve(train=False) == pytest.approx(8 * GiB)
     with pytest.raises(PlanError, match=r"--memory-reserve 90 GiB must be at least 0 and below the 80 GiB"):
         Cluster(gpu=gpu, num_gpus=8, gpus_per_node=8, memory_reserve_bytes=90 * GiB)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planner_kv_per_cp_rank_is_the_striped_caches(cp):
+    """SmolLM2, an 8192-token sequence at cp ranks: the planner's KV bytes per rank are what the
+    engine's striped cache holds on each rank (its run of every group block: parallel/context_paged.py)."""
+    import torch
+
+    from shardlm.engine.model_runner import ModelRunner
+    from shardlm.models.loader import load_model as load_shards
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.parallel.context_paged import local_key_positions, owner
+    from shardlm.parallel.dims import ParallelDims
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import kv_bytes_per_seq_token
+    from shardlm.plan.roofline import ModelCosts, kv_element_bytes
+
+    ckpt, bs, tokens = open_checkpoint("smollm2"), 16, 8192
+    model = load_shards(ckpt, ParallelDims().build_mesh("cpu"), dtype=torch.bfloat16, layers=range(1))
+    per_block = ModelRunner.kv_bytes_per_block(model, bs, torch.bfloat16) * ckpt.config.num_layers
+    group_blocks = -(-tokens // (bs * cp))  # the block manager's blocks: one on every cp rank
+    for rank in range(cp):
+        held = local_key_positions(group_blocks, bs, cp, rank)
+        assert sum(owner(p, bs, cp) == rank for p in range(tokens)) == len(held[held < tokens]) == tokens // cp
+    planned = kv_bytes_per_seq_token(ModelCosts(ckpt.config), Layout(cp=cp), kv_element_bytes(ckpt.config, "bf16"))
+    assert planned * tokens == pytest.approx(group_blocks * per_block, rel=1e-12)
