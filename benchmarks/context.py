@@ -1,4 +1,4 @@
-"""Context-parallel attention: ring against all-gather, per rank, with one process as the peer.
+"""Context-parallel attention: ring and Ulysses against all-gather, per rank, with one process as the peer.
 
 SmolLM2's attention shape (9 query heads, 3 KV heads, head dim 64), float32, one sequence of
 --seq-len tokens split zig-zag over cp ranks (1 thread each). For each algorithm, a rank's
@@ -7,10 +7,15 @@ storages seen by autograd's saved-tensor hooks), next to the formula: all-gather
 whole sequence's keys and values (2 x seq x kv_heads x d x 4 bytes) besides its local
 queries and output, and SDPA keeps the causal mask it was given, widened to float32 on CPU
 (local tokens x seq x 4 bytes: quadratic in the sequence); ring keeps only the local tensors
-and its log-sum-exp. The peer is one process attending the whole sequence (SDPA, 1 thread);
-cp ranks each doing 1/cp of its work would be cp x as fast.
+and its log-sum-exp; Ulysses keeps its 1/cp of the heads' q, k, v and output over the whole
+sequence and their log-sum-exp (put in position order, SDPA runs causal with no mask), and nothing
+local. Bytes a rank sends in forward, by formula:
+all-gather and ring (cp - 1) x its keys and values, Ulysses (cp - 1) / cp of its q, k, v and
+output (SmolLM2's 3 KV heads split over cp = 1 or 3 only; at other cp it is reported refused).
+The peer is one process attending the whole sequence (SDPA, 1 thread); cp ranks each doing 1/cp
+of its work would be cp x as fast.
 
-    python benchmarks/context.py [--seq-len 4096] [--cp 2] [--repeats 3]
+    python benchmarks/context.py [--seq-len 4096] [--cp 2] [--repeats 3]     # --cp 3 adds Ulysses
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def rank_main(rank: int, cp: int, port: int, seq: int, repeats: int, results) ->
     q = torch.randn(n, Q_HEADS, D, generator=g, requires_grad=True)
     k, v = (torch.randn(n, KV_HEADS, D, generator=g, requires_grad=True) for _ in range(2))
     out = {}
-    for algorithm in ("all-gather", "ring"):
+    for algorithm in algorithms(cp):
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             dist.barrier()
@@ -63,6 +68,18 @@ def rank_main(rank: int, cp: int, port: int, seq: int, repeats: int, results) ->
         out[algorithm] = (statistics.median(times[1:]), held)
     results.put((rank, out))
     dist.destroy_process_group()
+
+
+def algorithms(cp: int) -> list[str]:
+    """The cp attention algorithms that run SmolLM2's heads at this cp."""
+    from shardlm.parallel.context import ALGORITHMS, ulysses_copies
+    from shardlm.parallel.dims import LayoutError
+
+    try:
+        ulysses_copies(KV_HEADS, Q_HEADS // KV_HEADS, cp)
+    except LayoutError:
+        return [a for a in ALGORITHMS if a != "ulysses"]
+    return list(ALGORITHMS)
 
 
 def one_process(seq: int, repeats: int) -> float:
@@ -93,26 +110,44 @@ def main() -> None:
     alone = one_process(seq, args.repeats)
     n, kv_bytes = seq // cp, 2 * KV_HEADS * D * 4
     local = n * (2 * Q_HEADS * D * 4 + kv_bytes)  # this rank's queries, output, keys and values
+    qo_bytes = 2 * Q_HEADS * D * 4  # a token's query and output
     formula = {
         "all-gather": local + (seq - n) * kv_bytes + n * seq * 4,  # + the other keys/values, the mask
-        "ring": local + n * Q_HEADS * 4,
-    }  # + the log-sum-exp
+        "ring": local + n * Q_HEADS * 4,  # + the log-sum-exp
+        # its heads' q, k, v, output and log-sum-exp over the whole sequence (causal: no mask); the
+        # local tensors only feed the all-to-all, which keeps nothing
+        "ulysses": seq * (qo_bytes + kv_bytes + Q_HEADS * 4) / cp,
+    }
+    sent = {
+        "all-gather": (cp - 1) * n * kv_bytes,
+        "ring": (cp - 1) * n * kv_bytes,
+        "ulysses": (cp - 1) / cp * n * (qo_bytes + kv_bytes),
+    }
     print(
         "\n| algorithm | fwd+bwd s (slowest rank) | vs one process | saved for backward MiB (max rank) "
-        "| formula MiB | measured / formula |"
+        "| formula MiB | measured / formula | sent in forward MiB a rank |"
     )
-    print("|---|---|---|---|---|---|")
-    for name in ("all-gather", "ring"):
+    print("|---|---|---|---|---|---|---|")
+    for name in algorithms(cp):
         t = max(r[name][0] for r in ranks)
         held = max(r[name][1] for r in ranks)
         print(
             f"| {name} | {t:.3f} | {alone / t:.2f}x | {held / 2**20:.2f} | {formula[name] / 2**20:.2f} "
-            f"| {held / formula[name]:.2f} |"
+            f"| {held / formula[name]:.2f} | {sent[name] / 2**20:.2f} |"
         )
-    print(f"| one process (SDPA) | {alone:.3f} | 1.00x | | | |")
-    ring, gather = (max(r[a][0] for r in ranks) for a in ("ring", "all-gather"))
-    saved = max(r["ring"][1] for r in ranks) / max(r["all-gather"][1] for r in ranks)
-    print(f"\nring / all-gather: time {ring / gather:.2f}x, bytes saved for backward {saved:.2f}x ({load_note()})")
+    if "ulysses" not in algorithms(cp):
+        print(
+            f"| ulysses | refused at cp={cp}: {KV_HEADS} KV heads of {Q_HEADS // KV_HEADS} do not split {cp} ways | | | | | |"
+        )
+    print(f"| one process (SDPA) | {alone:.3f} | 1.00x | | | | |")
+    times = {a: max(r[a][0] for r in ranks) for a in algorithms(cp)}
+    saved = {a: max(r[a][1] for r in ranks) for a in algorithms(cp)}
+    for a in algorithms(cp):
+        if a != "all-gather":
+            print(
+                f"{a} / all-gather: time {times[a] / times['all-gather']:.2f}x, bytes saved for backward "
+                f"{saved[a] / saved['all-gather']:.2f}x ({load_note()})"
+            )
 
 
 if __name__ == "__main__":

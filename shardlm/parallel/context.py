@@ -16,6 +16,12 @@ runs on the local tokens as it is. Attention over the whole sequence comes in tw
   merges tiles). A rank only ever holds two blocks and saves only its own for backward, which
   passes the blocks around again with their key/value gradients travelling alongside, so the
   gradient of every block arrives back at its owner.
+- "ulysses": DeepSpeed-Ulysses (Jacobs et al. 2023, https://arxiv.org/abs/2309.14509): an
+  all-to-all turns the sequence-sharded q, k, v into head-sharded whole-sequence ones, each rank
+  attends its heads over the whole sequence, and a second all-to-all turns the output back
+  (backward: the reverse all-to-alls). A rank moves 1/cp of q, k, v and the output each way, so
+  the bytes per rank do not grow with cp, but cp may not exceed the KV heads (a KV head whose
+  query group splits over r ranks is copied to each; its key/value gradients sum back).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from shardlm.parallel.comm import all_gather_region, group_rank, group_size, shift
+from shardlm.parallel.comm import all_gather_region, all_to_all_region, group_rank, group_size, shift
 from shardlm.parallel.dims import LayoutError
 
 
@@ -44,7 +50,25 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(mirror * c, (mirror + 1) * c)])
 
 
-ALGORITHMS = ("all-gather", "ring")
+ALGORITHMS = ("all-gather", "ring", "ulysses")
+
+
+def ulysses_copies(num_kv: int, group: int, cp: int) -> int:
+    """Ulysses over ``cp`` ranks with ``num_kv`` KV heads of ``group`` query heads each (one tp
+    rank's): how many ranks each KV head's query group is split over (its keys and values copied
+    to each); raises when the heads do not split over cp."""
+    if num_kv % cp == 0:
+        return 1
+    r = cp // num_kv
+    if cp % num_kv == 0 and group % r == 0:
+        return r
+    ok = sorted(
+        {c for c in range(1, num_kv * group + 1) if num_kv % c == 0 or (c % num_kv == 0 and group % (c // num_kv) == 0)}
+    )
+    raise LayoutError(
+        f"cp={cp}: Ulysses splits attention heads over the cp ranks, and {num_kv} KV heads of {group} query "
+        f"heads each (per tp rank) do not split {cp} ways; use cp in {ok}, or cp_attention='ring'"
+    )
 
 
 @dataclass
@@ -64,7 +88,8 @@ class ContextBatch:
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"cp attention {algorithm!r} is not one of {ALGORITHMS}; 'ring' passes key/value "
-                "blocks around the ring (less memory), 'all-gather' gathers them at once"
+                "blocks around the ring (less memory), 'all-gather' gathers them at once, 'ulysses' "
+                "moves heads instead of keys"
             )
         cp, rank = group_size(group), group_rank(group)
         keys = torch.cat([zigzag_positions(seq_len, cp, r) for r in range(cp)]).to(device)
@@ -77,6 +102,8 @@ def context_attention(
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] of this rank's tokens. Returns
     [tokens, q_heads, d]: each local query attends to every earlier key of its sequence."""
     b, n, d = meta.batch, len(meta.positions), q.shape[-1]
+    if meta.algorithm == "ulysses":
+        return _ulysses(q, k, v, meta, heads, scale, window)
     if meta.algorithm == "ring":
         qs = heads.group_q(q).view(b, n, heads.num_kv, heads.group, d).permute(0, 2, 3, 1, 4)  # [b, kv, g, n, d]
         ks, vs = (t.view(b, n, -1, d).transpose(1, 2) for t in (k, v))  # [b, kv, n, d]
@@ -92,6 +119,42 @@ def context_attention(
         mask &= k_pos[None, :] > q_pos[:, None] - window
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=heads.group > 1)
     return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))  # [tokens, q_heads, d]
+
+
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads, scale: float, window: int | None) -> Tensor:
+    """Ulysses: heads over cp for attention, tokens over cp elsewhere (two all-to-alls each way)."""
+    cp, t, d = group_size(meta.group), q.shape[0], q.shape[-1]
+    r = ulysses_copies(heads.num_kv, heads.group, cp)
+    units, per = heads.num_kv * r, heads.group // r  # a unit: one KV head (a copy) and its share of the query group
+    qs = heads.group_q(q).view(t, units, per, d)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [tokens, units, d]
+    x = torch.cat([qs, k[:, :, None], v[:, :, None]], dim=2).transpose(0, 1)  # [units, tokens, per + 2, d]
+    x = all_to_all_region(x.contiguous(), meta.group, [units // cp] * cp, [units // cp] * cp)  # [cp * mine, ...]
+    mine, b, n = units // cp, meta.batch, t // meta.batch
+    # [cp (source rank), mine, b, n, per + 2, d] -> [b, mine, per + 2, cp * n, d]: whole sequences, keys rank by rank
+    x = x.view(cp, mine, b, n, per + 2, d).permute(2, 1, 4, 0, 3, 5).reshape(b, mine, per + 2, cp * n, d)
+    # the sequence in position order (it arrives rank by rank, zig-zag): plain causal attention,
+    # no mask kept for backward unless a window needs one
+    order = torch.argsort(meta.key_positions).to(q.device)
+    x = x.index_select(3, order)
+    mask = None
+    if window is not None:
+        pos = torch.arange(cp * n, device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    o = F.scaled_dot_product_attention(
+        x[:, :, :per].flatten(1, 2),
+        x[:, :, per],
+        x[:, :, per + 1],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=per > 1,
+    )  # [b, mine * per, cp * n, d]
+    o = o.index_select(2, torch.argsort(order))  # back to rank by rank
+    o = o.view(b, mine, per, cp, n, d).permute(3, 1, 0, 4, 2, 5).reshape(cp * mine, t, per, d)
+    o = all_to_all_region(o.contiguous(), meta.group, [mine] * cp, [mine] * cp)  # [units, tokens, per, d]
+    return heads.ungroup(o.transpose(0, 1).reshape(t, units * per, d))  # [tokens, q_heads, d]
 
 
 TILE, KEY_TILE = 256, 1024

@@ -112,18 +112,24 @@ def partial_attention(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window: int | None, tile: int = 256
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of queries q [kv, group, n, d] at ``q_pos`` [n] to keys and values k, v
-    [kv, m, d] at ``k_pos`` [m] (any order): (output [kv, group, n, d], log-sum-exp [kv, group, n]),
+    [kv, m, d] at ``k_pos`` [m] (ascending): (output [kv, group, n, d], log-sum-exp [kv, group, n]),
     float32; a query with no visible key gets output 0 and log-sum-exp -inf. Queries go ``tile``
-    at a time, so the scores stay [tile, m] per head."""
+    at a time, each tile against only the keys some of its queries see (the causal upper triangle
+    and what lies before a window are skipped), so the scores stay [tile, m] per head at most."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    kf, vf = k.float().unsqueeze(1), v.float().unsqueeze(1)  # [kv, 1, m, d]
     for a in range(0, q.shape[2], tile):
         qp = q_pos[a : a + tile, None]
-        mask = k_pos[None, :] <= qp  # [t, m]
+        hi = int(torch.searchsorted(k_pos, qp.max(), right=True))  # keys after the last query: hidden
+        lo = 0 if window is None else int(torch.searchsorted(k_pos, qp.min() - window, right=True))
+        if lo >= hi:
+            continue
+        kp = k_pos[lo:hi]
+        mask = kp[None, :] <= qp  # [t, keys]
         if window is not None:
-            mask &= k_pos[None, :] > qp - window
-        s = (q[:, :, a : a + tile].float() @ kf.transpose(-1, -2)) * scale  # [kv, g, t, m]
+            mask &= kp[None, :] > qp - window
+        kf, vf = k[:, None, lo:hi].float(), v[:, None, lo:hi].float()  # [kv, 1, keys, d]
+        s = (q[:, :, a : a + tile].float() @ kf.transpose(-1, -2)) * scale  # [kv, g, t, keys]
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = m.masked_fill(m == float("-inf"), 0.0)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.args import LOG, add_axis_args, add_config_file, axis_options, log
+from shardlm.parallel.context import ALGORITHMS
 from shardlm.parallel.dims import ParallelDims
 from shardlm.train.progress import StepReport, flops_per_token, peak_flops
 from shardlm.train.trainer import AXES as TRAIN_AXES
@@ -36,9 +37,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--cp-attention",
         default="all-gather",
-        choices=["all-gather", "ring"],
-        help="with cp: all-gather each layer's keys/values (default), or ring attention (blocks "
-        "passed rank to rank; a rank never holds the whole sequence's keys/values)",
+        choices=list(ALGORITHMS),
+        help="with cp: all-gather each layer's keys/values (default), ring attention (blocks "
+        "passed rank to rank; a rank never holds the whole sequence's keys/values), or ulysses "
+        "(all-to-alls that split the heads over cp ranks for attention)",
     )
     p.add_argument(
         "--sequence-parallel",
@@ -222,7 +224,7 @@ def run(args) -> int:
         timeout_s=args.timeout,
     )
     ckpt = open_checkpoint(args.model)
-    check_trainable(ckpt.config, args.tp)  # here, not first on every rank: one line, no tracebacks
+    check_trainable(ckpt.config, args.tp, cp=args.cp, cp_attention=args.cp_attention)  # once here: one line
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
     stage_layers(ckpt.config, args.pp)  # at most one stage per layer
     tokens = args.batch_size // (args.dp * args.grad_accum) * (args.seq_len // args.cp)  # a micro-batch on a rank
@@ -259,7 +261,7 @@ def run(args) -> int:
     if speaker and args.offload and device == "cpu":
         log("--offload optimizer: CPU ranks keep the optimizer in CPU memory already; nothing moves")
     if speaker:
-        ring = " ring" if args.cp > 1 and args.cp_attention == "ring" else ""
+        ring = f" {args.cp_attention}" if args.cp > 1 and args.cp_attention != "all-gather" else ""
         layout = f"dp={args.dp}, pp={args.pp}, cp={args.cp}{ring}, tp={args.tp}, ZeRO-{args.zero}, {device}, {dtype}"
         log(
             f"training {args.model} ({ckpt.config.family}, {ckpt.config.num_layers} layers) on {world} "

@@ -29,7 +29,7 @@ from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import load_balancing_loss, moe_blocks, update_expert_bias
 from shardlm.models.transformer import MLP
 from shardlm.parallel.comm import all_reduce
-from shardlm.parallel.context import ALGORITHMS, ContextBatch, zigzag_positions
+from shardlm.parallel.context import ALGORITHMS, ContextBatch, ulysses_copies, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads, whole_tensors
@@ -60,8 +60,9 @@ class TrainConfig:
     micro-batch's tokens on a rank (sequences x seq_len / cp) must split evenly over tp."""
     cp_attention: str = "all-gather"
     """How attention sees the whole sequence under cp: "all-gather" (each layer gathers all keys and
-    values) or "ring" (ring attention: key/value blocks passed rank to rank, overlapped with
-    compute; a rank holds two blocks, not the whole sequence's)."""
+    values), "ring" (ring attention: key/value blocks passed rank to rank, overlapped with
+    compute; a rank holds two blocks, not the whole sequence's) or "ulysses" (all-to-alls put
+    each rank's share of the heads over the whole sequence; cp must split the KV heads)."""
     zero: int = 1
     """ZeRO stage over the dp ranks: 0 plain data parallel, 1 optimizer state sharded, 2 also
     gradients, 3 also weights."""
@@ -225,7 +226,14 @@ def _count(v) -> bool:
 
 
 def check_trainable(
-    cfg, tp: int, *, cp: int = 1, dtype: str = "float32", aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0
+    cfg,
+    tp: int,
+    *,
+    cp: int = 1,
+    cp_attention: str = "all-gather",
+    dtype: str = "float32",
+    aux_loss_coef: float = 0.0,
+    bias_update_rate: float = 0.0,
 ) -> None:
     """Refuse what training does not support yet, with the reason."""
     if bias_update_rate and cfg.family != "deepseek_v3":
@@ -255,6 +263,9 @@ def check_trainable(
             f"{cfg.num_kv_heads} KV heads): inference holds that KV head on both, training would "
             f"have to sum its gradients across them, which it does not; use tp in {ok}"
         )
+    if cp > 1 and cp_attention == "ulysses":
+        for part in parts:
+            ulysses_copies(part.kv.stop - part.kv.start, part.q_per_kv, cp)
 
 
 def replicated_over_tp(model: torch.nn.Module) -> set[int]:
@@ -341,7 +352,14 @@ class Trainer:
         self.config = config
         self.checkpoint = ckpt = open_checkpoint(config.model)
         self.dtype_name = train_dtype(config.dtype, device_type)
-        check_trainable(ckpt.config, dims.tp, cp=dims.cp, dtype=self.dtype_name, aux_loss_coef=config.aux_loss_coef)
+        check_trainable(
+            ckpt.config,
+            dims.tp,
+            cp=dims.cp,
+            cp_attention=config.cp_attention,
+            dtype=self.dtype_name,
+            aux_loss_coef=config.aux_loss_coef,
+        )
         layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
         on_gpu = device_type == "cuda"  # overlap's defaults (TrainConfig.prefetch, bucket_mb)
         self.dtype = getattr(torch, self.dtype_name)

@@ -3,6 +3,7 @@
 Each cp rank holds the zig-zag share of every sequence; its output and its gradients of q, k and v
 must equal those rows of full causal attention (SDPA and autograd in this process). Tolerance:
 float32 assert_close defaults; the ring's online softmax sums blocks in another order (~1e-7).
+Ulysses runs where the heads split over cp and is refused, naming the sizes that work, elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 
 from harness.multirank import run_ranks
 from harness.rankfns import context_attention_grads
+from shardlm.models.attention import GroupedHeads
+from shardlm.parallel.context import ulysses_copies
+from shardlm.parallel.dims import LayoutError
 
 
 def reference(q, k, v, grad, kv_of_q, window):
@@ -42,16 +46,23 @@ CASES = [  # (cp, kv head of each query head, sliding window)
     (2, [0, 0, 1, 1], 5),  # a sliding window hides whole blocks
     (3, [0, 0], 7),
     (2, [0, 0, 1, 1], 2),  # a window narrower than a key tile: some tiles see no key of some rows
+    (4, [0, 0, 1, 1], None),  # Ulysses: each KV head's query group split over two ranks
+    (2, [0, 0, 0, 0], 3),  # Ulysses: one KV head, copied to both ranks
 ]
 
 
 @pytest.mark.parametrize(
     "algorithm,tile",
-    [("all-gather", None), ("ring", None), ("ring", (3, 2))],
-    ids=["all-gather", "ring", "ring-tiles3x2"],
+    [("all-gather", None), ("ring", None), ("ring", (3, 2)), ("ulysses", None)],
+    ids=["all-gather", "ring", "ring-tiles3x2", "ulysses"],
 )  # many tiles, the last ones partial
 @pytest.mark.parametrize("cp,kv_of_q,window", CASES, ids=[f"cp{c}-q{len(h)}kv{max(h) + 1}-w{w}" for c, h, w in CASES])
 def test_context_attention_matches_full(algorithm, tile, cp, kv_of_q, window):
+    heads = GroupedHeads(kv_of_q)
+    if algorithm == "ulysses" and heads.num_kv % cp and (cp % heads.num_kv or heads.group % (cp // heads.num_kv)):
+        with pytest.raises(LayoutError, match=f"cp={cp}: Ulysses splits attention heads"):
+            ulysses_copies(heads.num_kv, heads.group, cp)
+        return
     g = torch.Generator().manual_seed(cp)
     b, seq, d = 2, 4 * cp * 2, 8
     q = torch.randn(b, seq, len(kv_of_q), d, generator=g)

@@ -116,6 +116,9 @@ LAYOUTS = [
     (1, 1, 0, {"cp": 2, "cp_attention": "ring"}),
     (1, 1, 3, {"cp": 4, "cp_attention": "ring"}),
     (1, 2, 2, {"cp": 2, "cp_attention": "ring", "sequence_parallel": True}),
+    # Ulysses: all-to-alls split the heads (2 KV heads) over the cp ranks for attention
+    (1, 1, 0, {"cp": 2, "cp_attention": "ulysses"}),
+    (2, 1, 3, {"cp": 2, "cp_attention": "ulysses"}),
     # pipeline: 1F1B over the micro-batches; the tied embedding lives on the first and last stage
     (1, 1, 0, {"pp": 2, "grad_accum": 4}),
     (1, 1, 3, {"pp": 2, "grad_accum": 2}),
@@ -148,7 +151,7 @@ def _layout_id(dp, tp, zero, extra) -> str:
     accum = f"-accum{extra['grad_accum']}" if "grad_accum" in extra else ""
     sp = "-sp" if extra.get("sequence_parallel") else ""
     sp += f"-recompute-{extra['recompute']}" if "recompute" in extra else ""
-    ring = "-ring" if extra.get("cp_attention") == "ring" else ""
+    ring = f"-{extra['cp_attention']}" if "cp_attention" in extra else ""
     overlap = "".join(f"-{k.replace('_', '')}{extra[k]}" for k in ("bucket_mb", "prefetch") if k in extra)
     return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}{overlap}"
 
@@ -584,6 +587,8 @@ def test_bad_input_is_refused_with_a_reason(tiny):
     llama = open_checkpoint(tiny("llama").path).config  # 6 query heads, 2 KV heads
     with pytest.raises(LayoutError, match=r"tp=3 splits a KV head's query group .* use tp in \[1, 2\]"):
         check_trainable(llama, 3)
+    with pytest.raises(LayoutError, match=r"cp=2: Ulysses splits attention heads .* use cp in \[1, 3\]"):
+        check_trainable(llama, 2, cp=2, cp_attention="ulysses")  # a tp rank's KV head of 3 query heads
     check_trainable(open_checkpoint(tiny("qwen3").path).config, 2)  # Qwen3's q/k norms train (test_train_families.py)
     trainer = Trainer(TrainConfig(model=str(tiny("llama").path), grad_accum=2))
     with pytest.raises(UsageError, match="batch of 5 sequences does not split into dp=1 x grad_accum=2"):
