@@ -15,11 +15,11 @@ from shardlm.errors import UsageError
 from shardlm.plan.catalog import model_names
 from shardlm.plan.hardware import THIS_MACHINE, gpu_names
 from shardlm.plan.inference import InferenceWorkload
-from shardlm.plan.layout import SCHEDULES
+from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.training import TrainWorkload
 
-TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp", "vpp")
+TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp", "vpp", "cp_attention")
 INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--recompute", choices=("none", "selective", "full"), help="pin activation recomputation")
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
+    t.add_argument(
+        "--cp-attention", choices=CP_ATTENTION, help="pin how attention spans the cp ranks (ring or ulysses)"
+    )
     d = p.add_argument_group("pin layout dimensions (the rest are searched)")
     for axis, what in (
         ("tp", "tensor"),
@@ -180,7 +183,7 @@ def build_request(args):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
     fixed = {
         k: getattr(args, k)
-        for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute")
+        for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
         if getattr(args, k, None) is not None
     }
     if args.vpp is not None:

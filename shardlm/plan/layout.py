@@ -27,6 +27,10 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 https://arxiv.org/abs/2104.04473), ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241 §3)."""
 
 
+CP_ATTENTION = ("ring", "ulysses")
+"""The training cp attentions the planner costs (the trainer's all-gather is ring's traffic, unhidden)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout(ParallelDims):
     sp: bool = False
@@ -43,6 +47,9 @@ class Layout(ParallelDims):
     """Micro-batches per step per replica (pipeline depth / gradient accumulation)."""
     recompute: str = "none"
     """Activation recomputation: none, selective, full."""
+    cp_attention: str = "ring"
+    """How attention spans the cp ranks in training: "ring" (key/value blocks passed around,
+    overlapped with attention) or "ulysses" (all-to-alls that split the heads; not overlapped)."""
 
     def __post_init__(self) -> None:
         try:
@@ -53,6 +60,8 @@ class Layout(ParallelDims):
             raise PlanError(f"schedule {self.schedule!r} is unknown; pick one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"recompute {self.recompute!r} is unknown; pick one of {', '.join(RECOMPUTE)}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise PlanError(f"cp attention {self.cp_attention!r} is unknown; pick one of {', '.join(CP_ATTENTION)}")
         if self.sp and self.tp == 1:
             raise PlanError("sequence parallelism splits activations over the tp group; it needs tp > 1")
 
@@ -90,6 +99,8 @@ class Layout(ParallelDims):
             parts.append(f"mb{self.micro_batch}x{self.num_micro}")
             if self.recompute != "none":
                 parts.append(f"rc-{self.recompute}")
+            if self.cp > 1 and self.cp_attention != "ring":
+                parts.append(self.cp_attention)
         return " ".join(parts)
 
 

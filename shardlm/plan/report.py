@@ -136,6 +136,7 @@ def to_data(plan) -> dict:
                 micro_batch=lay.micro_batch,
                 num_micro=lay.num_micro,
                 recompute=lay.recompute,
+                cp_attention=lay.cp_attention,
             )
             d.update(
                 tokens_per_s=r.tokens_per_s,

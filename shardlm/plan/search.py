@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shardlm.parallel.dims import factorisations
+from shardlm.parallel.context import ulysses_copies
+from shardlm.parallel.dims import LayoutError, factorisations
 from shardlm.plan import inference, training
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
-from shardlm.plan.layout import Layout
+from shardlm.plan.layout import CP_ATTENTION, Layout
 from shardlm.plan.roofline import ModelCosts
 
 OBJECTIVES = ("throughput", "latency")
@@ -127,6 +128,11 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
         if fixed.get("sp"):
             return []
         sps = (False,)
+    attentions = [fixed["cp_attention"]] if "cp_attention" in fixed else list(CP_ATTENTION)
+    if lay.cp == 1:
+        attentions = ["ring"]  # no cp: nothing to choose
+    elif not ulysses_fits(cfg, lay.tp, lay.cp):
+        attentions = [a for a in attentions if a != "ulysses"]
     zeros = (1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
     if "zero" in fixed:
         zeros = (fixed["zero"],)
@@ -140,8 +146,30 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
                 continue
             for sp in sps:
                 for zero in zeros:
-                    out.append(lay.with_(micro_batch=mb, num_micro=m, schedule=sched, virtual=v, sp=sp, zero=zero))
+                    for attn in attentions:
+                        out.append(
+                            lay.with_(
+                                micro_batch=mb,
+                                num_micro=m,
+                                schedule=sched,
+                                virtual=v,
+                                sp=sp,
+                                zero=zero,
+                                cp_attention=attn,
+                            )
+                        )
     return out
+
+
+def ulysses_fits(cfg, tp: int, cp: int) -> bool:
+    """Whether Ulysses splits the heads of every tp rank over cp (``parallel.context.ulysses_copies``)."""
+    if cfg.num_kv_heads % tp:
+        return False
+    try:
+        ulysses_copies(cfg.num_kv_heads // tp, cfg.num_heads // cfg.num_kv_heads, cp)
+    except LayoutError:
+        return False
+    return True
 
 
 def search_training(

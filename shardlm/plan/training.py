@@ -3,7 +3,7 @@
 Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
 (2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
 TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
-the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine and the CP KV ring
+the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine, and the CP KV ring or Ulysses' all-to-alls
 (hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
 same communication again; recomputation adds a forward (full) or the attention core (selective).
 
@@ -163,7 +163,10 @@ def _stage(
                 * 2
                 * comm.all_to_all(tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a, ep_group, cluster)
             )
-        if lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
+        if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
+            qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
+            cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)
+        elif lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
             ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
             cp_c += n * max(0.0, ring - t_attn)

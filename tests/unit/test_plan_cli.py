@@ -209,3 +209,30 @@ def test_etp_and_vpp_pin_what_they_name(capsys):
 def test_etp_and_vpp_refused_with_a_reason(extra, message, capsys):
     code, _, err = run(["--gpu", "h100-sxm", "--gpus", "8", *extra], capsys)
     assert code == 2 and message in err, err
+
+
+def test_ulysses_is_searched_where_the_heads_split_and_costed_as_two_all_to_alls(capsys):
+    """Llama-3-8B (32 query, 8 KV heads) at cp=2: ring and Ulysses both searched, and Ulysses'
+    cp time is its all-to-all of q, k, v and output per layer, forward and (twice) backward;
+    SmolLM2's 3 KV heads do not split over cp=2, so it is not offered there."""
+    from shardlm.plan import comm
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.search import ulysses_fits
+    from shardlm.plan.training import evaluate
+
+    train = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--train", "--cp", "2", "--json"]
+    cfg = load_model("llama-3-8b")[0]
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    wl = TrainWorkload(global_batch=8, seq_len=32768)
+    found = search_training(ModelCosts(cfg), cluster, wl, objective="throughput", fixed={"cp": 2})
+    assert {r.layout.cp_attention for r in found.results} == {"ring", "ulysses"}
+    code, out, err = run(train + ["--global-batch", "8", "--seq-len", "32768", "--cp-attention", "ulysses"], capsys)
+    assert code == 0 and {d["layout"]["cp_attention"] for d in json.loads(out)["layouts"]} == {"ulysses"}, err
+    assert not ulysses_fits(load_model("smollm2-135m")[0], 1, 2) and ulysses_fits(load_model("smollm2-135m")[0], 1, 3)
+
+    lay = Layout(tp=4, cp=2, sp=True, zero=1, micro_batch=1, num_micro=8, cp_attention="ulysses")
+    ulysses, ring = (evaluate(ModelCosts(cfg), cluster, lay.with_(cp_attention=a), wl) for a in ("ulysses", "ring"))
+    tokens = 32768 / 2  # a micro-batch's tokens on a cp rank; a tp rank's 8 query and 2 KV heads, bf16
+    a2a = comm.all_to_all(tokens * 2 * (32 // 4 + 8 // 4) * 128 * 2, lay.slowest_group("cp", 8), cluster)
+    assert ulysses.comm_s["cp"] == pytest.approx(8 * 3 * 32 * a2a, rel=1e-9)  # 8 micro-batches, fwd + 2 bwd, 32 layers
+    assert ring.comm_s["cp"] != ulysses.comm_s["cp"]
