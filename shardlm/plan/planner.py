@@ -13,6 +13,7 @@ from shardlm.plan.explain import departures, explain, rerank
 from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.runnable import not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
 from shardlm.plan.training import TrainWorkload
 
@@ -72,6 +73,22 @@ class Plan:
     def departures(self, res) -> list[str]:
         return departures(res, self.context)
 
+    def not_runnable(self, res) -> str | None:
+        """Why shardlm cannot run this result's layout yet (None: it can; ``runnable.py``)."""
+        req = self.request
+        work = req.training if req.train else req.inference
+        assert work is not None  # a request carries the workload it plans
+        return not_runnable(self.cfg, res.layout, train=req.train, dtype=work.dtype)
+
+    def runnable_note(self) -> list[str]:
+        """Lines for the explanation when the pick is not one shardlm runs yet."""
+        why = self.not_runnable(self.best)
+        if why is None:
+            return []
+        ok = next(((i, r) for i, r in enumerate(self.ranked, 1) if self.not_runnable(r) is None), None)
+        best = f"the best it runs is #{ok[0]}, {ok[1].layout.label(self.request.train)}" if ok else "none ranked runs"
+        return [f"The pick is not runnable by shardlm yet ({why}); {best}."]
+
 
 def make_cluster(req: PlanRequest) -> Cluster:
     if req.gpu == THIS_MACHINE:  # the ranks share this machine's cores, memory and bus
@@ -108,7 +125,7 @@ def plan(req: PlanRequest) -> Plan:
     if not found.results:
         raise _nothing_fits(costs, cluster, req, name, found)
     ranked = distinct_meshes(rerank(found.results, ctx))
-    return Plan(
+    out = Plan(
         request=req,
         model_name=name,
         cfg=cfg,
@@ -118,6 +135,8 @@ def plan(req: PlanRequest) -> Plan:
         explanation=explain(ranked, ctx),
         context=ctx,
     )
+    out.explanation[:0] = out.runnable_note()
+    return out
 
 
 def distinct_meshes(results: list) -> list:

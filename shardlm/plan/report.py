@@ -37,7 +37,7 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
     head += [SHORT[f] for f in mem_fields] + ["GiB/GPU"]
     out = []
     for i, r in enumerate(plan.ranked[: plan.request.top], 1):
-        row = [str(i), r.layout.label(train)]
+        row = [str(i), r.layout.label(train) + (" *" if plan.not_runnable(r) else "")]
         if train:
             row += [
                 f"{r.tokens_per_s:,.0f}",
@@ -81,8 +81,14 @@ def text(plan) -> str:
         f"{len(plan.search.results):,} fit",
         "",
     ]
-    lines += placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
+    lines += runnable_notes(plan) + placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
     return "\n".join(lines)
+
+
+def runnable_notes(plan) -> list[str]:
+    """One footnote per distinct reason a shown layout is not runnable by shardlm yet (marked *)."""
+    reasons = dict.fromkeys(w for r in plan.ranked[: plan.request.top] if (w := plan.not_runnable(r)))
+    return [f"* not runnable by shardlm yet: {w}" for w in reasons]
 
 
 def print_table(plan, console=None) -> None:
@@ -108,7 +114,9 @@ def print_table(plan, console=None) -> None:
         f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit"
     )
-    for line in placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation:
+    for line in (
+        runnable_notes(plan) + placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
+    ):
         console.print(line)
 
 
@@ -125,6 +133,7 @@ def to_data(plan) -> dict:
             "memory_bytes": r.memory.as_dict(),
             "rule_departures": plan.departures(r),
             "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
+            "not_runnable": plan.not_runnable(r),  # why shardlm cannot run it yet; None: it can
         }
         if train:
             lay = r.layout

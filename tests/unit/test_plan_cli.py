@@ -236,3 +236,22 @@ def test_ulysses_is_searched_where_the_heads_split_and_costed_as_two_all_to_alls
     a2a = comm.all_to_all(tokens * 2 * (32 // 4 + 8 // 4) * 128 * 2, lay.slowest_group("cp", 8), cluster)
     assert ulysses.comm_s["cp"] == pytest.approx(8 * 3 * 32 * a2a, rel=1e-9)  # 8 micro-batches, fwd + 2 bwd, 32 layers
     assert ring.comm_s["cp"] != ulysses.comm_s["cp"]
+
+
+def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys):
+    """A zero-bubble pick is marked, and the explanation names the best layout shardlm trains
+    (1F1B); pinned to 1F1B nothing is marked. Latent attention under cp at inference, fp8 GEMMs:
+    marked too. Without the marks the JSON has no reasons and the text no asterisks."""
+    train = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train"]
+    code, out, err = run(train, capsys)
+    assert code == 0, err
+    assert "zb-h1 mb1x64 *" in out and "* not runnable by shardlm yet: the zb-h1 pipeline schedule" in out
+    assert "The pick is not runnable by shardlm yet (the zb-h1 pipeline schedule" in out
+    assert "the best it runs is #" in out
+    code, out, err = run([*train, "--schedule", "1f1b", "--json"], capsys)
+    assert code == 0 and not any(d["not_runnable"] for d in json.loads(out)["layouts"]), err
+    code, out, err = run(["--model", "deepseek-v3", "--gpu", "h100-sxm", "--gpus", "64", "--cp", "2", "--json"], capsys)
+    reasons = {d["not_runnable"] for d in json.loads(out)["layouts"]}
+    assert code == 0 and reasons == {"context parallelism with latent attention (its cache is not striped yet)"}, err
+    code, out, err = run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--dtype", "fp8"], capsys)
+    assert code == 0 and "* not runnable by shardlm yet: fp8 weights and GEMMs" in out, err

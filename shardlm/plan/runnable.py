@@ -1,0 +1,36 @@
+"""Which ranked layouts shardlm itself can run today.
+
+The planner searches every layout the literature offers; the ones shardlm's engine or trainer
+refuse are kept in the ranking (they show what the hardware could do) but marked with the
+refusal's reason, and the explanation names the best layout that does run. Each rule below
+mirrors a refusal in the code named beside it; change both together."""
+
+from __future__ import annotations
+
+import itertools
+
+from shardlm.models.config import DEEPSEEK
+from shardlm.parallel.tensor import partition_heads
+from shardlm.plan.layout import Layout
+
+
+def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str) -> str | None:
+    """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can)."""
+    if train:
+        if lay.pp > 1 and lay.schedule != "1f1b":  # train/schedule.py runs one schedule
+            return f"the {lay.schedule} pipeline schedule: shardlm trains with 1F1B only"
+        if lay.sp and (cfg.is_moe or cfg.is_mla):  # models/transformer.py
+            return "sequence parallelism with MoE or latent-attention layers"
+        if lay.cp > 1 and cfg.is_mla:  # train/trainer.py check_trainable
+            return "context parallelism with latent attention"
+        if cfg.family in DEEPSEEK and dtype != "fp32":  # train/trainer.py check_trainable
+            return f"{cfg.family} in {dtype}: shardlm trains it in float32 (its router and ZeRO units)"
+        parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, lay.tp, r) for r in range(lay.tp)]
+        if any(a.kv.stop > b.kv.start for a, b in itertools.pairwise(parts)):  # check_trainable
+            return f"tp={lay.tp} splits a KV head's query group over two ranks (training sums no gradients across them)"
+        return None
+    if lay.cp > 1 and cfg.is_mla:  # engine/config.py for_model
+        return "context parallelism with latent attention (its cache is not striped yet)"
+    if dtype == "fp8":  # engine/config.py DTYPES
+        return "fp8 weights and GEMMs: shardlm computes in bf16, fp16 or fp32 (int8 weight-only)"
+    return None
