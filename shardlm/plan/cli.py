@@ -8,9 +8,11 @@ it stand-alone.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+from shardlm.args import byte_size
 from shardlm.errors import UsageError
 from shardlm.plan.catalog import model_names
 from shardlm.plan.hardware import THIS_MACHINE, gpu_names
@@ -48,7 +50,14 @@ DESCRIPTION = "Which parallel layout to pick, whether it fits, and how fast it w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help=f"preset ({', '.join(model_names())}) or path to a HF config.json")
+    p.add_argument(
+        "what",
+        nargs="?",
+        choices=("comm",),
+        help="comm: instead of a plan, the modelled time and nccl-tests' bandwidths of each collective over "
+        "--gpus GPUs of --gpu, by message size (--min-bytes to --max-bytes)",
+    )
+    p.add_argument("--model", help=f"preset ({', '.join(model_names())}) or path to a HF config.json (a plan needs it)")
     p.add_argument(
         "--gpu",
         required=True,
@@ -93,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
+    c = p.add_argument_group("plan comm")
+    c.add_argument("--min-bytes", type=byte_size, default=1024, help="smallest message (default 1KiB)")
+    c.add_argument("--max-bytes", type=byte_size, default=1 << 30, help="largest message (default 1GiB; x8 a row)")
     t = p.add_argument_group("training")
     t.add_argument("--train", action="store_true", help="plan training (mixed-precision Adam) instead of inference")
     t.add_argument("--global-batch", type=int, help=f"sequences per step (default {DEFAULTS['global_batch']})")
@@ -145,6 +157,12 @@ def build_request(args):
 
     def given(names: tuple[str, ...]) -> list[str]:
         return [n for n in names if getattr(args, n, None) is not None]
+
+    if not args.model:
+        raise PlanError(
+            "--model is required for a plan, e.g. --model llama-3-8b (`shardlm plan comm` needs none: it "
+            "prints the collective model's table)"
+        )
 
     if args.train and given(INFER_ONLY):
         raise PlanError(
@@ -247,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
     from shardlm.plan.planner import make_cluster, plan
     from shardlm.plan.report import print_table, to_json
 
+    if args.what == "comm":
+        return run_comm(args)
     try:
         req = build_request(args)
         make_cluster(req).gpu.matmul_flops((req.training or req.inference).dtype)  # fp8 on a GPU without it
@@ -266,6 +286,38 @@ def run(args: argparse.Namespace) -> int:
         paths = write_plots(result, args.plot)
         if not args.json:
             print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run_comm(args: argparse.Namespace) -> int:
+    """``shardlm plan comm``: the collective model's table, comparable row by row with nccl-tests'."""
+    from shardlm.plan import comm
+    from shardlm.plan.planner import cluster_for
+
+    if args.gpus < 2:
+        return _fail(f"--gpus {args.gpus}: a collective needs 2 or more GPUs")
+    if not 0 < args.min_bytes <= args.max_bytes:
+        return _fail(f"--min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}: need 0 < min <= max")
+    try:
+        cluster = cluster_for(args.gpu, args.gpus, args.gpus_per_node)
+    except UsageError as e:
+        return _fail(str(e))
+    gpu = cluster.gpu
+    sizes = []
+    size = args.min_bytes
+    while size <= args.max_bytes:
+        sizes.append(size)
+        size *= 8
+    rows = comm.table(cluster, sizes)
+    if args.json:
+        print(json.dumps({"gpu": gpu.name, "gpus": args.gpus, "gpus_per_node": cluster.gpus_per_node, "rows": rows}))
+        return 0
+    print(
+        f"modelled collectives over {args.gpus} x {gpu.name} ({cluster.num_nodes} node(s) of {cluster.gpus_per_node})"
+    )
+    print(f"{'op':<15}{'bytes':>14}{'time us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}")
+    for r in rows:
+        print(f"{r['op']:<15}{r['bytes']:>14,}{r['time_us']:>12.1f}{r['algbw_GBps']:>12.2f}{r['busbw_GBps']:>12.2f}")
     return 0
 
 

@@ -100,3 +100,45 @@ def send_recv(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
         return 0.0
     link = cluster.gpu.intra if cluster.node_of(src) == cluster.node_of(dst) else cluster.gpu.inter
     return cluster.gpu.collective_launch_s + link.alpha_s + nbytes / link.bandwidth_Bps
+
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+"""nccl-tests' bus bandwidth = algorithm bandwidth (bytes / time) x this factor of the group size
+(nccl-tests doc/PERFORMANCE.md), so a link's speed reads the same for every collective."""
+
+
+def table(cluster: Cluster, sizes: list[int]) -> list[dict]:
+    """The modelled time of each collective over all of the cluster's GPUs at each size (bytes as
+    nccl-tests counts them: the all-reduce buffer, the all-gather's output, the reduce-scatter's
+    input, each rank's all-to-all buffer; send/recv between the first and the last GPU), with
+    nccl-tests' algorithm and bus bandwidths."""
+    ranks = list(range(cluster.num_gpus))
+    n = len(ranks)
+    ops = {
+        "all_reduce": lambda b: all_reduce(b, ranks, cluster),
+        "all_gather": lambda b: all_gather(b, ranks, cluster),
+        "reduce_scatter": lambda b: all_gather(b, ranks, cluster),  # the same ring, reversed
+        "all_to_all": lambda b: all_to_all(b, ranks, cluster),
+        "send_recv": lambda b: send_recv(b, ranks[0], ranks[-1], cluster),
+    }
+    out = []
+    for op, cost in ops.items():
+        for size in sizes:
+            t = cost(size)
+            alg = size / t if t > 0 else math.inf
+            out.append(
+                {
+                    "op": op,
+                    "bytes": size,
+                    "time_us": t * 1e6,
+                    "algbw_GBps": alg / 1e9,
+                    "busbw_GBps": alg * BUS_FACTOR[op](n) / 1e9,
+                }
+            )
+    return out

@@ -91,15 +91,22 @@ class Plan:
 
 
 def make_cluster(req: PlanRequest) -> Cluster:
-    if req.gpu == THIS_MACHINE:  # the ranks share this machine's cores, memory and bus
+    return cluster_for(req.gpu, req.gpus, req.gpus_per_node, req.memory_reserve_gib)
+
+
+def cluster_for(
+    gpu_name: str, gpus: int, gpus_per_node: int | None = None, reserve_gib: float | None = None
+) -> Cluster:
+    """``gpus`` of the catalog GPU ``gpu_name`` (or this machine, measured), ``gpus_per_node`` a node."""
+    if gpu_name == THIS_MACHINE:  # the ranks share this machine's cores, memory and bus
         from shardlm.plan.calibrate import machine_spec
 
-        gpu, per_node = machine_spec(req.gpus), req.gpus
+        gpu, per_node = machine_spec(gpus), gpus
     else:
-        gpu = load_gpu(req.gpu)
-        per_node = req.gpus_per_node or min(req.gpus, gpu.gpus_per_node)
-    reserve = None if req.memory_reserve_gib is None else req.memory_reserve_gib * GIB
-    return Cluster(gpu=gpu, num_gpus=req.gpus, gpus_per_node=per_node, memory_reserve_bytes=reserve)
+        gpu = load_gpu(gpu_name)
+        per_node = gpus_per_node or min(gpus, gpu.gpus_per_node)
+    reserve = None if reserve_gib is None else reserve_gib * GIB
+    return Cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=per_node, memory_reserve_bytes=reserve)
 
 
 def _search(costs, cluster, req: PlanRequest, fixed: dict) -> SearchResult:

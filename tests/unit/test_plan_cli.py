@@ -1,6 +1,7 @@
 """`shardlm plan` end to end: search, recommendations, JSON, plots, and bad input (exit 2)."""
 
 import argparse
+import itertools
 import json
 import time
 
@@ -255,3 +256,26 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys):
     assert code == 0 and reasons == {"context parallelism with latent attention (its cache is not striped yet)"}, err
     code, out, err = run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--dtype", "fp8"], capsys)
     assert code == 0 and "* not runnable by shardlm yet: fp8 weights and GEMMs" in out, err
+
+
+def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
+    """Rows by op and size; bus bandwidth = algorithm bandwidth x nccl-tests' factor; inside one
+    node a large all-reduce's bus bandwidth approaches the NVLink figure the model uses."""
+    from shardlm.plan.hardware import load_gpu
+
+    code, out, err = run(["comm", "--gpu", "h100-sxm", "--gpus", "8", "--max-bytes", "1G", "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    ar = [r for r in rows if r["op"] == "all_reduce"]
+    assert [r["bytes"] for r in ar] == [1024 * 8**i for i in range(7)]
+    assert all(a["time_us"] < b["time_us"] for a, b in itertools.pairwise(ar))
+    for r in rows:
+        factor = {"all_reduce": 2 * 7 / 8, "send_recv": 1.0}.get(r["op"], 7 / 8)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+    link = load_gpu("h100-sxm").intra.bandwidth_Bps / 1e9
+    assert 0.8 * link < ar[-1]["busbw_GBps"] <= link
+    code, out, err = run(["comm", "--gpu", "h100-sxm", "--gpus", "16"], capsys)
+    assert code == 0 and "2 node(s) of 8" in out and "all_to_all" in out, err
+    code, _, err = run(["--gpu", "h100-sxm", "--gpus", "8"], capsys)
+    assert code == 2 and "--model is required for a plan" in err
