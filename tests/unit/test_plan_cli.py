@@ -279,3 +279,17 @@ def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
     assert code == 0 and "2 node(s) of 8" in out and "all_to_all" in out, err
     code, _, err = run(["--gpu", "h100-sxm", "--gpus", "8"], capsys)
     assert code == 2 and "--model is required for a plan" in err
+
+
+def test_h800_and_gb200_are_in_the_catalog():
+    """H800: the H100's compute with NVLink cut to 400 GB/s, so the same tp8 all-reduce is slower;
+    GB200 NVL72: one 72-GPU NVLink domain, so a group of 72 never leaves the 'node'."""
+    from shardlm.plan import comm
+
+    h100, h800, gb200 = (load_gpu(n) for n in ("h100-sxm", "h800", "gb200"))
+    assert h800.matmul_flops("bf16") == h100.matmul_flops("bf16") and h800.memory_bytes == h100.memory_bytes
+    eight = [Cluster(gpu=g, num_gpus=8, gpus_per_node=8) for g in (h100, h800)]
+    t100, t800 = (comm.all_reduce(1 << 30, list(range(8)), c) for c in eight)
+    assert t800 > 2 * t100
+    rack = Cluster(gpu=gb200, num_gpus=144, gpus_per_node=gb200.gpus_per_node)
+    assert gb200.gpus_per_node == 72 and rack.node_of(71) == 0 and rack.node_of(72) == 1
