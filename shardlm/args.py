@@ -173,6 +173,13 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     p.add_argument(
         "--micro-batches", type=int, default=None, help="batches in flight through the pipeline (default: pp)"
     )
+    p.add_argument(
+        "--cp-attention",
+        choices=("pass-q", "ulysses"),
+        default="pass-q",
+        help="with --cp: attend a prompt that arrives whole by pass-q (queries gathered to the striped "
+        "KV cache; default) or ulysses (heads split over the cp ranks for that prompt)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank (default 2GiB)")
     p.add_argument("--seed", type=int, default=0, help="base seed for requests that give none (default 0)")
@@ -279,6 +286,7 @@ def layout_options(args) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        cp_attention=args.cp_attention,
         device=args.device,
         compile=args.compile,
         enforce_eager=args.enforce_eager,

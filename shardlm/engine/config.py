@@ -9,9 +9,11 @@ import torch
 
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
-from shardlm.models.attention import INT4_GROUP, INT4_GROUPED, INT8_SCALED
+from shardlm.models.attention import INT4_GROUP, INT4_GROUPED, INT8_SCALED, GroupedHeads
 from shardlm.models.config import ModelConfig
+from shardlm.parallel.context import ulysses_copies
 from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.tensor import partition_heads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {
@@ -23,6 +25,7 @@ KV_CACHE_DTYPES = {
 }
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
 AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
+CP_ATTENTION = ("pass-q", "ulysses")
 """The parallel axes the engine runs."""
 
 
@@ -93,6 +96,12 @@ class EngineConfig:
     """Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts looked up in each sequence's own
     history, verified in the step that feeds them (greedy output unchanged)."""
+    cp_attention: str = "pass-q"
+    """With cp > 1: how a prompt that arrives whole (nothing cached before it) is attended.
+    'pass-q' (default): as every step, the queries all-gathered and attended to the striped cache
+    where it lies; 'ulysses': all-to-alls give each rank the whole prompt for 1/cp of the heads
+    (one fused causal kernel), then its own tokens back; cp must split the KV heads (or their query
+    groups). Steps with a cached context use pass-Q either way (``parallel/context_paged.py``)."""
     prefill_replicas: int = 0
     """Serving: prefill/decode disaggregation. The first this many of the dp replicas only compute
     prompts (and each first token); the rest only decode, receiving each prompt's KV cache from
@@ -154,6 +163,8 @@ class EngineConfig:
     def _check_cp(self) -> None:
         """Refuse what context parallelism does not run yet, each with its reason."""
         cp = self.parallel.cp
+        if self.cp_attention not in CP_ATTENTION:
+            raise UsageError(f"cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
         if cp == 1:
             return
         refused = {
@@ -182,6 +193,12 @@ class EngineConfig:
                 f"cp={self.parallel.cp} stripes K/V heads over ranks, and DeepSeek's latent attention cache is not "
                 "striped yet; use cp=1 (tp, pp, dp and ep split a DeepSeek model)"
             )
+        if self.cp_attention == "ulysses" and self.parallel.cp > 1:  # every tp rank's heads must split over cp
+            for r in range(self.parallel.tp):
+                heads = GroupedHeads(
+                    partition_heads(model.num_heads, model.num_kv_heads, self.parallel.tp, r).local_kv_of_q()
+                )
+                ulysses_copies(heads.num_kv, heads.group, self.parallel.cp)
         d = model.kv_lora_rank + model.qk_rope_head_dim if model.is_mla else model.head_dim
         if self.kv_cache_dtype == "int4" and (d % 2 or d % min(INT4_GROUP, d)):
             what = "latent + rope row" if model.is_mla else "head_dim"

@@ -55,10 +55,12 @@ class ModelRunner:
         max_num_seqs: int = 256,
         announce: bool = False,
         cp_group=None,
+        cp_attention: str = "pass-q",
     ):
         self.model = model
         # context parallelism: this rank computes and caches its stripe of every sequence
         self.cp_group, self.cp, self.cp_rank = cp_group, comm.group_size(cp_group), comm.group_rank(cp_group)
+        self.ulysses = cp_attention == "ulysses"  # fresh prompts by Ulysses (parallel/context_paged.py)
         self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
@@ -217,7 +219,7 @@ class ModelRunner:
             wanted = list(range(len(owners)))
         meta.num_prefill_tokens = len(owners)
         meta.slot_mapping = torch.tensor(slots, device=dev, dtype=torch.long)
-        meta.context = ContextShards.build(self.cp_group, self.cp_rank, owners, wanted, dev)
+        meta.context = ContextShards.build(self.cp_group, self.cp_rank, owners, wanted, dev, ulysses=self.ulysses)
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         rows = [local[r] for r in wanted if r in local]
         return (

@@ -99,6 +99,7 @@ class Worker:
             max_num_seqs=config.max_num_seqs,
             announce=rank == 0,
             cp_group=self.dims.cp_group,
+            cp_attention=config.cp_attention,
         )
         self.engine = Engine(
             self.runner,

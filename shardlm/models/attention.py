@@ -258,26 +258,35 @@ def _striped(
 ) -> torch.Tensor:
     """cp inference: this rank's new keys go to its cache; every query of the step attends to the
     keys this rank holds (its runs of each sequence's group blocks); the partial outputs merge at
-    the queries' owners. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
+    the queries' owners. With Ulysses (``ContextShards.ulysses``) a fresh prompt is attended whole,
+    heads over the cp ranks, instead. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
     shards = meta.context
     assert shards is not None
     torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
-    everyone = shards.gather_queries(q)  # [step tokens, q_heads, d]
-    n, d, bs, cp = everyone.shape[0], q.shape[-1], meta.block_size, len(shards.counts)
-    out = torch.zeros((n, heads.num_kv * heads.group, d), dtype=torch.float32, device=q.device)
-    lse = torch.full((n, heads.num_kv * heads.group), float("-inf"), device=q.device)
-    for s in meta.prefills:
-        assert s.block_table is not None
-        blocks = -(-s.context_len // (bs * cp))  # group blocks; this rank holds one run of each
-        ks, vs = _read_kv(cache, s.block_table, blocks * bs, q.dtype, d)  # [kv, blocks * bs, d]
-        k_pos = local_key_positions(blocks, bs, cp, shards.rank, q.device)
-        q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
-        rows = slice(s.start, s.start + s.length)
-        qs = heads.group_q(everyone[rows]).view(s.length, heads.num_kv, heads.group, d).permute(1, 2, 0, 3)
-        o, o_lse = partial_attention(qs, ks, vs, q_pos, k_pos, scale, window)  # [kv, group, L, d], [kv, group, L]
-        out[rows] = o.permute(2, 0, 1, 3).reshape(s.length, -1, d)
-        lse[rows] = o_lse.permute(2, 0, 1).reshape(s.length, -1)
-    mine = shards.return_outputs(out, lse)  # [own tokens, kv * group, d]
+    width, d = heads.num_kv * heads.group, q.shape[-1]
+    fresh = [s for s in meta.prefills if shards.ulysses and s.context_len == s.length]
+    cached = [s for s in meta.prefills if not (shards.ulysses and s.context_len == s.length)]
+    mine = torch.zeros((q.shape[0], width, d), dtype=torch.float32, device=q.device)
+    if cached:  # pass-Q: every step query to the keys held here (the fresh ones' rows are redone below)
+        everyone = shards.gather_queries(q)  # [step tokens, q_heads, d]
+        n, bs, cp = everyone.shape[0], meta.block_size, len(shards.counts)
+        out = torch.zeros((n, width, d), dtype=torch.float32, device=q.device)
+        lse = torch.full((n, width), float("-inf"), device=q.device)
+        for s in cached:
+            assert s.block_table is not None
+            blocks = -(-s.context_len // (bs * cp))  # group blocks; this rank holds one run of each
+            ks, vs = _read_kv(cache, s.block_table, blocks * bs, q.dtype, d)  # [kv, blocks * bs, d]
+            k_pos = local_key_positions(blocks, bs, cp, shards.rank, q.device)
+            q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
+            rows = slice(s.start, s.start + s.length)
+            qs = heads.group_q(everyone[rows]).view(s.length, heads.num_kv, heads.group, d).permute(1, 2, 0, 3)
+            o, o_lse = partial_attention(qs, ks, vs, q_pos, k_pos, scale, window)  # [kv, group, L, d], [kv, group, L]
+            out[rows] = o.permute(2, 0, 1, 3).reshape(s.length, -1, d)
+            lse[rows] = o_lse.permute(2, 0, 1).reshape(s.length, -1)
+        mine = shards.return_outputs(out, lse)  # [own tokens, kv * group, d]
+    if fresh:  # Ulysses: heads over the cp ranks, each prompt whole (no cache to read)
+        covered, o = shards.ulysses_prefill(q, k, v, [(s.start, s.length) for s in fresh], heads, scale, window)
+        mine[covered] = o.float()
     return heads.ungroup(mine).to(q.dtype)
 
 

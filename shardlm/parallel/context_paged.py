@@ -18,6 +18,13 @@ log-sum-exp (the online softmax of flash and ring attention). One path serves pr
 prefill, prefix hits and decode, and the cache never moves. Per layer and step a rank sends its
 queries (tokens x q_heads x head_dim) and receives the partial outputs of its own (tokens x q_heads x
 (head_dim + 1)) from every other rank.
+
+With ``cp_attention="ulysses"`` a *fresh* prefill (a whole prompt in one step, nothing cached before
+it) takes DeepSpeed-Ulysses' path instead (Jacobs et al. 2023, https://arxiv.org/abs/2309.14509): an
+all-to-all gives each rank every token of the prompt for 1/cp of the heads, causal attention runs
+there as one fused kernel, and a second all-to-all brings each rank its own tokens' outputs for every
+head; the keys and values still go to the striped cache where their owners hold them. Steps with a
+cached context (later chunks, prefix hits, decode) keep pass-Q, which needs the cache.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from shardlm.parallel.comm import ProcessGroup, all_gather, all_reduce, all_to_all, group_size
+from shardlm.parallel.context import ulysses_copies
 
 
 def owner(position: int, block_size: int, cp: int) -> int:
@@ -58,9 +67,12 @@ class ContextShards:
     inverse: Tensor  # [step tokens] long
     wanted: Tensor  # [this rank's wanted rows] long: their places among all wanted rows
     num_wanted: int
+    ulysses: bool = False  # fresh prefills by Ulysses (see the module's docstring)
 
     @classmethod
-    def build(cls, group, rank: int, owners: list[int], wanted_rows: list[int], device) -> ContextShards:
+    def build(
+        cls, group, rank: int, owners: list[int], wanted_rows: list[int], device, ulysses: bool = False
+    ) -> ContextShards:
         """``owners``: the cp rank of each step row; ``wanted_rows``: step rows whose logits are needed."""
         cp = group_size(group)
         by_rank = [[i for i, o in enumerate(owners) if o == r] for r in range(cp)]
@@ -74,6 +86,7 @@ class ContextShards:
             torch.argsort(order),
             torch.tensor(wanted, dtype=torch.long, device=device),
             len(wanted_rows),
+            ulysses,
         )
 
     def gather_queries(self, q: Tensor) -> Tensor:
@@ -90,6 +103,56 @@ class ContextShards:
         got = all_to_all(both, self.group, send_sizes=self.counts, recv_sizes=[mine] * len(self.counts))
         parts = got.view(len(self.counts), mine, h, d + 1)
         return merge_partials(parts[..., :d], parts[..., d])
+
+    def ulysses_prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, fresh: list[tuple[int, int]], heads, scale: float, window: int | None
+    ) -> tuple[Tensor, Tensor]:
+        """Attention of the step's fresh prefills, ``fresh`` = their (first step row, length) in step
+        order, from this rank's q [own, q_heads, d], k, v [own, kv_heads, d]: (this rank's rows they
+        cover, as indices into its own tokens [m]; their outputs [m, kv * group, d] in ``heads``'
+        grouped layout)."""
+        cp, d = len(self.counts), q.shape[-1]
+        r = ulysses_copies(heads.num_kv, heads.group, cp)
+        units, per = heads.num_kv * r, heads.group // r
+        mine_u = units // cp
+        is_fresh = torch.zeros(len(self.order), dtype=torch.bool, device=q.device)
+        for start, length in fresh:
+            is_fresh[start : start + length] = True
+        by_owner = is_fresh[self.order]  # [step tokens], owner order
+        firsts = [sum(self.counts[:s]) for s in range(cp)]
+        sent = [int(by_owner[a : a + n].sum()) for a, n in zip(firsts, self.counts)]  # fresh tokens per rank
+        mine = torch.nonzero(by_owner[firsts[self.rank] : firsts[self.rank] + self.counts[self.rank]]).flatten()
+        m = len(mine)
+        kk, vv = k[mine], v[mine]
+        if r > 1:
+            kk, vv = kk.repeat_interleave(r, dim=1), vv.repeat_interleave(r, dim=1)
+        x = torch.cat([heads.group_q(q[mine]).view(m, units, per, d), kk[:, :, None], vv[:, :, None]], dim=2)
+        x = x.view(m, cp, mine_u, per + 2, d).transpose(0, 1).reshape(cp * m, mine_u, per + 2, d)
+        x = all_to_all(x, self.group, send_sizes=[m] * cp, recv_sizes=sent)  # [fresh, mine_u, per + 2, d], owner order
+        step = torch.argsort(self.order[by_owner])  # owner order -> step order
+        x = x.index_select(0, step)
+        out = torch.empty((x.shape[0], mine_u, per, d), dtype=q.dtype, device=q.device)
+        at = 0
+        for _, length in fresh:  # each prompt alone, causal (a window: as a mask)
+            seq = x[at : at + length].permute(1, 2, 0, 3)  # [mine_u, per + 2, L, d]
+            mask = None
+            if window is not None:
+                pos = torch.arange(length, device=q.device)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            o = F.scaled_dot_product_attention(
+                seq[:, :per].flatten(0, 1)[None],
+                seq[:, per][None],
+                seq[:, per + 1][None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=per > 1,
+            )[0]  # [mine_u * per, L, d]
+            out[at : at + length] = o.view(mine_u, per, length, d).permute(2, 0, 1, 3)
+            at += length
+        out = out.index_select(0, torch.argsort(step))  # back to owner order
+        out = all_to_all(out, self.group, send_sizes=sent, recv_sizes=[m] * cp)  # [cp * m, mine_u, per, d]
+        return mine, out.view(cp, m, mine_u, per, d).transpose(0, 1).reshape(m, units * per, d)
 
     def gather_rows(self, h: Tensor) -> Tensor:
         """This rank's wanted rows [own wanted, dim] -> all of them in step order [wanted, dim], on

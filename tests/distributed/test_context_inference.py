@@ -56,6 +56,34 @@ def test_families_match_hf_at_cp2(tiny, name):
         assert tokens == ref.tokens
 
 
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("llama", dict(cp=2)),
+        ("mistral", dict(cp=2)),  # the window as a mask over the whole prompt
+        ("qwen3", dict(cp=4)),  # 2 KV heads of 2 over 4 ranks: each KV head copied to two
+        ("llama", dict(cp=2, pp=2)),
+        ("llama", dict(cp=2, max_num_batched_tokens=8)),  # first chunks by Ulysses, later ones by pass-Q
+    ],
+    ids=["llama-cp2", "mistral-cp2", "qwen3-cp4", "llama-cp2-pp2", "llama-cp2-chunked"],
+)
+def test_ulysses_prefill_matches_hf(tiny, name, layout):
+    """cp_attention="ulysses": a prompt that arrives whole is attended with the heads split over the
+    cp ranks (its keys and values still cached striped, where decode reads them)."""
+    ref = tiny(name)
+    world = layout.get("pp", 1) * layout["cp"]
+    results = run_ranks(
+        world, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, block_size=4, cp_attention="ulysses", **layout
+    )
+    for tokens, _, _ in results:
+        assert tokens == ref.tokens
+
+
+def test_ulysses_prefill_needs_heads_that_split(tiny):
+    with pytest.raises(UsageError, match=r"cp=2: Ulysses splits attention heads .* use cp in \[1, 3\]"):
+        LLM(str(tiny("llama").path), cp=2, tp=2, cp_attention="ulysses")  # a tp rank: 1 KV head of 3 queries
+
+
 @pytest.mark.parametrize("layout", [dict(cp=2), dict(cp=2, tp=2, ep=2)], ids=["cp2", "cp2-tp2-ep2"])
 def test_moe_matches_hf_at_cp2(tmp_path_factory, layout):
     """Experts see each cp rank's own tokens (a rank that holds none of a step's still joins the
