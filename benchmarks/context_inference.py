@@ -10,8 +10,10 @@
    cp collectives (the queries' all-gather, the partial outputs' all-to-all with their merge, the
    sampled rows' all-reduce), timed on rank 0. --repeats rounds, one layout at a time; medians.
    All give the same tokens.
+3. With --ulysses: the prefill of the same prompt at cp=3 (SmolLM2's 3 KV heads split over 1 or 3
+   ranks only; 3 ranks on this host's 2 cores), pass-Q against Ulysses (--cp-attention).
 
-    python benchmarks/context_inference.py [--tokens 4096] [--new 16] [--kv-tokens 8192] [--repeats 2]
+    python benchmarks/context_inference.py [--tokens 4096] [--new 16] [--kv-tokens 8192] [--repeats 2] [--ulysses]
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def kv_table(tokens: int, block_size: int = 16) -> None:
         )
 
 
-def rank_run(rank: int, world: int, port: int, threads: int, tokens: int, new: int, repeats: int, results) -> None:
+def rank_run(
+    rank: int, world: int, port: int, threads: int, attention: str, tokens: int, new: int, repeats: int, results
+) -> None:
     from shardlm.engine.config import EngineConfig
     from shardlm.engine.engine import Request
     from shardlm.engine.sampling import SamplingParams
@@ -62,7 +66,14 @@ def rank_run(rank: int, world: int, port: int, threads: int, tokens: int, new: i
 
     for name in ("gather_queries", "return_outputs", "gather_rows"):
         setattr(ContextShards, name, timed(getattr(ContextShards, name)))
-    config = EngineConfig.of(model="smollm2", cp=world, threads=threads, max_num_batched_tokens=tokens, timeout_s=1200)
+    config = EngineConfig.of(
+        model="smollm2",
+        cp=world,
+        threads=threads,
+        cp_attention=attention,
+        max_num_batched_tokens=tokens,
+        timeout_s=1200,
+    )
     worker = Worker(
         config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=f"tcp://127.0.0.1:{port}"
     )
@@ -98,14 +109,22 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--ulysses", action="store_true", help="compare pass-Q and Ulysses prefill at cp=3 instead")
     args = ap.parse_args()
     kv_table(args.kv_tokens)
     print(f"\nSmolLM2, a {args.tokens}-token prompt + {args.new} new tokens, float32 ({load_note()}):")
-    layouts = {"cp=1, 2 threads": (1, 2), "cp=1, 1 thread": (1, 1), "cp=2, 1 thread a rank": (2, 1)}
+    if args.ulysses:
+        ulysses(args)
+        return
+    layouts = {
+        "cp=1, 2 threads": (1, 2, "pass-q"),
+        "cp=1, 1 thread": (1, 1, "pass-q"),
+        "cp=2, 1 thread a rank": (2, 1, "pass-q"),
+    }
     got: dict[str, list] = {name: [] for name in layouts}
     for _ in range(args.repeats):  # one layout at a time, in turns
-        for name, (cp, threads) in layouts.items():
-            got[name] += spawn_ranks(cp, rank_run, threads, args.tokens, args.new, 1)[0]
+        for name, (cp, threads, attention) in layouts.items():
+            got[name] += spawn_ranks(cp, rank_run, threads, attention, args.tokens, args.new, 1)[0]
             r = got[name][-1]
             print(f"  {name}: first token {r['ttft']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s  ({load_note()})")
     assert len({tuple(runs[0]["tokens"]) for runs in got.values()}) == 1, "every layout gives the same greedy tokens"
@@ -127,6 +146,21 @@ def main() -> None:
         f"cp collectives on rank 0 at cp=2: {100 * cp2['comm_prefill']:.1f}% of the prefill, "
         f"{100 * cp2['comm_decode']:.1f}% of a decode step; the same tokens everywhere"
     )
+
+
+def ulysses(args) -> None:
+    got: dict[str, list] = {"pass-q": [], "ulysses": []}
+    print(f"\nprefill at cp=3 (3 ranks x 1 thread on this host's cores), {args.tokens} tokens:")
+    for _ in range(args.repeats):
+        for attention in got:
+            got[attention] += spawn_ranks(3, rank_run, 1, attention, args.tokens, 2, 1)[0]
+            r = got[attention][-1]
+            print(
+                f"  {attention}: first token {r['ttft']:.2f} s, cp collectives {100 * r['comm_prefill']:.1f}%  ({load_note()})"
+            )
+    assert got["pass-q"][0]["tokens"] == got["ulysses"][0]["tokens"], "both give the same greedy tokens"
+    passq, uly = (statistics.median(r["ttft"] for r in got[a]) for a in ("pass-q", "ulysses"))
+    print(f"Ulysses prefill {passq / uly:.2f}x pass-Q's speed ({uly:.2f} s vs {passq:.2f} s); the same tokens")
 
 
 if __name__ == "__main__":
