@@ -129,6 +129,55 @@ def test_a_prompt_too_long_for_one_rank_runs_striped_over_two(tmp_path):
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == want.tolist()
 
 
+@pytest.fixture(scope="module")
+def long_prompts(tmp_path_factory):
+    """name -> (path, two prompts of 2500 and 1800 tokens, HF's 8 greedy tokens after each) for
+    2-layer tiny models with a 4096-token context."""
+    import transformers
+
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            ref = build_tiny(
+                name, tmp_path_factory.mktemp(f"long-{name}"), max_position_embeddings=4096, num_hidden_layers=2
+            )
+            g = torch.Generator().manual_seed(4)
+            prompts = [torch.randint(0, 251, (n,), generator=g).tolist() for n in (2500, 1800)]
+            model = transformers.AutoModelForCausalLM.from_pretrained(ref.path).eval()
+            want = []
+            with torch.no_grad():
+                for prompt in prompts:
+                    ids = torch.tensor([prompt])
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+                    want.append(out[0, len(prompt) :].tolist())
+            built[name] = (str(ref.path), prompts, want)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("llama", dict(cp=3)),
+        ("llama", dict(cp=4)),
+        ("llama", dict(cp=2, tp=2)),
+        ("llama", dict(cp=2, pp=2)),
+        ("llama", dict(dp=2, cp=2)),
+        ("llama", dict(cp=2, max_num_batched_tokens=512)),  # five chunks, each reading all before it
+        ("llama", dict(cp=2, cp_attention="ulysses")),
+        ("mistral", dict(cp=2)),  # a 7-token window deep into the prompt
+    ],
+    ids=["cp3", "cp4", "cp2-tp2", "cp2-pp2", "dp2-cp2", "cp2-chunked", "cp2-ulysses", "mistral-cp2"],
+)
+def test_prompts_of_thousands_of_tokens_match_hf(long_prompts, name, layout):
+    path, prompts, want = long_prompts(name)
+    world = layout.get("dp", 1) * layout.get("pp", 1) * layout["cp"] * layout.get("tp", 1)
+    for tokens, _, _ in run_ranks(world, llm_greedy, path, prompts, 8, **layout):
+        assert tokens == want
+
+
 def test_prefix_cache_hits_on_every_shard(tiny):
     """A second request sharing a first one's prompt finds its group blocks cached (on every cp
     rank at once) and still gives HF's tokens."""

@@ -149,8 +149,29 @@ def run_ranks_on(
     except BaseException:
         pool.close(graceful=False)
         raise
-    _pools[key] = pool  # most recently used last
+    if _threads(pool) > MAX_POOL_THREADS:
+        pool.close()  # a fresh pool next time: its ranks have piled up process groups (see _threads)
+    else:
+        _pools[key] = pool  # most recently used last
     return result
+
+
+MAX_POOL_THREADS = 64
+"""Threads a pool rank may have before the pool is replaced. Every process group a test builds
+(a ParallelDims mesh makes several) keeps a gloo thread that wakes up on its own; after a few
+dozen tests a rank had ~330 of them, and the idle pools took most of a core from the test that
+ran (measured: the whole suite ran 2-4x slower than its tests alone)."""
+
+
+def _threads(pool: RankPool) -> int:
+    """The most threads any rank of ``pool`` runs (Linux's /proc; 0 elsewhere: never replaced)."""
+    counts = []
+    for p in pool.procs:
+        try:
+            counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+        except OSError:
+            counts.append(0)
+    return max(counts)
 
 
 @atexit.register
