@@ -72,7 +72,7 @@ def test_speculative_serving_streams_the_offline_tokens(tiny):
 @pytest.mark.parametrize(
     "name, layout",
     [
-        ("qwen3_moe", dict(dp=2, ep=2)),
+        pytest.param("qwen3_moe", dict(dp=2, ep=2), marks=pytest.mark.slow),
         pytest.param("qwen3_moe", dict(dp=2, ep=2, eplb_interval=3, eplb_redundant=2), marks=pytest.mark.slow),
         ("qwen3_moe", dict(tp=2, dp=2, ep=2, eplb_interval=3)),
         ("deepseek_v3", dict(tp=2, pp=2, ep=2)),

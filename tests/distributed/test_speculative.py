@@ -78,6 +78,7 @@ def test_sampled_verify_keeps_the_target_distribution():
     assert want[0][2] < 0.2
 
 
+@pytest.mark.slow
 def test_tiny_models_generate_the_same_greedy_tokens_with_drafts(tiny):
     """One process, tp=2 and pp=2 x tp=2 (the last stage sends each step's verified runs up the
     pipeline): 200 tokens a prompt, so the random model falls into repeats that drafts
