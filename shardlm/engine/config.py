@@ -9,11 +9,10 @@ import torch
 
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.errors import UsageError
-from shardlm.models.attention import INT4_GROUP, INT4_GROUPED, INT8_SCALED, GroupedHeads
+from shardlm.models.attention import INT4_GROUP, INT4_GROUPED, INT8_SCALED
 from shardlm.models.config import ModelConfig
-from shardlm.parallel.context import ulysses_copies
+from shardlm.parallel.context import check_ulysses
 from shardlm.parallel.dims import ParallelDims
-from shardlm.parallel.tensor import partition_heads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {
@@ -25,8 +24,9 @@ KV_CACHE_DTYPES = {
 }
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
 AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
-CP_ATTENTION = ("pass-q", "ulysses")
 """The parallel axes the engine runs."""
+CP_ATTENTION = ("pass-q", "ulysses")
+"""How a whole prompt is attended under cp (``EngineConfig.cp_attention``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +166,11 @@ class EngineConfig:
         if self.cp_attention not in CP_ATTENTION:
             raise UsageError(f"cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
         if cp == 1:
+            if self.cp_attention != "pass-q":
+                raise UsageError(
+                    f"cp_attention={self.cp_attention!r} splits attention over cp ranks, and cp=1; "
+                    "raise cp (--cp 2) or drop cp_attention"
+                )
             return
         refused = {
             "speculative_config": "a verify step's draft rows would need their own owners on the cp ranks",
@@ -193,12 +198,8 @@ class EngineConfig:
                 f"cp={self.parallel.cp} stripes K/V heads over ranks, and DeepSeek's latent attention cache is not "
                 "striped yet; use cp=1 (tp, pp, dp and ep split a DeepSeek model)"
             )
-        if self.cp_attention == "ulysses" and self.parallel.cp > 1:  # every tp rank's heads must split over cp
-            for r in range(self.parallel.tp):
-                heads = GroupedHeads(
-                    partition_heads(model.num_heads, model.num_kv_heads, self.parallel.tp, r).local_kv_of_q()
-                )
-                ulysses_copies(heads.num_kv, heads.group, self.parallel.cp)
+        if self.cp_attention == "ulysses":  # every tp rank's heads must split over cp
+            check_ulysses(model.num_heads, model.num_kv_heads, self.parallel.tp, self.parallel.cp)
         d = model.kv_lora_rank + model.qk_rope_head_dim if model.is_mla else model.head_dim
         if self.kv_cache_dtype == "int4" and (d % 2 or d % min(INT4_GROUP, d)):
             what = "latent + rope row" if model.is_mla else "head_dim"

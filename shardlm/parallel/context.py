@@ -36,6 +36,7 @@ from torch import Tensor
 
 from shardlm.parallel.comm import all_gather_region, all_to_all_region, group_rank, group_size, shift
 from shardlm.parallel.dims import LayoutError
+from shardlm.parallel.tensor import partition_heads
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> Tensor:
@@ -67,7 +68,46 @@ def ulysses_copies(num_kv: int, group: int, cp: int) -> int:
     )
     raise LayoutError(
         f"cp={cp}: Ulysses splits attention heads over the cp ranks, and {num_kv} KV heads of {group} query "
-        f"heads each (per tp rank) do not split {cp} ways; use cp in {ok}, or cp_attention='ring'"
+        f"heads each (per tp rank) do not split {cp} ways; use cp in {ok}, or another cp attention"
+    )
+
+
+def check_ulysses(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> None:
+    """Raise unless Ulysses splits every tp rank's heads over ``cp`` (``ulysses_copies``); a rank's
+    query heads are laid out per KV head and padded to the largest group, as ``GroupedHeads`` does."""
+    for r in range(tp):
+        kv_of_q = partition_heads(num_heads, num_kv_heads, tp, r).local_kv_of_q()
+        ulysses_copies(max(kv_of_q) + 1, max(kv_of_q.count(j) for j in set(kv_of_q)), cp)
+
+
+def ulysses_units(q: Tensor, k: Tensor, v: Tensor, heads, cp: int) -> Tensor:
+    """A rank's q [tokens, q_heads, d] and k, v [tokens, kv_heads, d] as Ulysses' units:
+    [tokens, units, per + 2, d], a unit being one KV head (or a copy of it) with its share ``per``
+    of the query group, then its key and value; ``units`` splits evenly over ``cp``."""
+    t, d = q.shape[0], q.shape[-1]
+    r = ulysses_copies(heads.num_kv, heads.group, cp)
+    units, per = heads.num_kv * r, heads.group // r
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [tokens, units, d]
+    return torch.cat([heads.group_q(q).view(t, units, per, d), k[:, :, None], v[:, :, None]], dim=2)
+
+
+def causal_attention(x: Tensor, scale: float, window: int | None) -> Tensor:
+    """Attention of Ulysses' units x [..., units, per + 2, seq, d] over whole sequences in position
+    order: [..., units * per, seq, d]; causal (fused, no mask) or within a sliding window (a mask)."""
+    per, n = x.shape[-3] - 2, x.shape[-2]
+    mask = None
+    if window is not None:
+        pos = torch.arange(n, device=x.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    return F.scaled_dot_product_attention(
+        x[..., :per, :, :].flatten(-4, -3),
+        x[..., per, :, :],
+        x[..., per + 1, :, :],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=per > 1,
     )
 
 
@@ -124,33 +164,16 @@ def context_attention(
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, heads, scale: float, window: int | None) -> Tensor:
     """Ulysses: heads over cp for attention, tokens over cp elsewhere (two all-to-alls each way)."""
     cp, t, d = group_size(meta.group), q.shape[0], q.shape[-1]
-    r = ulysses_copies(heads.num_kv, heads.group, cp)
-    units, per = heads.num_kv * r, heads.group // r  # a unit: one KV head (a copy) and its share of the query group
-    qs = heads.group_q(q).view(t, units, per, d)
-    if r > 1:
-        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [tokens, units, d]
-    x = torch.cat([qs, k[:, :, None], v[:, :, None]], dim=2).transpose(0, 1)  # [units, tokens, per + 2, d]
-    x = all_to_all_region(x.contiguous(), meta.group, [units // cp] * cp, [units // cp] * cp)  # [cp * mine, ...]
+    x = ulysses_units(q, k, v, heads, cp).transpose(0, 1)  # [units, tokens, per + 2, d]
+    units, per = x.shape[0], x.shape[2] - 2
     mine, b, n = units // cp, meta.batch, t // meta.batch
+    x = all_to_all_region(x.contiguous(), meta.group, [mine] * cp, [mine] * cp)  # [cp * mine, ...]
     # [cp (source rank), mine, b, n, per + 2, d] -> [b, mine, per + 2, cp * n, d]: whole sequences, keys rank by rank
     x = x.view(cp, mine, b, n, per + 2, d).permute(2, 1, 4, 0, 3, 5).reshape(b, mine, per + 2, cp * n, d)
     # the sequence in position order (it arrives rank by rank, zig-zag): plain causal attention,
     # no mask kept for backward unless a window needs one
     order = torch.argsort(meta.key_positions).to(q.device)
-    x = x.index_select(3, order)
-    mask = None
-    if window is not None:
-        pos = torch.arange(cp * n, device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-    o = F.scaled_dot_product_attention(
-        x[:, :, :per].flatten(1, 2),
-        x[:, :, per],
-        x[:, :, per + 1],
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=per > 1,
-    )  # [b, mine * per, cp * n, d]
+    o = causal_attention(x.index_select(3, order), scale, window)  # [b, mine * per, cp * n, d]
     o = o.index_select(2, torch.argsort(order))  # back to rank by rank
     o = o.view(b, mine, per, cp, n, d).permute(3, 1, 0, 4, 2, 5).reshape(cp * mine, t, per, d)
     o = all_to_all_region(o.contiguous(), meta.group, [mine] * cp, [mine] * cp)  # [units, tokens, per, d]
@@ -196,7 +219,7 @@ def _mask(meta: ContextBatch, src: int, rows: slice, cols: slice, window: int | 
     return mask if window is None else mask & (k_pos > q_pos - window)
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+def masked_scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     """float32 scores of q [b, kv, g, n, d] against k [b, kv, m, d]: [b, kv, g, n, m]; masked -inf.
     16-bit inputs are widened first, so the scores are not rounded before the softmax (as SDPA)."""
     s = (q.float() @ k.float().unsqueeze(2).transpose(-1, -2)) * scale
@@ -222,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             for rows, cols, masked in _tiles(meta, src, window):
                 mask = _mask(meta, src, rows, cols, window) if masked else None
-                s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, mask)
+                s = masked_scores(q[..., rows, :], kv[0][..., cols, :], scale, mask)
                 m_new = torch.maximum(m[..., rows], s.amax(-1))
                 m_new = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row that has seen no key yet
                 p = torch.exp(s - m_new[..., None])  # masked keys: exp(-inf) = 0
@@ -260,7 +283,7 @@ class _RingAttention(torch.autograd.Function):
                 mask = _mask(meta, src, rows, cols, ctx.window) if masked else None
                 kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
                 qr, gr = q[..., rows, :], grad[..., rows, :]
-                p = torch.exp(_scores(qr, kb, scale, mask) - lse[..., rows, None])  # [b, kv, g, n, m]
+                p = torch.exp(masked_scores(qr, kb, scale, mask) - lse[..., rows, None])  # [b, kv, g, n, m]
                 dkv[1][..., cols, :] += (p.to(v.dtype).transpose(-1, -2) @ gr).float().sum(2)
                 dp = gr.float() @ vb.float().unsqueeze(2).transpose(-1, -2)
                 ds = p * (dp - delta[..., rows, None]) * scale

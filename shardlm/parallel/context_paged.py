@@ -29,14 +29,13 @@ cached context (later chunks, prefix hits, decode) keep pass-Q, which needs the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from shardlm.parallel.comm import ProcessGroup, all_gather, all_reduce, all_to_all, group_size
-from shardlm.parallel.context import ulysses_copies
+from shardlm.parallel.context import causal_attention, masked_scores, ulysses_units
 
 
 def owner(position: int, block_size: int, cp: int) -> int:
@@ -68,6 +67,7 @@ class ContextShards:
     wanted: Tensor  # [this rank's wanted rows] long: their places among all wanted rows
     num_wanted: int
     ulysses: bool = False  # fresh prefills by Ulysses (see the module's docstring)
+    _fresh: tuple | None = field(default=None, repr=False)  # _fresh_layout's answer for this step
 
     @classmethod
     def build(
@@ -112,47 +112,39 @@ class ContextShards:
         cover, as indices into its own tokens [m]; their outputs [m, kv * group, d] in ``heads``'
         grouped layout)."""
         cp, d = len(self.counts), q.shape[-1]
-        r = ulysses_copies(heads.num_kv, heads.group, cp)
-        units, per = heads.num_kv * r, heads.group // r
-        mine_u = units // cp
-        is_fresh = torch.zeros(len(self.order), dtype=torch.bool, device=q.device)
-        for start, length in fresh:
-            is_fresh[start : start + length] = True
-        by_owner = is_fresh[self.order]  # [step tokens], owner order
-        firsts = [sum(self.counts[:s]) for s in range(cp)]
-        sent = [int(by_owner[a : a + n].sum()) for a, n in zip(firsts, self.counts)]  # fresh tokens per rank
-        mine = torch.nonzero(by_owner[firsts[self.rank] : firsts[self.rank] + self.counts[self.rank]]).flatten()
+        mine, sent, step = self._fresh_layout(tuple(fresh))
         m = len(mine)
-        kk, vv = k[mine], v[mine]
-        if r > 1:
-            kk, vv = kk.repeat_interleave(r, dim=1), vv.repeat_interleave(r, dim=1)
-        x = torch.cat([heads.group_q(q[mine]).view(m, units, per, d), kk[:, :, None], vv[:, :, None]], dim=2)
+        x = ulysses_units(q[mine], k[mine], v[mine], heads, cp)  # [m, units, per + 2, d]
+        units, per = x.shape[1], x.shape[2] - 2
+        mine_u = units // cp
         x = x.view(m, cp, mine_u, per + 2, d).transpose(0, 1).reshape(cp * m, mine_u, per + 2, d)
         x = all_to_all(x, self.group, send_sizes=[m] * cp, recv_sizes=sent)  # [fresh, mine_u, per + 2, d], owner order
-        step = torch.argsort(self.order[by_owner])  # owner order -> step order
-        x = x.index_select(0, step)
+        x = x.index_select(0, step)  # step order: each prompt's tokens together, in position order
         out = torch.empty((x.shape[0], mine_u, per, d), dtype=q.dtype, device=q.device)
         at = 0
-        for _, length in fresh:  # each prompt alone, causal (a window: as a mask)
-            seq = x[at : at + length].permute(1, 2, 0, 3)  # [mine_u, per + 2, L, d]
-            mask = None
-            if window is not None:
-                pos = torch.arange(length, device=q.device)
-                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-            o = F.scaled_dot_product_attention(
-                seq[:, :per].flatten(0, 1)[None],
-                seq[:, per][None],
-                seq[:, per + 1][None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=per > 1,
-            )[0]  # [mine_u * per, L, d]
+        for _, length in fresh:  # each prompt alone
+            o = causal_attention(x[at : at + length].permute(1, 2, 0, 3), scale, window)  # [mine_u * per, L, d]
             out[at : at + length] = o.view(mine_u, per, length, d).permute(2, 0, 1, 3)
             at += length
         out = out.index_select(0, torch.argsort(step))  # back to owner order
         out = all_to_all(out, self.group, send_sizes=sent, recv_sizes=[m] * cp)  # [cp * m, mine_u, per, d]
         return mine, out.view(cp, m, mine_u, per, d).transpose(0, 1).reshape(m, units * per, d)
+
+    def _fresh_layout(self, fresh: tuple[tuple[int, int], ...]) -> tuple[Tensor, list[int], Tensor]:
+        """Where the fresh prompts' tokens are, once per step (every layer asks): this rank's
+        own ones [m] (indices into its tokens), how many each rank holds, and the permutation from
+        their all-to-all order (rank by rank) to step order."""
+        if self._fresh is None or self._fresh[0] != fresh:
+            is_fresh = torch.zeros(len(self.order), dtype=torch.bool, device=self.order.device)
+            for start, length in fresh:
+                is_fresh[start : start + length] = True
+            by_owner = is_fresh[self.order]  # [step tokens], owner order
+            firsts = [sum(self.counts[:s]) for s in range(len(self.counts))]
+            sent = [int(by_owner[a : a + n].sum()) for a, n in zip(firsts, self.counts)]
+            a, n = firsts[self.rank], self.counts[self.rank]
+            mine = torch.nonzero(by_owner[a : a + n]).flatten()
+            self._fresh = (fresh, (mine, sent, torch.argsort(self.order[by_owner])))
+        return self._fresh[1]
 
     def gather_rows(self, h: Tensor) -> Tensor:
         """This rank's wanted rows [own wanted, dim] -> all of them in step order [wanted, dim], on
@@ -191,13 +183,11 @@ def partial_attention(
         mask = kp[None, :] <= qp  # [t, keys]
         if window is not None:
             mask &= kp[None, :] > qp - window
-        kf, vf = k[:, None, lo:hi].float(), v[:, None, lo:hi].float()  # [kv, 1, keys, d]
-        s = (q[:, :, a : a + tile].float() @ kf.transpose(-1, -2)) * scale  # [kv, g, t, keys]
-        s = s.masked_fill(~mask, float("-inf"))
+        s = masked_scores(q[None, :, :, a : a + tile], k[None, :, lo:hi], scale, mask)[0]  # [kv, g, t, keys]
         m = s.amax(-1, keepdim=True)
         m = m.masked_fill(m == float("-inf"), 0.0)
         p = torch.exp(s - m)
         total = p.sum(-1, keepdim=True)  # [kv, g, t, 1]
-        out[:, :, a : a + tile] = (p @ vf) / total.clamp_min(1e-38)
+        out[:, :, a : a + tile] = (p @ v[:, None, lo:hi].float()) / total.clamp_min(1e-38)
         lse[:, :, a : a + tile] = (m + torch.log(total)).squeeze(-1)  # log 0 = -inf: nothing visible
     return out, lse

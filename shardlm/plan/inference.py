@@ -20,6 +20,7 @@ stages run one after another. DP multiplies throughput.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -135,21 +136,19 @@ def stage_step(
             continue
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
         step = Step(tokens=tokens, ctx=ctx, decode=decode, seqs=seqs, moe_tokens=moe_tokens)
-        mm, at = layer_work(
-            cfg, rl, step, w_bytes=w_bytes, a_bytes=a_bytes, kv_bytes=kv_bytes, ep=lay.ep, half_rows=gpu.gemm_half_rows
+        work = functools.partial(
+            layer_work,
+            cfg,
+            rl,
+            w_bytes=w_bytes,
+            a_bytes=a_bytes,
+            kv_bytes=kv_bytes,
+            ep=lay.ep,
+            half_rows=gpu.gemm_half_rows,
         )
+        mm, at = work(step)
         if decode and lay.cp > 1:  # a decode token runs through the layers on its owner cp rank only
-            own = Step(tokens=tokens / lay.cp, ctx=ctx, decode=True, seqs=seqs, moe_tokens=moe_tokens / lay.cp)
-            mm, _ = layer_work(
-                cfg,
-                rl,
-                own,
-                w_bytes=w_bytes,
-                a_bytes=a_bytes,
-                kv_bytes=kv_bytes,
-                ep=lay.ep,
-                half_rows=gpu.gemm_half_rows,
-            )
+            mm, _ = work(Step(tokens=tokens / lay.cp, ctx=ctx, decode=True, seqs=seqs, moe_tokens=moe_tokens / lay.cp))
         t_attn = at.time(gpu, dtype)
         out.matmul += n * mm.time(gpu, dtype)
         out.attention += n * t_attn

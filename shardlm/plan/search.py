@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shardlm.parallel.context import ulysses_copies
+from shardlm.parallel.context import check_ulysses
 from shardlm.parallel.dims import LayoutError, factorisations
 from shardlm.plan import inference, training
 from shardlm.plan.errors import PlanError
@@ -162,11 +162,9 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
 
 
 def ulysses_fits(cfg, tp: int, cp: int) -> bool:
-    """Whether Ulysses splits the heads of every tp rank over cp (``parallel.context.ulysses_copies``)."""
-    if cfg.num_kv_heads % tp:
-        return False
+    """Whether Ulysses splits every tp rank's heads over cp (``parallel.context.check_ulysses``)."""
     try:
-        ulysses_copies(cfg.num_kv_heads // tp, cfg.num_heads // cfg.num_kv_heads, cp)
+        check_ulysses(cfg.num_heads, cfg.num_kv_heads, tp, cp)
     except LayoutError:
         return False
     return True

@@ -29,7 +29,7 @@ from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import load_balancing_loss, moe_blocks, update_expert_bias
 from shardlm.models.transformer import MLP
 from shardlm.parallel.comm import all_reduce
-from shardlm.parallel.context import ALGORITHMS, ContextBatch, ulysses_copies, zigzag_positions
+from shardlm.parallel.context import ALGORITHMS, ContextBatch, check_ulysses, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads, whole_tensors
@@ -165,6 +165,11 @@ class TrainConfig:
             raise UsageError(f"loss_scale={self.loss_scale!r} must be positive, e.g. 65536")
         if self.cp_attention not in ALGORITHMS:
             raise UsageError(f"cp_attention={self.cp_attention!r} is not supported; use one of {ALGORITHMS}")
+        if self.cp_attention != "all-gather" and self.parallel.cp == 1:
+            raise UsageError(
+                f"cp_attention={self.cp_attention!r} spreads attention over cp ranks, and cp=1; raise cp "
+                "(--cp 2) or drop cp_attention"
+            )
         if self.recompute not in RECOMPUTE:
             raise UsageError(f"recompute={self.recompute!r} is not supported; use one of {RECOMPUTE}")
         if self.lr_schedule not in SCHEDULES:
@@ -263,9 +268,8 @@ def check_trainable(
             f"{cfg.num_kv_heads} KV heads): inference holds that KV head on both, training would "
             f"have to sum its gradients across them, which it does not; use tp in {ok}"
         )
-    if cp > 1 and cp_attention == "ulysses":
-        for part in parts:
-            ulysses_copies(part.kv.stop - part.kv.start, part.q_per_kv, cp)
+    if cp_attention == "ulysses":
+        check_ulysses(cfg.num_heads, cfg.num_kv_heads, tp, cp)
 
 
 def replicated_over_tp(model: torch.nn.Module) -> set[int]:

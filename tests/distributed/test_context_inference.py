@@ -210,3 +210,8 @@ def test_prefix_cache_hits_on_every_shard(tiny):
 def test_what_cp_does_not_run_is_refused(tiny, options, message):
     with pytest.raises(UsageError, match=message):
         LLM(str(tiny("llama").path), cp=2, **options)
+
+
+def test_a_cp_attention_without_cp_is_refused(tiny):
+    with pytest.raises(UsageError, match=r"cp_attention='ulysses' splits attention over cp ranks, and cp=1"):
+        LLM(str(tiny("llama").path), cp_attention="ulysses")

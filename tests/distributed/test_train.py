@@ -589,6 +589,8 @@ def test_bad_input_is_refused_with_a_reason(tiny):
         check_trainable(llama, 3)
     with pytest.raises(LayoutError, match=r"cp=2: Ulysses splits attention heads .* use cp in \[1, 3\]"):
         check_trainable(llama, 2, cp=2, cp_attention="ulysses")  # a tp rank's KV head of 3 query heads
+    with pytest.raises(UsageError, match=r"cp_attention='ring' spreads attention over cp ranks, and cp=1"):
+        TrainConfig(cp_attention="ring")
     check_trainable(open_checkpoint(tiny("qwen3").path).config, 2)  # Qwen3's q/k norms train (test_train_families.py)
     trainer = Trainer(TrainConfig(model=str(tiny("llama").path), grad_accum=2))
     with pytest.raises(UsageError, match="batch of 5 sequences does not split into dp=1 x grad_accum=2"):

@@ -158,9 +158,8 @@ def run_ranks_on(
 
 MAX_POOL_THREADS = 64
 """Threads a pool rank may have before the pool is replaced. Every process group a test builds
-(a ParallelDims mesh makes several) keeps a gloo thread that wakes up on its own; after a few
-dozen tests a rank had ~330 of them, and the idle pools took most of a core from the test that
-ran (measured: the whole suite ran 2-4x slower than its tests alone)."""
+(a ParallelDims mesh makes several) keeps a gloo thread that wakes up on its own, so long-lived
+pools pile them up and, idle, take CPU from the test that runs (tests/README.md)."""
 
 
 def _threads(pool: RankPool) -> int:
