@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
-    layers: range | None = None,
+    layers: range | Sequence[range] | None = None,
     source=None,
     sequence_parallel: bool = False,
 ):

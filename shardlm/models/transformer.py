@@ -13,6 +13,8 @@ is built for one rank of a ``ParallelDims`` (its tp slice and its pipeline layer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -259,7 +261,8 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """The layers ``layers`` of the model on one rank; the embedding lives with layer 0
-    and the final norm and LM head with the last layer (pipeline stages hold a run)."""
+    and the final norm and LM head with the last layer (pipeline stages hold a run, or under the
+    interleaved schedule several runs, its chunks, each run through ``forward(chunk=c)``)."""
 
     def __init__(
         self,
@@ -268,7 +271,7 @@ class Transformer(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
-        layers: range | None = None,
+        layers: range | Sequence[range] | None = None,
         sequence_parallel: bool = False,
     ):
         """``sequence_parallel``: hidden states between the tp regions hold 1/tp of the tokens
@@ -279,15 +282,17 @@ class Transformer(nn.Module):
         sp = sequence_parallel and dims.tp > 1
         if sp and (cfg.is_moe or cfg.is_mla):
             raise LayoutError("sequence parallelism is not supported for MoE or MLA models yet; leave it off")
-        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
-        self.first = self.layer_ids.start == 0
-        self.last = self.layer_ids.stop == cfg.num_layers
+        self.chunks = (
+            (range(cfg.num_layers),) if layers is None else (layers,) if isinstance(layers, range) else tuple(layers)
+        )
+        self.first = self.chunks[0].start == 0  # holds the embedding (the first chunk of the first stage)
+        self.last = self.chunks[-1].stop == cfg.num_layers
         tp = dict(tp=dims.tp, tp_rank=dims.tp_rank, group=dims.tp_group, dtype=dtype, sequence_parallel=sp)
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.embed = None
         if self.first or (self.last and cfg.tie_word_embeddings):
             self.embed = VocabParallelEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size, **tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, sp) for i in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dims, i, dtype, sp) for run in self.chunks for i in run)
         self.norm: RMSNorm | None = None
         self.lm_head: ParallelLMHead | None = None
         if self.last:
@@ -315,22 +320,26 @@ class Transformer(nn.Module):
         caches: list[torch.Tensor | None],
         logits_indices: torch.Tensor | None = None,
         local_logits: bool = False,
+        chunk: int = 0,
     ):
-        """x: token ids [tokens] on the first stage, else hidden states [tokens, hidden].
+        """x: token ids [tokens] into the first layer, else hidden states [tokens, hidden].
 
-        Returns logits [len(logits_indices), vocab] on the last stage (``local_logits``: only
-        this tp rank's vocabulary slice, for a vocab-parallel loss), else (hidden, residual)
-        to send to the next stage.
+        Runs the layers of ``chunk`` (``caches``: one per layer of the chunk). Returns logits
+        [len(logits_indices), vocab] after the last layer (``local_logits``: only this tp
+        rank's vocabulary slice, for a vocab-parallel loss), else (hidden, residual) to send to
+        the next stage.
         """
-        if self.first:
+        run = self.chunks[chunk]
+        if run.start == 0:
             assert self.embed is not None  # the first stage holds the embedding
             h, residual = self.embed(x), None
         else:
             h, residual = x[0], x[1]
         rope = self.rotary.at(positions, h.dtype)
-        for layer, cache in zip(self.layers, caches):
+        offset = sum(len(r) for r in self.chunks[:chunk])
+        for layer, cache in zip(self.layers[offset : offset + len(run)], caches):
             h, residual = layer(h, residual, rope, meta, cache)
-        if not self.last:
+        if run.stop != self.cfg.num_layers:
             return h, residual
         assert self.norm is not None and self.lm_head is not None  # the last stage holds them
         h, _ = self.norm(h, residual)

@@ -21,7 +21,18 @@ from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.training import TrainWorkload
 
-TRAIN_ONLY = ("global_batch", "seq_len", "micro_batch", "zero", "schedule", "recompute", "sp", "vpp", "cp_attention")
+TRAIN_ONLY = (
+    "global_batch",
+    "seq_len",
+    "micro_batch",
+    "zero",
+    "schedule",
+    "recompute",
+    "sp",
+    "vpp",
+    "cp_attention",
+    "offload",
+)
 INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
@@ -111,11 +122,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULTS['seq_len']})")
     t.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
     t.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage")
-    t.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    t.add_argument("--schedule", "--pp-schedule", choices=SCHEDULES, help="pin the pipeline schedule")
     t.add_argument(
         "--vpp", type=int, help="pin the interleaved schedule's model chunks per stage (implies --schedule interleaved)"
     )
     t.add_argument("--recompute", choices=("none", "selective", "full"), help="pin activation recomputation")
+    t.add_argument(
+        "--offload",
+        choices=("optimizer",),
+        help="ZeRO-Offload: masters and Adam moments in host memory, the step there (as train's --offload)",
+    )
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
     t.add_argument(
         "--cp-attention", choices=CP_ATTENTION, help="pin how attention spans the cp ranks (ring or ulysses)"
@@ -212,6 +228,8 @@ def build_request(args):
         fixed["virtual"] = args.vpp
     if args.sp is not None:
         fixed["sp"] = args.sp == "on"
+    if getattr(args, "offload", None):
+        fixed["offload"] = True
     mesh = [fixed.get(a, 1) for a in ("tp", "pp", "dp", "cp")]
     prod = mesh[0] * mesh[1] * mesh[2] * mesh[3]
     if args.gpus % prod:

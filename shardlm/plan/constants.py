@@ -18,6 +18,15 @@ HBM_EFFICIENCY = 0.80
 measured on V100 by Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via
 Microbenchmarking", https://arxiv.org/abs/1804.06826 §3."""
 
+HOST_MEM_BPS_PER_GPU = 2 * 8 * 38.4e9 / 8 * HBM_EFFICIENCY
+"""Host memory bandwidth a GPU's share of the host gets for ZeRO-Offload's CPU AdamW step: a DGX
+H100's two Xeon Platinum 8480C sockets of eight DDR5-4800 channels (38.4 GB/s each) shared by its
+eight GPUs, at the streaming efficiency of HBM_EFFICIENCY (no host is in the GPU catalog)."""
+
+CPU_ADAM_BYTES_PER_PARAM = 28
+"""Bytes a fused CPU AdamW step streams per float32 parameter: the gradient, master, and two
+moments read (16) and the master and moments written (12)."""
+
 LINK_EFFICIENCY = 0.80
 """Fraction of the per-direction link bandwidth a ring collective reaches ("bus bandwidth"
 in nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)."""

@@ -56,6 +56,9 @@ class GpuSpec:
     """GPU-to-GPU link inside a node (NVLink, xGMI, PCIe, or gloo on this machine)."""
     inter: Link
     """Per-GPU scale-out link between nodes (the NIC)."""
+    host_Bps: float = 0.0
+    """Host-device bandwidth one way (PCIe: half the datasheet's bidirectional total; 0: none, the
+    device is the host's CPU)."""
     gpus_per_node: int = 8
     """GPUs of the reference system that share the fast intra-node link."""
     op_overhead_s: float = C.GPU_OP_OVERHEAD_S
@@ -115,6 +118,7 @@ def load_gpu(name: str) -> GpuSpec:
         intra=Link(alpha_s=g["link_latency_us"] * 1e-6, bandwidth_Bps=g["link_gbs"] / 2 * 1e9 * C.LINK_EFFICIENCY),
         inter=Link(alpha_s=g["nic_latency_us"] * 1e-6, bandwidth_Bps=g["nic_gbps"] / 8 * 1e9 * C.NIC_EFFICIENCY),
         gpus_per_node=g["gpus_per_node"],
+        host_Bps=g.get("pcie_gbs", 0) / 2 * 1e9,
         source=g["_source"],
     )
 

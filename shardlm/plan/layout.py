@@ -18,13 +18,12 @@ from functools import lru_cache
 import numpy as np
 
 from shardlm.parallel.dims import EXPERT_AXES, MESH_AXES, LayoutError, ParallelDims, axes
+from shardlm.parallel.schedules import PIPELINE_SCHEDULES
 from shardlm.plan.activations import RECOMPUTE
 from shardlm.plan.errors import PlanError
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
-"""Pipeline schedules: 1F1B (PipeDream-Flush, Narayanan et al. 2021 §2.2), GPipe (Huang et al.
-2019, https://arxiv.org/abs/1811.06965), interleaved 1F1B (Narayanan et al. 2021 §2.2,
-https://arxiv.org/abs/2104.04473), ZB-H1 (Qi et al. 2023, https://arxiv.org/abs/2401.10241 §3)."""
+SCHEDULES = PIPELINE_SCHEDULES
+"""Pipeline schedules: the trainer's (parallel/schedules.py defines them and names their sources)."""
 
 
 CP_ATTENTION = ("ring", "ulysses")
@@ -47,6 +46,9 @@ class Layout(ParallelDims):
     """Micro-batches per step per replica (pipeline depth / gradient accumulation)."""
     recompute: str = "none"
     """Activation recomputation: none, selective, full."""
+    offload: bool = False
+    """ZeRO-Offload (training): each rank's float32 masters and Adam moments in host memory, the
+    step run there (``shardlm train --offload optimizer``)."""
     cp_attention: str = "ring"
     """How attention spans the cp ranks in training: "ring" (key/value blocks passed around,
     overlapped with attention) or "ulysses" (all-to-alls that split the heads; not overlapped)."""
@@ -101,6 +103,8 @@ class Layout(ParallelDims):
                 parts.append(f"rc-{self.recompute}")
             if self.cp > 1 and self.cp_attention != "ring":
                 parts.append(self.cp_attention)
+            if self.offload:
+                parts.append("offload")
         return " ".join(parts)
 
 

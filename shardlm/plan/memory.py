@@ -182,7 +182,7 @@ def training_memory(
     return MemoryBreakdown(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,
-        optimizer=dense_states.optimizer + expert_states.optimizer,
+        optimizer=0.0 if lay.offload else dense_states.optimizer + expert_states.optimizer,  # offload: on the host
         activations=training_activation_bytes(costs, lay, seq, fused_attention),
         comm_buffers=comm,
         reserve=reserve,

@@ -17,8 +17,6 @@ from shardlm.plan.layout import Layout
 def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str) -> str | None:
     """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can)."""
     if train:
-        if lay.pp > 1 and lay.schedule != "1f1b":  # train/schedule.py runs one schedule
-            return f"the {lay.schedule} pipeline schedule: shardlm trains with 1F1B only"
         if lay.sp and (cfg.is_moe or cfg.is_mla):  # models/transformer.py
             return "sequence parallelism with MoE or latent-attention layers"
         if lay.cp > 1 and cfg.is_mla:  # train/trainer.py check_trainable

@@ -1,26 +1,20 @@
-"""Pipeline schedule simulator: the timeline of GPipe, 1F1B, interleaved 1F1B and ZB-H1.
+"""Pipeline schedule simulator: the timeline of the schedules the trainer runs (GPipe, 1F1B,
+interleaved 1F1B and ZB-H1; their orders and sources: parallel/schedules.py).
 
 Each stage runs its own ordered list of operations (F = forward, B = backward or, for
 ZB-H1, the input-gradient half, W = the weight-gradient half); an operation starts when its
-stage is free and its inputs have arrived from the neighbouring stage (plus ``p2p_s``).
-
-* GPipe (Huang et al. 2019, https://arxiv.org/abs/1811.06965): all forwards, then all backwards.
-* 1F1B (PipeDream-Flush; Narayanan et al. 2021, https://arxiv.org/abs/2104.04473 §2.2):
-  stage s warms up with p-s-1 forwards, then alternates one forward and one backward.
-* Interleaved 1F1B (same paper §2.2.1): v model chunks per stage, micro-batches in groups of p;
-  needs m to be a multiple of p. Bubble (p-1)/(v m + p - 1) of the step for uniform stages.
-* ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", https://arxiv.org/abs/2401.10241 §3):
-  1F1B's order and memory, with each backward split into B and W; W is deferred to fill
-  the bubbles, leaving (p-1)(T_F + T_B - T_W) idle per stage.
+stage is free and its inputs have arrived from the neighbouring stage (plus ``p2p_s``). As the
+trainer does, ZB-H1's first stage runs its whole backward as W (no stage waits for its input
+gradient; torch.distributed.pipelining does the same).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardlm.errors import UsageError
+from shardlm.parallel.schedules import stage_orders
 from shardlm.plan.errors import PlanError
-
-Op = tuple[str, int, int]  # (kind, micro-batch, chunk)
 
 
 @dataclass(frozen=True)
@@ -79,40 +73,6 @@ class Timeline:
         return peak
 
 
-def _orders(schedule: str, p: int, m: int, v: int) -> list[list[Op]]:
-    if schedule == "gpipe":
-        return [[("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)] for _ in range(p)]
-    if schedule == "1f1b":
-        out = []
-        for s in range(p):
-            warm = min(p - s - 1, m)
-            ops: list[Op] = [("F", i, 0) for i in range(warm)]
-            for i in range(m - warm):
-                ops += [("F", warm + i, 0), ("B", i, 0)]
-            ops += [("B", i, 0) for i in range(m - warm, m)]
-            out.append(ops)
-        return out
-    if schedule == "interleaved":
-        total = m * v
-
-        def fwd(k: int) -> Op:
-            return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-        def bwd(k: int) -> Op:
-            return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-
-        out = []
-        for s in range(p):
-            warm = min((p - s - 1) * 2 + (v - 1) * p, total)
-            ops = [fwd(k) for k in range(warm)]
-            for i in range(total - warm):
-                ops += [fwd(warm + i), bwd(i)]
-            ops += [bwd(i) for i in range(total - warm, total)]
-            out.append(ops)
-        return out
-    raise PlanError(f"unknown pipeline schedule {schedule!r}; pick gpipe, 1f1b, interleaved or zb-h1")
-
-
 def simulate(
     schedule: str,
     *,
@@ -129,15 +89,11 @@ def simulate(
     p, m, v = stages, micro, virtual if schedule == "interleaved" else 1
     if p < 1 or m < 1:
         raise PlanError(f"a pipeline needs stages >= 1 and micro-batches >= 1 (got {p}, {m})")
-    if schedule == "interleaved" and m % p:
-        raise PlanError(
-            f"the interleaved schedule runs micro-batches in groups of pp={p}; {m} is not a multiple "
-            f"of {p} (use {max(p, m // p * p)} or {(m // p + 1) * p})"
-        )
     dur = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
-    if schedule == "zb-h1":
-        return Timeline(schedule=schedule, stages=p, micro=m, virtual=1, events=_simulate_zb_h1(p, m, dur, p2p_s))
-    orders = _orders(schedule, p, m, v)
+    try:
+        orders = stage_orders(schedule, p, m, v)
+    except UsageError as e:
+        raise PlanError(str(e)) from None
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro, virtual stage) -> end
     free = [0.0] * p
     pos = [0] * p
@@ -162,6 +118,8 @@ def simulate(
                     ready = done[dep]
                 start = max(free[s], ready)
                 end = start + dur[kind]
+                if schedule == "zb-h1" and vs == 0 and kind != "F":  # its whole backward runs as W
+                    end = start + (0.0 if kind == "B" else dur["B"] + dur["W"])
                 done[(kind, mb, vs)] = end
                 free[s] = end
                 events.append(Event(s, kind, mb, c, start, end))
@@ -170,73 +128,6 @@ def simulate(
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocked; this is a bug in the order generator")
     return Timeline(schedule=schedule, stages=p, micro=m, virtual=v, events=events)
-
-
-def _simulate_zb_h1(p: int, m: int, dur: dict[str, float], p2p_s: float) -> list[Event]:
-    """ZB-H1: 1F1B's order of F and B on every stage; each W (weight gradient) waits in a
-    queue and runs when the stage would otherwise sit idle, or when the stage already holds
-    p micro-batches (the first stage's 1F1B peak, which ZB-H1 keeps as the limit, Qi et al. §3.1)."""
-    orders = _orders("1f1b", p, m, 1)
-    end: dict[tuple[str, int, int], float] = {}
-    pos, free, held = [0] * p, [0.0] * p, [0] * p
-    pending: list[list[int]] = [[] for _ in range(p)]
-    events: list[Event] = []
-
-    def ready(s: int) -> float | None:
-        """When the stage's next F/B could start (None: its input is not computed yet)."""
-        kind, mb, _ = orders[s][pos[s]]
-        if kind == "F":
-            dep = ("F", mb, s - 1) if s > 0 else None
-        else:
-            dep = ("F", mb, s) if s == p - 1 else ("B", mb, s + 1)
-        if dep is None:
-            return 0.0
-        if dep not in end:
-            return None
-        return end[dep] + (p2p_s if dep[2] != s else 0.0)
-
-    def run(s: int, kind: str, mb: int, t: float) -> None:
-        finish = t + dur[kind]
-        end[(kind, mb, s)] = finish
-        free[s] = finish
-        events.append(Event(s, kind, mb, 0, t, finish))
-
-    while len(events) < 3 * m * p:
-        # the stage whose next action starts earliest goes first (ties: lower stage)
-        best = None
-        for s in range(p):
-            if pos[s] < len(orders[s]):
-                r = ready(s)
-                must_w = pending[s] and orders[s][pos[s]][0] == "F" and held[s] >= p
-                if r is not None and not must_w and r <= free[s]:
-                    cand = (free[s], s, "op")
-                elif pending[s]:
-                    cand = (free[s], s, "W")  # idle until r (or unknown): fill with a W
-                elif r is not None:
-                    cand = (r, s, "op")
-                else:
-                    continue
-            elif pending[s]:
-                cand = (free[s], s, "W")
-            else:
-                continue
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-        if best is None:
-            raise RuntimeError("ZB-H1 simulation deadlocked; this is a bug")
-        t, s, what = best
-        if what == "W":
-            run(s, "W", pending[s].pop(0), t)
-            held[s] -= 1
-            continue
-        kind, mb, _ = orders[s][pos[s]]
-        run(s, kind, mb, t)
-        pos[s] += 1
-        if kind == "F":
-            held[s] += 1
-        else:
-            pending[s].append(mb)
-    return events
 
 
 def bubble_fraction(schedule: str, *, p: int, m: int, v: int = 1) -> float:

@@ -115,14 +115,14 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
     per_replica = wl.global_batch // lay.dp
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if lay.pp > 1:
-        schedules += [("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+        schedules += [("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers % (lay.pp * v) == 0]
     if "schedule" in fixed:
         schedules = [s for s in schedules if s[0] == fixed["schedule"]] or [(fixed["schedule"], 1)]
         if fixed["schedule"] == "interleaved":
-            schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+            schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers % (lay.pp * v) == 0]
     if "virtual" in fixed:  # --vpp: the interleaved schedule at that depth only
         v = fixed["virtual"]
-        schedules = [("interleaved", v)] if lay.pp > 1 and cfg.num_layers >= lay.pp * v else []
+        schedules = [("interleaved", v)] if lay.pp > 1 and cfg.num_layers % (lay.pp * v) == 0 else []
     sps = (fixed["sp"],) if "sp" in fixed else (True,)
     if lay.tp == 1:
         if fixed.get("sp"):
@@ -156,6 +156,7 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
                                 sp=sp,
                                 zero=zero,
                                 cp_attention=attn,
+                                offload=fixed.get("offload", False),
                             )
                         )
     return out

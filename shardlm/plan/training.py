@@ -119,6 +119,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     dp_exposed = max(0.0, dp_c - window)
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     opt = params / shard * (ADAM_STATE_BYTES + GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
+    if lay.offload and gpu.host_Bps:  # the owned float32 gradients down and 16-bit weights up over
+        # PCIe, and AdamW on the host, bound by its memory
+        opt = params / shard * ((4 + PARAM_BYTES) / gpu.host_Bps + C.CPU_ADAM_BYTES_PER_PARAM / C.HOST_MEM_BPS_PER_GPU)
     step_s = pipe + dp_exposed + opt
     tokens_step = wl.global_batch * wl.seq_len
     tps = tokens_step / step_s

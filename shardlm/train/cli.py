@@ -17,6 +17,7 @@ from typing import Any
 from shardlm.args import LOG, add_axis_args, add_config_file, axis_options, log
 from shardlm.parallel.context import ALGORITHMS
 from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.schedules import PIPELINE_SCHEDULES
 from shardlm.train.progress import StepReport, flops_per_token, peak_flops
 from shardlm.train.trainer import AXES as TRAIN_AXES
 
@@ -33,7 +34,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="smollm2", help="'smollm2' (embedded SmolLM2-135M-Instruct), a HF directory, or a .gguf file"
     )
-    add_axis_args(p, TRAIN_AXES)  # pp: 1F1B over the --grad-accum micro-batches; cp: zig-zag chunks
+    add_axis_args(p, TRAIN_AXES)  # pp: --pp-schedule over the --grad-accum micro-batches; cp: zig-zag chunks
+    p.add_argument(
+        "--pp-schedule",
+        default=None,
+        choices=list(PIPELINE_SCHEDULES),
+        help="with pp: the pipeline schedule over the --grad-accum micro-batches: 1f1b (default), gpipe, "
+        "interleaved (--vpp chunks of layers per stage; --grad-accum a multiple of pp) or zb-h1 (zero "
+        "bubble: weight gradients deferred into the bubbles)",
+    )
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        metavar="V",
+        help="chunks of layers per pipeline stage for the interleaved schedule (implies --pp-schedule "
+        "interleaved; the layers must split into pp x V equal chunks)",
+    )
     p.add_argument(
         "--cp-attention",
         default="all-gather",
@@ -197,9 +214,12 @@ def run(args) -> int:
     data = Path(args.data)
     if not data.is_file():
         raise UsageError(f"--data {args.data!r} is not a file; give a UTF-8 text file to train on")
+    schedule = args.pp_schedule or ("interleaved" if args.vpp > 1 else "1f1b")  # Megatron: a vpp means interleaved
     config = TrainConfig(
         model=args.model,
         parallel=ParallelDims.take(axis_options(args)),
+        pp_schedule=schedule,
+        vpp=args.vpp,
         cp_attention=args.cp_attention,
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
@@ -224,7 +244,9 @@ def run(args) -> int:
         timeout_s=args.timeout,
     )
     ckpt = open_checkpoint(args.model)
-    check_trainable(ckpt.config, args.tp, cp=args.cp, cp_attention=args.cp_attention)  # once here: one line
+    check_trainable(  # once here: one line
+        ckpt.config, args.tp, cp=args.cp, cp_attention=args.cp_attention, pp=args.pp, pp_schedule=schedule, vpp=args.vpp
+    )
     zigzag_positions(args.seq_len, args.cp, 0)  # the sequence must split into 2 x cp chunks
     stage_layers(ckpt.config, args.pp)  # at most one stage per layer
     tokens = args.batch_size // (args.dp * args.grad_accum) * (args.seq_len // args.cp)  # a micro-batch on a rank

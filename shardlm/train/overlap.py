@@ -159,11 +159,14 @@ class Prefetch:
         self.index = {u: i for i, u in enumerate(layers)}
         self.pending: dict[Unit, Pending] = {}  # gathers in flight
         self.step = 1  # +1 in forward, -1 in backward
+        self.span = range(len(layers))  # the layers of the pass
 
-    def begin(self, step: int) -> None:
-        """A pass starts: forward (+1) from the first layer, backward (-1) from the last."""
-        self.step = step
-        self._ahead(-1 if step > 0 else len(self.layers))
+    def begin(self, step: int, span: range | None = None) -> None:
+        """A pass over the layers ``span`` (indices into ``layers``; all of them by default, a
+        chunk's under the interleaved schedule) starts: forward (+1) from its first layer,
+        backward (-1) from its last."""
+        self.step, self.span = step, span if span is not None else range(len(self.layers))
+        self._ahead(self.span.start - 1 if step > 0 else self.span.stop)
 
     def fetch(self, unit: Unit) -> Tensor:
         """The unit's whole flat weights: its gather in flight, else gathered now; then the
@@ -176,5 +179,5 @@ class Prefetch:
 
     def _ahead(self, i: int) -> None:
         for j in range(i + self.step, i + self.step * (self.depth + 1), self.step):
-            if 0 <= j < len(self.layers) and self.layers[j] not in self.pending:
+            if j in self.span and self.layers[j] not in self.pending:
                 self.pending[self.layers[j]] = self.layers[j].gather_start()

@@ -32,12 +32,13 @@ from shardlm.parallel.comm import all_reduce
 from shardlm.parallel.context import ALGORITHMS, ContextBatch, check_ulysses, zigzag_positions
 from shardlm.parallel.dims import LayoutError, ParallelDims
 from shardlm.parallel.pipeline import stage_layers
+from shardlm.parallel.schedules import check_schedule, stage_orders, virtual_stage_layers
 from shardlm.parallel.tensor import RowParallelLinear, partition_heads, whole_tensors
 from shardlm.train import state
 from shardlm.train.checkpoint import save
 from shardlm.train.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shardlm.train.lr import SCHEDULES, lr_factor
-from shardlm.train.schedule import StageIO, one_f_one_b
+from shardlm.train.schedule import StageIO
 from shardlm.train.zero import STAGES, Zero
 
 RECOMPUTE = ("none", "selective", "full")
@@ -51,9 +52,17 @@ class TrainConfig:
     """'smollm2' (embedded), a HF directory or a .gguf file, as for generate."""
     parallel: ParallelDims = field(default_factory=ParallelDims)
     """The layout over ranks (``AXES``): dp ranks each train on their share of every batch; pp stages
-    each hold a run of layers, a step's micro-batches (``grad_accum``) flowing through them in the
-    1F1B schedule; cp ranks each hold 2 of 2 x cp chunks of every sequence (seq_len must split); tp
+    each hold a run of layers (``vpp`` runs under the interleaved schedule), a step's micro-batches
+    (``grad_accum``) flowing through them in ``pp_schedule``; cp ranks each hold 2 of 2 x cp chunks of every sequence (seq_len must split); tp
     ranks each hold a slice of every weight matrix."""
+    pp_schedule: str = "1f1b"
+    """The pipeline schedule (parallel/schedules.py): "1f1b" (PipeDream-Flush), "gpipe" (all
+    forwards, then all backwards), "interleaved" (1F1B over ``vpp`` chunks of layers per stage;
+    grad_accum a multiple of pp) or "zb-h1" (zero-bubble: weight gradients deferred into the
+    bubbles)."""
+    vpp: int = 1
+    """Chunks of layers per pipeline stage (the interleaved schedule's virtual stages; the layers
+    must split into pp x vpp equal chunks)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: between the tp regions each tp rank holds 1/tp of the tokens
     (norms and residual adds on a share; all-gather / reduce-scatter instead of all-reduce). A
@@ -137,6 +146,7 @@ class TrainConfig:
     """Collective timeout: a dead or stuck rank ends the run after this long."""
 
     def __post_init__(self) -> None:
+        check_schedule(self.pp_schedule, self.parallel.pp, self.grad_accum, self.vpp)
         if self.zero not in STAGES:
             raise UsageError(
                 f"zero={self.zero!r} is not a ZeRO stage; use one of {STAGES} (0: plain data "
@@ -239,8 +249,12 @@ def check_trainable(
     dtype: str = "float32",
     aux_loss_coef: float = 0.0,
     bias_update_rate: float = 0.0,
+    pp: int = 1,
+    pp_schedule: str = "1f1b",
+    vpp: int = 1,
 ) -> None:
     """Refuse what training does not support yet, with the reason."""
+    check_schedule(pp_schedule, pp, None, vpp, layers=cfg.num_layers)
     if bias_update_rate and cfg.family != "deepseek_v3":
         raise UsageError(
             f"bias_update_rate={bias_update_rate}: {cfg.family} has no expert correction bias "
@@ -334,7 +348,7 @@ class _Pass:
     io: StageIO
     total: torch.Tensor  # the loss summed over this rank's tokens (last stage), filled by forward
     aux: torch.Tensor  # this rank's share of the load-balancing loss (summed over dp x cp: the whole)
-    forward: Callable[[int], None]
+    forward: Callable[[int, int], None]  # (micro-batch, chunk)
 
 
 class Trainer:
@@ -363,8 +377,15 @@ class Trainer:
             cp_attention=config.cp_attention,
             dtype=self.dtype_name,
             aux_loss_coef=config.aux_loss_coef,
+            pp=dims.pp,
+            pp_schedule=config.pp_schedule,
+            vpp=config.vpp,
         )
-        layers = stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
+        layers = (
+            virtual_stage_layers(ckpt.config.num_layers, dims.pp, config.vpp, dims.pp_rank)
+            if config.vpp > 1
+            else stage_layers(ckpt.config, dims.pp)[dims.pp_rank]
+        )
         on_gpu = device_type == "cuda"  # overlap's defaults (TrainConfig.prefetch, bucket_mb)
         self.dtype = getattr(torch, self.dtype_name)
         self.model = model = load_model(
@@ -414,6 +435,10 @@ class Trainer:
         self.moe = moe_blocks(model)
         for block in self.moe:  # the load-balancing loss and the bias update read the router's statistics
             block.keep_stats = config.aux_loss_coef > 0 or config.bias_update_rate > 0
+        self.timeline: list[tuple[str, int, int, float, float]] = []
+        """The last step's pipeline operations on this rank: (kind, micro-batch, chunk, start, end)."""
+        self.in_flight = 0
+        """The most micro-batch chunks whose activations this rank held at once in the last step."""
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
 
@@ -438,14 +463,18 @@ class Trainer:
         scale = self.scaler.scale if self.scaler else 1.0
         run = self._pass(batch, scale)
         io, micros, count, total = run.io, run.micros, run.count, run.total
-        forward = run.forward
-
-        def backward(i: int) -> None:
-            with self.zero.backward(last=i == len(micros) - 1):  # 1F1B runs the backwards in order
-                io.backward(i)
-
+        run_backward = {"B": io.backward_input if c.pp_schedule == "zb-h1" else io.backward, "W": io.backward_weight}
         self.zero.start_backward()
-        one_f_one_b(self.dims.pp_rank, self.dims.pp, len(micros), forward, backward)
+        self.timeline = []
+        for kind, i, chunk in stage_orders(c.pp_schedule, self.dims.pp, len(micros), c.vpp)[self.dims.pp_rank]:
+            began = time.perf_counter()
+            if kind == "F":
+                run.forward(i, chunk)
+            else:  # every schedule runs a chunk's backwards in micro-batch order: the last one reduces
+                with self.zero.backward(last=i == len(micros) - 1, chunk=chunk):
+                    run_backward[kind](i, chunk)
+            self.timeline.append((kind, i, chunk, began, time.perf_counter()))
+        self.in_flight = io.peak
         io.flush()
         held = self.zero.state_bytes()
         self.zero.finish_backward()
@@ -505,7 +534,7 @@ class Trainer:
 
     def _pass(self, batch: torch.Tensor | list[list[int]], scale: float) -> _Pass:
         """Check a global batch and lay out this rank's share of it for one pass: micro-batch i's
-        forward is ``forward(i)`` (on the last stage its loss, divided by the global target count
+        forward is ``forward(i, chunk)`` (on the last stage its loss, divided by the global target count
         and multiplied by ``scale``, is what backward starts from)."""
         batch = torch.as_tensor(batch)
         dp, r = self.dims.dp, self.dims.dp_rank  # cp ranks of one dp rank share its sequences
@@ -536,22 +565,22 @@ class Trainer:
                 self.dims.cp_group, micros[0][0].shape[0], seq_len, self.config.cp_attention, self.device
             )
         )
-        io = StageIO(self.dims, self.device)
+        io = StageIO(self.dims, self.device, self.config.vpp, self.zero.leaves)
         hidden = self.checkpoint.config.hidden_size
         total = torch.zeros(
             (), dtype=torch.float64, device=self.device
         )  # the loss summed over this rank's tokens (last stage)
         aux_total = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's share of the aux loss
 
-        def forward(i: int) -> None:
+        def forward(i: int, chunk: int) -> None:
             inputs, targets, positions = micros[i]
             b = inputs.shape[0]
             local = b * len(positions) // (self.dims.tp if sp else 1)  # tokens a stage passes on
-            x = inputs.reshape(-1) if io.first else io.receive(i, (local, hidden), self.dtype)
+            x = inputs.reshape(-1) if io.first_in(chunk) else io.receive(i, chunk, (local, hidden), self.dtype)
             out = self.zero.forward(
-                x, positions.repeat(b), meta, [None] * len(self.model.layers), local_logits=True
-            )  # last stage: [tokens, local vocab] logits
-            if io.last:
+                x, positions.repeat(b), meta, [None] * len(self.model.layers), local_logits=True, chunk=chunk
+            )  # last virtual stage: [tokens, local vocab] logits
+            if io.last_in(chunk):
                 loss = vocab_parallel_cross_entropy(out, targets.reshape(-1), self.vocab_start, self.dims.tp_group)
                 total.add_(loss.detach().sum().double())
                 out = loss.sum() / count
@@ -560,7 +589,7 @@ class Trainer:
                     aux_total.add_(aux.detach().double())
                     out = out + self.config.aux_loss_coef * aux
                 out = out * scale
-            io.produced(i, out)
+            io.produced(i, chunk, out)
 
         return _Pass(micros, count, io, total, aux_total, forward)
 
@@ -571,7 +600,8 @@ class Trainer:
         with torch.no_grad():
             run = self._pass(batch, 1.0)
             for i in range(len(run.micros)):
-                run.forward(i)
+                for chunk in range(self.config.vpp):  # through the virtual stages in order
+                    run.forward(i, chunk)
             run.io.flush()
         for block in self.moe:  # an evaluation moves no bias
             block.stats = []

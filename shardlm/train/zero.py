@@ -162,13 +162,19 @@ class Zero:
         for unit in self.units:
             unit.bucket_grads()
 
+    def _span(self, chunk: int) -> range:
+        """The indices in model.layers of the layers of ``chunk``."""
+        runs = self.model.chunks
+        start = sum(len(r) for r in runs[:chunk])
+        return range(start, start + len(runs[chunk]))
+
     @contextmanager
-    def backward(self, last: bool) -> Iterator[None]:
-        """Around each backward of a step: only the ``last`` one reduces gradients (stages 0-2;
-        DDP's no_sync for the others, so a step reduces once whatever its micro-batches);
-        stage 3 starts re-gathering the last layers' weights ahead."""
+    def backward(self, last: bool, chunk: int = 0) -> Iterator[None]:
+        """Around each backward of a step (of ``chunk``'s layers): only the ``last`` one reduces
+        gradients (stages 0-2; DDP's no_sync for the others, so a step reduces once whatever its
+        micro-batches); stage 3 starts re-gathering the chunk's last layers' weights ahead."""
         if self.prefetch is not None:
-            self.prefetch.begin(-1)
+            self.prefetch.begin(-1, self._span(chunk))
         if self.buckets is not None:
             self.buckets.reducing = last
         try:
@@ -176,6 +182,11 @@ class Zero:
         finally:
             if self.buckets is not None:
                 self.buckets.reducing = False
+
+    def leaves(self) -> list[nn.Parameter]:
+        """The tensors autograd accumulates gradients into: the model's parameters (stages 0-2),
+        each unit's shard (stage 3, through its gather)."""
+        return [u.shard for u in self.units] if self.stage == 3 else [p for u in self.units for p in u.params]
 
     def shards(self) -> list[nn.Parameter]:
         """What the optimizer steps on: this rank's part of every unit, in float32."""
@@ -195,7 +206,7 @@ class Zero:
         if self.stage < 3:
             return self.model(*args, **kwargs)
         assert self.prefetch is not None  # stage 3
-        self.prefetch.begin(1)
+        self.prefetch.begin(1, self._span(kwargs.get("chunk", 0)))
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             weights = {name: w for unit in self.outer for name, w in self.gathered(unit).items()}
             return functional_call(self.model, weights, args, kwargs)

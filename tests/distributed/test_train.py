@@ -25,6 +25,7 @@ from harness.overlap_rankfns import step_events
 from harness.rankfns import (
     evaluate_and_step,
     layer_activations_on_rank,
+    pipeline_ops,
     resume_and_step,
     train_and_save,
     train_and_save_state,
@@ -144,6 +145,22 @@ LAYOUTS = [
     (2, 1, 3, {"prefetch": 0}),
     (3, 1, 2, {"bucket_mb": 1.0}),
     (2, 1, 3, {"pp": 2, "grad_accum": 2, "prefetch": 2}),
+    # the other pipeline schedules (parallel/schedules.py): GPipe; interleaved over 3 chunks of one
+    # layer per stage; ZB-H1's split backward through every ZeRO stage, tp and sequence parallelism
+    (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "gpipe"}),
+    (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "interleaved", "vpp": 3}),
+    (1, 1, 1, {"pp": 3, "grad_accum": 3, "pp_schedule": "interleaved", "vpp": 2}),
+    (2, 1, 3, {"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3}),
+    (1, 2, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "sequence_parallel": True}),
+    (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "zb-h1"}),
+    (1, 1, 1, {"pp": 3, "grad_accum": 4, "pp_schedule": "zb-h1"}),
+    (2, 1, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
+    (2, 1, 3, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
+    (1, 2, 1, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1", "sequence_parallel": True}),
+    (1, 1, 0, {"grad_accum": 2, "pp_schedule": "zb-h1"}),
+    (1, 1, 0, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1", "recompute": "full"}),
+    (1, 1, 0, {"pp": 2, "cp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
+    (1, 1, 3, {"pp": 2, "cp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "recompute": "full"}),
 ]
 
 
@@ -153,7 +170,8 @@ def _layout_id(dp, tp, zero, extra) -> str:
     sp += f"-recompute-{extra['recompute']}" if "recompute" in extra else ""
     ring = f"-{extra['cp_attention']}" if "cp_attention" in extra else ""
     overlap = "".join(f"-{k.replace('_', '')}{extra[k]}" for k in ("bucket_mb", "prefetch") if k in extra)
-    return f"dp{dp}-pp{extra.get('pp', 1)}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}{overlap}"
+    schedule = f"-{extra['pp_schedule']}{extra.get('vpp', '')}" if "pp_schedule" in extra else ""
+    return f"dp{dp}-pp{extra.get('pp', 1)}{schedule}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}{overlap}"
 
 
 @pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
@@ -464,14 +482,16 @@ def test_cuda_trains_bfloat16_by_default_and_resumes_a_cpu_state(hf_run, tmp_pat
 @needs_cuda
 def test_optimizer_offload_on_cuda_keeps_masters_in_cpu_memory_and_takes_hfs_steps(hf_run):
     """--offload optimizer on the GPU: masters (and so AdamW's moments) in pinned CPU memory, none of
-    the optimizer's bytes on the device, and HF's steps (test_layout_matches_hf's tolerances)."""
+    the optimizer's bytes on the device (as the planner counts them), and HF's steps (test_layout_matches_hf's tolerances)."""
     from shardlm.train.trainer import TrainConfig, Trainer
 
     path, batches = hf_run[:2]
     t = Trainer(TrainConfig(model=path, device="cuda", dtype="bfloat16", offload="optimizer"))
     assert all(u.master.device.type == "cpu" and u.master.is_pinned() for u in t.zero.units)
     stats = t.step(batches[0])
-    assert stats["state_bytes"]["optimizer"] == 0 and stats["state_bytes"]["optimizer_offloaded"] > 0
+    # none on the device, 12 bytes per parameter on the host: the planner's count (test_plan_memory)
+    numel = sum(u.numel for u in t.zero.units)
+    assert stats["state_bytes"]["optimizer"] == 0 and stats["state_bytes"]["optimizer_offloaded"] == 12 * numel
     results = run_ranks_on(
         "nccl", 1, train_steps, path, batches, 1, 1, 2, device="cuda", dtype="float32", offload="optimizer", **OPTIM
     )
@@ -528,32 +548,33 @@ def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_one_f_one_b_order_and_activations_in_flight():
-    """Stage s of p runs p-1-s warm-up forwards, then alternates, and never holds more than p-s."""
-    from shardlm.train.schedule import one_f_one_b
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(pp=3, grad_accum=4),
+        dict(pp=2, grad_accum=4, pp_schedule="gpipe"),
+        dict(pp=2, grad_accum=4, pp_schedule="interleaved", vpp=3),
+        dict(pp=3, grad_accum=4, pp_schedule="zb-h1"),
+    ],
+    ids=["1f1b", "gpipe", "interleaved", "zb-h1"],
+)
+def test_each_stage_runs_its_schedule_and_holds_what_it_defines(hf_run, options):
+    """The operations every stage ran, in order, are its schedule's (parallel/schedules.py), and
+    the activations it held at once (counted as they are kept and freed) are what the schedule
+    defines: 1F1B p - s, GPipe m, ZB-H1 at most p, interleaved Megatron's warm-up."""
+    from shardlm.parallel.schedules import in_flight, stage_orders
 
-    for stages, micro in [(4, 6), (4, 2), (1, 3), (3, 3)]:
-        for stage in range(stages):
-            order, live, peak = [], 0, 0
-
-            def forward(i):
-                nonlocal live, peak
-                order.append(f"F{i}")
-                live += 1
-                peak = max(peak, live)
-
-            def backward(i):
-                nonlocal live
-                order.append(f"B{i}")
-                live -= 1
-
-            one_f_one_b(stage, stages, micro, forward, backward)
-            assert sorted(order) == sorted([f"F{i}" for i in range(micro)] + [f"B{i}" for i in range(micro)])
-            assert all(order.index(f"F{i}") < order.index(f"B{i}") for i in range(micro))
-            assert peak == min(stages - stage, micro), (stages, stage, order)
-    got = []
-    one_f_one_b(0, 4, 6, lambda i: got.append(f"F{i}"), lambda i: got.append(f"B{i}"))
-    assert got == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    path, batches = hf_run[:2]
+    pp, m = options["pp"], options["grad_accum"]
+    schedule, vpp = options.get("pp_schedule", "1f1b"), options.get("vpp", 1)
+    orders = stage_orders(schedule, pp, m, vpp)
+    for stage, ops, held in run_ranks(pp, pipeline_ops, path, batches[0], **options):
+        assert ops == orders[stage]
+        assert held == in_flight(orders[stage])
+    if schedule == "1f1b":
+        assert [in_flight(o) for o in orders] == [3, 2, 1]
+    if schedule == "zb-h1":
+        assert [in_flight(o) for o in orders] == [3, 3, 3]
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_bias", "qwen2", "qwen3", "mistral"])
@@ -680,6 +701,13 @@ def test_cli_trains_smollm2_over_two_ranks(tmp_path, hf_smollm2):
         (["--batch-size", "4000"], "fewer than one batch of 4000"),
         (["--cp", "3", "--seq-len", "16"], "seq_len=16 does not split into 2 x cp = 6 equal chunks"),
         (["--pp", "40"], "pp=40 needs at least one layer per stage but the model has 30 layers"),
+        (
+            ["--pp", "2", "--vpp", "2", "--grad-accum", "2"],
+            "30 layers do not split into pp x vpp = 4 equal chunks; use vpp in [3, 5, 15]",
+        ),
+        (["--pp", "2", "--vpp", "3", "--grad-accum", "3"], "grad_accum=3 is not a multiple of 2 (use 2 or 4)"),
+        (["--vpp", "2"], "pp=1 has none to interleave"),
+        (["--pp", "2", "--pp-schedule", "zb-h1", "--vpp", "3"], "use --pp-schedule interleaved, or vpp=1"),
         (["--prefetch", "-2"], "prefetch=-2 must be a whole number of layers >= 0"),
         (["--bucket-mb", "-1"], "bucket_mb=-1.0 must be >= 0 MiB"),
         (

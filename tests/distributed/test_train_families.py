@@ -86,6 +86,9 @@ def _all_moe_cases():
             yield pytest.param(name, not deepseek, *lay, id=f"{name}-{_moe_id(lay)}")
         for lay in PIPELINED:
             yield pytest.param(name, False, *lay, id=f"{name}-{_moe_id(lay)}")
+    # ZB-H1's split backward through the experts' all-to-all and DeepSeek's router (one model: ~10 s)
+    lay = (2, 1, 2, 1, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"})
+    yield pytest.param("deepseek_v3", False, *lay, id=f"deepseek_v3-{_moe_id(lay)}")
 
 
 @pytest.mark.parametrize("name,aux,dp,tp,ep,zero,extra", _moe_cases())

@@ -75,9 +75,9 @@ def step_events(model: str, batch, **options) -> list[tuple]:
     backward = trainer.zero.backward
 
     @contextlib.contextmanager
-    def logged_backward(last: bool):
+    def logged_backward(last: bool, chunk: int = 0):
         log.append(("backward", "begin", last))
-        with backward(last):
+        with backward(last, chunk):
             yield
         log.append(("backward", "end", last))
 

@@ -166,6 +166,18 @@ def train_steps(model: str, batches, dp: int, tp: int, zero: int, **options):
     return stats, weights, stats[-1]["state_bytes"], (sum(u.hi - u.lo for u in units), sum(u.numel for u in units))
 
 
+def pipeline_ops(model: str, batch, **options):
+    """One step with this layout: (pp rank, the (kind, micro-batch, chunk) operations it ran in
+    order, the most micro-batch chunks whose activations it held at once)."""
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(
+        TrainConfig.of(model=model, threads=1, **options), rank=dist.get_rank(), world=dist.get_world_size()
+    )
+    trainer.step(batch)
+    return trainer.dims.pp_rank, [op[:3] for op in trainer.timeline], trainer.in_flight
+
+
 def train_and_save(model: str, batches, dp: int, tp: int, zero: int, directory: str, **options):
     """Train on ``batches``, then save the model as a HF directory (rank 0 writes)."""
     from shardlm.train.trainer import TrainConfig, Trainer

@@ -275,3 +275,28 @@ def test_planner_kv_per_cp_rank_is_the_striped_caches(cp):
         assert sum(owner(p, bs, cp) == rank for p in range(tokens)) == len(held[held < tokens]) == tokens // cp
     planned = kv_bytes_per_seq_token(ModelCosts(ckpt.config), Layout(cp=cp), kv_element_bytes(ckpt.config, "bf16"))
     assert planned * tokens == pytest.approx(group_blocks * per_block, rel=1e-12)
+
+
+def test_optimizer_offload_leaves_the_model_states_but_adam_on_the_device():
+    """ZeRO-Offload (train --offload optimizer): the float32 masters and moments, 12 bytes per owned
+    parameter (what the trainer reports as optimizer_offloaded: test_train's CUDA offload test), leave
+    the device; weights and gradients stay. The step then moves 4 + 2 bytes per owned parameter over
+    PCIe and streams 28 through the host's memory, slower than the device's step."""
+    from shardlm.plan import constants as C
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import training_memory
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    costs, gpu = _costs("llama-3-8b"), load_gpu("h100-sxm")
+    cluster = Cluster(gpu=gpu, num_gpus=8, gpus_per_node=8)
+    lay = Layout(dp=8, zero=1, micro_batch=1, num_micro=8)
+    kept, moved = (training_memory(costs, lay.with_(offload=o), 0.0, seq=4096) for o in (False, True))
+    assert moved.optimizer == 0 and kept.optimizer == pytest.approx(12 * total_params(costs.cfg) / 8)
+    assert (moved.weights, moved.gradients, moved.activations) == (kept.weights, kept.gradients, kept.activations)
+    wl = TrainWorkload(global_batch=64, seq_len=4096)
+    on, off = (evaluate(costs, cluster, lay.with_(offload=o), wl) for o in (True, False))
+    owned = total_params(costs.cfg) / 8
+    want = owned * (6 / (128e9 / 2) + 28 / C.HOST_MEM_BPS_PER_GPU)
+    assert on.step_s - off.step_s == pytest.approx(want - owned * 32 / gpu.mem_Bps, rel=1e-6)
+    assert on.step_s > off.step_s and "offload" in lay.with_(offload=True).label(training=True)
