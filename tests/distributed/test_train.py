@@ -146,21 +146,25 @@ LAYOUTS = [
     (3, 1, 2, {"bucket_mb": 1.0}),
     (2, 1, 3, {"pp": 2, "grad_accum": 2, "prefetch": 2}),
     # the other pipeline schedules (parallel/schedules.py): GPipe; interleaved over 3 chunks of one
-    # layer per stage; ZB-H1's split backward through every ZeRO stage, tp and sequence parallelism
+    # layer per stage; ZB-H1's split backward through ZeRO 0, 2 and 3 (more in SCHEDULE_LAYOUTS)
     (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "gpipe"}),
     (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "interleaved", "vpp": 3}),
-    (1, 1, 1, {"pp": 3, "grad_accum": 3, "pp_schedule": "interleaved", "vpp": 2}),
     (2, 1, 3, {"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3}),
-    (1, 2, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "sequence_parallel": True}),
     (1, 1, 0, {"pp": 2, "grad_accum": 4, "pp_schedule": "zb-h1"}),
-    (1, 1, 1, {"pp": 3, "grad_accum": 4, "pp_schedule": "zb-h1"}),
     (2, 1, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
     (2, 1, 3, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
+]
+# the schedules composed with the rest: pp=3, tp with sequence parallelism, full recomputation,
+# cp, one stage (~6 s each, in the slow tier: the fast one is at its 15-minute budget)
+SCHEDULE_LAYOUTS = [
+    (1, 1, 1, {"pp": 3, "grad_accum": 3, "pp_schedule": "interleaved", "vpp": 2}),
+    (1, 2, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "sequence_parallel": True}),
+    (1, 1, 3, {"pp": 2, "cp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "recompute": "full"}),
+    (1, 1, 1, {"pp": 3, "grad_accum": 4, "pp_schedule": "zb-h1"}),
     (1, 2, 1, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1", "sequence_parallel": True}),
     (1, 1, 0, {"grad_accum": 2, "pp_schedule": "zb-h1"}),
     (1, 1, 0, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1", "recompute": "full"}),
     (1, 1, 0, {"pp": 2, "cp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
-    (1, 1, 3, {"pp": 2, "cp": 2, "grad_accum": 2, "pp_schedule": "interleaved", "vpp": 3, "recompute": "full"}),
 ]
 
 
@@ -174,7 +178,11 @@ def _layout_id(dp, tp, zero, extra) -> str:
     return f"dp{dp}-pp{extra.get('pp', 1)}{schedule}-cp{extra.get('cp', 1)}{ring}-tp{tp}{sp}-zero{zero}{accum}{overlap}"
 
 
-@pytest.mark.parametrize("dp,tp,zero,extra", LAYOUTS, ids=[_layout_id(*layout) for layout in LAYOUTS])
+@pytest.mark.parametrize(
+    "dp,tp,zero,extra",
+    [pytest.param(*layout, id=_layout_id(*layout)) for layout in LAYOUTS]
+    + [pytest.param(*layout, id=_layout_id(*layout), marks=pytest.mark.slow) for layout in SCHEDULE_LAYOUTS],
+)
 def test_layout_matches_hf(hf_run, dp, tp, zero, extra):
     path, batches = hf_run[:2]
     pp, cp = extra.get("pp", 1), extra.get("cp", 1)
@@ -551,12 +559,11 @@ def test_saved_model_is_hf_trained_model(hf_run, tmp_path):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(pp=3, grad_accum=4),
-        dict(pp=2, grad_accum=4, pp_schedule="gpipe"),
-        dict(pp=2, grad_accum=4, pp_schedule="interleaved", vpp=3),
-        dict(pp=3, grad_accum=4, pp_schedule="zb-h1"),
+        pytest.param(dict(pp=3, grad_accum=4), marks=pytest.mark.slow, id="1f1b"),  # its order: a unit test
+        pytest.param(dict(pp=2, grad_accum=4, pp_schedule="gpipe"), marks=pytest.mark.slow, id="gpipe"),
+        pytest.param(dict(pp=2, grad_accum=4, pp_schedule="interleaved", vpp=3), id="interleaved"),
+        pytest.param(dict(pp=3, grad_accum=4, pp_schedule="zb-h1"), id="zb-h1"),
     ],
-    ids=["1f1b", "gpipe", "interleaved", "zb-h1"],
 )
 def test_each_stage_runs_its_schedule_and_holds_what_it_defines(hf_run, options):
     """The operations every stage ran, in order, are its schedule's (parallel/schedules.py), and
