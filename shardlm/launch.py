@@ -12,6 +12,13 @@ Two ways in:
   traceback before exiting; a rank that dies is seen by the driver (its exit code)
   and by its peers (gloo reports the closed connection), and every collective has
   ``timeout_s``.
+
+A server under torchrun needs both (``JoinedRanks``): requests arrive at one process, while
+the ranks are torchrun's, on every host. Global rank 0's process becomes the driver: it starts
+global rank 0's worker as its child (torchrun's environment inherited, so the child joins the
+run's process group as rank 0), listens on a TCP port with a random key, and the child tells the
+other ranks where (``share_driver``); each of them connects (``join_driver``) and obeys the
+driver's commands as a LocalRanks child does.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
 from pathlib import Path
 from typing import Any, cast
 
@@ -166,16 +173,22 @@ class DriverLink:
     def __init__(self, conn: Connection):
         self.conn = conn
         self._send_lock = threading.Lock()  # busy() may send from another thread
+        self.closing = False  # the driver said stop for good (its None) while the rank served
 
     def send(self, kind: str, value: Any) -> None:
         with self._send_lock:
             self.conn.send((kind, value))
 
     def poll(self, timeout: float) -> list[Any]:
-        """Messages waiting from the driver (the first awaited up to ``timeout`` seconds)."""
+        """Messages waiting from the driver (the first awaited up to ``timeout`` seconds); the
+        driver's None (it is closing: LocalRanks.close) sets ``closing`` instead."""
         out: list[Any] = []
-        while self.conn.poll(timeout if not out else 0):
-            out.append(self.conn.recv())
+        while not self.closing and self.conn.poll(timeout if not out else 0):
+            message = self.conn.recv()
+            if message is None:
+                self.closing = True
+            else:
+                out.append(message)
         return out
 
 
@@ -191,16 +204,33 @@ def busy(what: str) -> None:
 
 
 def _rank_main(fd: int) -> None:
-    """A rank process started by LocalRanks: build the worker, then run the driver's commands:
-    ``generate`` (rank 0 streams its tokens), ``serve`` (requests arrive until stopped), or
-    any other worker method, called with the command's payload."""
+    """A rank process started by LocalRanks (or JoinedRanks): build the worker, then run the
+    driver's commands (``obey``)."""
     global _driver
     link = _driver = DriverLink(Connection(fd))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    code = 0
+    code = 1
     try:
         rank, world, init_method, make_worker, args = link.conn.recv()
-        worker = make_worker(rank, world, init_method, *args)
+        try:
+            worker = make_worker(rank, world, init_method, *args)
+        except BaseException:
+            link.send("error", traceback.format_exc())
+            raise
+        code = obey(link, worker, rank)
+    except EOFError:
+        code = 3  # the driver went away
+    except BaseException:
+        pass  # the driver has the traceback
+    os._exit(code)  # skip interpreter teardown: peers may already be gone
+
+
+def obey(link: DriverLink, worker, rank: int) -> int:
+    """Say the worker is ready, then run the driver's commands until it says stop (0) or goes
+    away (3): ``generate`` (rank 0 streams its tokens), ``serve`` (requests arrive until
+    stopped), or any other worker method, called with the command's payload. A failure is sent
+    to the driver (its traceback) and raised."""
+    try:
         link.send("ready", worker.ready_info())
         while (cmd := link.conn.recv()) is not None:
             name, payload = cmd
@@ -208,15 +238,45 @@ def _rank_main(fd: int) -> None:
                 stream = (lambda i, tok: link.send("token", (i, tok))) if rank == 0 else None
                 link.send("done", worker.generate(payload, stream))
             elif name == "serve":
-                link.send("done", worker.serve(link))
+                worker.serve(link)
+                if link.closing:  # the driver is going (a failed rank elsewhere): end quietly
+                    return 0
+                with contextlib.suppress(OSError):  # a driver that is closing may be gone already
+                    link.send("done", None)
             else:  # any other method of the worker, e.g. a benchmark's
                 link.send("done", getattr(worker, name)(payload))
     except EOFError:
-        code = 3  # the driver went away
+        return 3
     except BaseException:
-        link.send("error", traceback.format_exc())
-        code = 1
-    os._exit(code)  # skip interpreter teardown: peers may already be gone
+        with contextlib.suppress(OSError):
+            link.send("error", traceback.format_exc())
+        raise
+    return 0
+
+
+def share_driver(address: tuple[int, bytes] | None) -> tuple[str, int, bytes]:
+    """Under torchrun, collective over the world: global rank 0's worker gives the (port, key) its
+    driver listens on (``JoinedRanks``), every rank gets (rank 0's host address, port, key)."""
+    box: list = [None if address is None else (HOSTS[0][1] if HOSTS else "?", *address)]
+    dist.broadcast_object_list(box, src=0)
+    host, port, key = box[0]
+    return (os.environ.get("MASTER_ADDR", "127.0.0.1") if host == "?" else host), port, key
+
+
+def join_driver(where: tuple[str, int, bytes], rank: int, timeout_s: float) -> DriverLink:
+    """A torchrun rank's link to the driver that global rank 0's process runs (``share_driver``)."""
+    host, port, key = where
+    deadline = time.monotonic() + timeout_s
+    while True:  # the driver listens before its rank 0 says where; a refused connect is a lost host
+        try:
+            conn = Client((host, port), authkey=key)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RankFailure(f"rank {rank} cannot reach the driver at {host}:{port} ({e}); the run stops") from e
+            time.sleep(0.5)
+    conn.send((rank, socket.gethostname(), _address()))
+    return DriverLink(conn)
 
 
 def readable(conns: list[Connection], timeout: float | None = None) -> list[Connection]:
@@ -225,30 +285,33 @@ def readable(conns: list[Connection], timeout: float | None = None) -> list[Conn
     return cast("list[Connection]", wait(conns, timeout))
 
 
+def _child_rank(rank: int, world: int, init_method: str, make_worker: Callable, args: tuple):
+    """Start a rank as a child process running ``python -m shardlm.launch`` (not
+    multiprocessing's spawn, which would re-run the caller's ``__main__`` and demand an ``if
+    __name__ == "__main__"``): (the driver's end of its socket pair, the process)."""
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+    mine, theirs = Pipe(duplex=True)
+    fd = theirs.fileno()
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm.launch", str(fd)], pass_fds=[fd], env=env)
+    theirs.close()  # so a dead rank reads as end-of-file here
+    mine.send((rank, world, init_method, make_worker, args))
+    return mine, proc
+
+
 class LocalRanks:
     """All ranks of a run on this host, as child processes of a driver that never joins a
-    collective: it talks to each rank over its own socket pair, so it always sees a rank fail.
-
-    Ranks run ``python -m shardlm.launch`` rather than multiprocessing's spawn, which
-    would re-run the caller's ``__main__`` (and demand an ``if __name__ == "__main__"``).
-    """
+    collective: it talks to each rank over its own socket pair, so it always sees a rank fail."""
 
     def __init__(self, world: int, make_worker: Callable, args: tuple, *, timeout_s: float):
         self.world, self.timeout_s = world, timeout_s
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        pkg_root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
         self.conns: list[Connection] = []
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[int, subprocess.Popen] = {}  # the ranks that are this process's children
+        self.hosts: dict[int, tuple[str, str]] = {}  # (hostname, address) of ranks on other hosts
         for rank in range(world):
-            mine, theirs = Pipe(duplex=True)
-            fd = theirs.fileno()
-            self.procs.append(
-                subprocess.Popen([sys.executable, "-m", "shardlm.launch", str(fd)], pass_fds=[fd], env=env)
-            )
-            theirs.close()  # so a dead rank reads as end-of-file here
-            mine.send((rank, world, init_method, make_worker, args))
-            self.conns.append(mine)
+            conn, self.procs[rank] = _child_rank(rank, world, init_method, make_worker, args)
+            self.conns.append(conn)
 
     def call(self, name: str, payload: Any, on_token: Callable[[int, int], None] | None = None) -> list[Any]:
         """Run ``worker.name(payload)`` on every rank; returns the results in rank order."""
@@ -292,6 +355,12 @@ class LocalRanks:
         return [got[r] for r in range(self.world)]
 
     def _exit_status(self, rank: int) -> str:
+        if rank not in self.procs:  # a rank of another process (torchrun's): only its link is seen
+            if rank not in self.hosts:
+                return "connection lost"
+            name, address = self.hosts[rank]
+            theirs = sorted(r for r, h in self.hosts.items() if h == (name, address))
+            return f"connection lost: host {name} ({address}, ranks {theirs}) gone or cut off"
         try:
             code = self.procs[rank].wait(timeout=2)
         except subprocess.TimeoutExpired:
@@ -304,7 +373,7 @@ class LocalRanks:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(None)
         deadline = time.monotonic() + 5
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -312,6 +381,50 @@ class LocalRanks:
                 p.wait()
         for conn in self.conns:
             conn.close()
+
+
+class JoinedRanks(LocalRanks):
+    """The ranks of a torchrun run, driven from global rank 0's process (a server: requests arrive
+    there). Rank 0's worker is this process's child; the others connect over TCP from their own
+    processes, on any host (``share_driver``, ``join_driver``). Commands, replies and failures are
+    LocalRanks'."""
+
+    def __init__(self, world: int, make_worker: Callable, args: tuple, *, timeout_s: float):
+        self.world, self.timeout_s = world, timeout_s
+        key = os.urandom(32)
+        listener = Listener(("0.0.0.0", 0), authkey=key)  # any interface: the other hosts' ranks connect
+        conn, proc = _child_rank(0, world, "env://", make_worker, (*args, (listener.address[1], key)))
+        self.procs = {0: proc}
+        self.hosts: dict[int, tuple[str, str]] = {}
+        joined: dict[int, Connection] = {0: conn}
+
+        def accept() -> None:
+            with contextlib.suppress(OSError, EOFError):  # closed below once every rank is in (or the wait ends)
+                while len(joined) < world:
+                    c = listener.accept()
+                    rank, name, address = c.recv()
+                    self.hosts[rank] = (name, address)
+                    joined[rank] = c
+
+        threading.Thread(target=accept, name="shardlm-join", daemon=True).start()
+        deadline = time.monotonic() + timeout_s + 30
+        while len(joined) < world:
+            time.sleep(0.2)
+            if proc.poll() is not None or time.monotonic() > deadline:
+                listener.close()
+                why = f"ranks {sorted(set(range(world)) - set(joined))} never reached the driver in {timeout_s + 30:.0f} s"
+                if proc.poll() is not None:
+                    why = f"rank 0 ended ({self._exit_status(0)}) before every rank joined"
+                    with contextlib.suppress(EOFError, OSError):  # its traceback, if it sent one, says why
+                        while readable([conn], 0):
+                            what, value = conn.recv()
+                            if what == "error":
+                                why = f"rank 0 failed:\n{value.rstrip()}"
+                self.conns = list(joined.values())
+                self.close()
+                raise RankFailure(f"{why}; stopping")
+        listener.close()
+        self.conns = [joined[r] for r in range(world)]
 
 
 if __name__ == "__main__":

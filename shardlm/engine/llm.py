@@ -23,7 +23,7 @@ from shardlm.engine.structured import check_grammar
 from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
-from shardlm.launch import LocalRanks, resolve_device, torchrun_env
+from shardlm.launch import JoinedRanks, LocalRanks, resolve_device, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
 from shardlm.models.moe import check_expert_layout
 from shardlm.parallel.data import gather_replicas
@@ -188,8 +188,14 @@ class EngineFront:
             check_grammar(p.structured_outputs, self.tokenizer, vocab)
 
     def _spawn_ranks(self) -> list[dict]:
-        """Start every rank as a child process on this host; their ``ready`` infos, in rank order."""
-        ranks = LocalRanks(self.dims.world_size, Worker.spawned, (self.config,), timeout_s=self.config.timeout_s)
+        """Start every rank as a child process on this host, or under torchrun drive its ranks from
+        this process (global rank 0's: rank 0's worker becomes its child); their ``ready`` infos, in
+        rank order."""
+        env = torchrun_env()
+        if env is not None:
+            self.dims.check_world_size(env["world"])
+        kind, make = (JoinedRanks, Worker.joined) if env is not None else (LocalRanks, Worker.spawned)
+        ranks = kind(self.dims.world_size, make, (self.config,), timeout_s=self.config.timeout_s)
         try:
             infos = ranks.collect("ready")
         except BaseException:

@@ -60,6 +60,7 @@ def serve(worker, link) -> None:
                     news.aborts.append(value)
                 elif kind == "stop":
                     news.stop = True
+            news.stop |= link.closing  # the driver is closing without a stop: a rank failed elsewhere
         if group is not None:
             box = [news]
             dist.broadcast_object_list(box, group=group, group_src=0)  # the leader is the group's first rank

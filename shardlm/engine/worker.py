@@ -15,7 +15,15 @@ from shardlm.engine.sampling import SamplingParams, TokenLogprob
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.engine.speculative import SpeculativeConfig
-from shardlm.launch import cpu_threads, init_distributed, resolve_device
+from shardlm.launch import (
+    cpu_threads,
+    init_distributed,
+    join_driver,
+    obey,
+    resolve_device,
+    share_driver,
+    torchrun_env,
+)
 from shardlm.models.loader import load_model, open_checkpoint
 from shardlm.models.moe import moe_blocks, needs_lockstep
 from shardlm.parallel.data import ReplicaLink, assign
@@ -124,6 +132,28 @@ class Worker:
         """Entry for ranks that LocalRanks starts on this host (local rank = global rank)."""
         return cls(config, rank=rank, world=world, local_rank=rank, local_world=world, init_method=init_method)
 
+    @classmethod
+    def from_torchrun(cls, config: EngineConfig) -> Worker:
+        """This torchrun process's rank (its place from torchrun's environment)."""
+        env = torchrun_env()
+        assert env is not None  # called under torchrun only
+        return cls(
+            config,
+            rank=env["rank"],
+            world=env["world"],
+            local_rank=env["local_rank"],
+            local_world=env["local_world"],
+            init_method="env://",
+        )
+
+    @classmethod
+    def joined(cls, rank: int, world: int, init_method: str, config: EngineConfig, driver) -> Worker:
+        """Entry for global rank 0 of a torchrun server, started by the driver in torchrun's rank 0
+        process (launch.JoinedRanks): it tells the other ranks where the driver listens."""
+        worker = cls.from_torchrun(config)
+        share_driver(driver)
+        return worker
+
     def ready_info(self) -> dict:
         return {
             "param_bytes": self.model.param_bytes(),
@@ -175,3 +205,10 @@ class Worker:
             )
             for s in seqs
         }, stats
+
+
+def serve_under_torchrun(config: EngineConfig) -> int:
+    """A torchrun rank other than global rank 0 of a server: its worker, driven by the server in
+    rank 0's process (launch.JoinedRanks) over TCP; the exit code (0: stopped, 3: driver gone)."""
+    worker = Worker.from_torchrun(config)
+    return obey(join_driver(share_driver(None), worker.rank, config.timeout_s), worker, worker.rank)

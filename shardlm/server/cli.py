@@ -101,6 +101,13 @@ def run(args) -> int:
         raise UsageError(f"--max-queue {args.max_queue} must be at least 1, e.g. --max-queue 1024")
     if args.grace < 0:
         raise UsageError(f"--grace {args.grace} must be >= 0 seconds, e.g. --grace 3")
+    from shardlm.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env["rank"] != 0:  # under torchrun: global rank 0's process serves HTTP and drives
+        from shardlm.engine.worker import serve_under_torchrun
+
+        return serve_under_torchrun(_engine_config(args))
     # uvicorn re-raises SIGTERM after its graceful shutdown, and one may come while the model loads:
     # make it a KeyboardInterrupt, so every rank is stopped on the way out instead of a silent death
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -148,14 +155,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_engine(args):
-    from shardlm.engine.async_llm import AsyncLLM
-    from shardlm.engine.config import EngineConfig
-    from shardlm.engine.llm import settle
-    from shardlm.models.loader import open_checkpoint
-
-    ckpt = open_checkpoint(args.model)
-    options = dict(
+def _options(args) -> dict:
+    """The engine options (``EngineConfig.of``) the flags set."""
+    return dict(
         layout_options(args),
         eplb_interval=args.eplb_interval,
         eplb_redundant=args.eplb_redundant,
@@ -163,7 +165,25 @@ def _start_engine(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_replicas=args.prefill_replicas,
     )
-    config = settle(EngineConfig.of(model=str(ckpt.path), **options), ckpt)
+
+
+def _engine_config(args):
+    """The ranks' EngineConfig, settled for the model (what AsyncLLM hands its ranks)."""
+    from shardlm.engine.config import EngineConfig
+    from shardlm.engine.llm import settle
+    from shardlm.models.loader import open_checkpoint
+
+    ckpt = open_checkpoint(args.model)
+    return settle(EngineConfig.of(model=str(ckpt.path), **_options(args)), ckpt)
+
+
+def _start_engine(args):
+    from shardlm.engine.async_llm import AsyncLLM
+    from shardlm.models.loader import open_checkpoint
+
+    ckpt = open_checkpoint(args.model)
+    options = _options(args)
+    config = _engine_config(args)
     log(loading_line(args.model, ckpt, config))
     engine = AsyncLLM(ckpt, max_queue=args.max_queue, **options, **front_options(args))
     if args.prefill_replicas:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import selectors
+import sys
 import time
 
 import pytest
 
-from harness.hosts import TwoHosts, both
+from harness.hosts import ADDRESSES, TwoHosts, both
 from shardlm import LLM, SamplingParams
 
 why_not = TwoHosts.available()
@@ -139,3 +141,87 @@ def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tmp_
     assert f"resumed from {ckpt} after step {saved}" in logs
     steps = [json.loads(x)["step"] for _, stdout, _ in again.values() for x in stdout.splitlines()]
     assert steps == [saved + 1]
+
+
+# Runs in the serving host's namespace (the test's own cannot reach 192.0.2.0/24): greedy
+# completions of four prompts, then the handoff counter from /metrics; one JSON line.
+_CLIENT = """
+import json, sys, urllib.request
+url = sys.argv[1]
+def post(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=120))
+texts = [post("/v1/completions", {"model": "smollm2", "prompt": p, "max_tokens": 8, "temperature": 0})
+         ["choices"][0]["text"] for p in json.loads(sys.argv[2])]
+metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+handoffs = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("shardlm_kv_handoffs_total")]
+print(json.dumps({"texts": texts, "handoffs": handoffs}), flush=True)
+"""
+# a stream that outlives host B (3000 tokens take minutes): its first chunk, then what ends it
+_STREAM = """
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps({"model": "smollm2", "prompt": "1, 2, 3,",
+      "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}).encode(), {"content-type": "application/json"})
+try:
+    for i, line in enumerate(urllib.request.urlopen(req, timeout=120)):
+        if i == 0:
+            print("streaming", flush=True)
+        if b"error" in line:
+            print("error event", line.decode().strip(), flush=True)
+except Exception as e:
+    print("ended:", repr(e), flush=True)
+"""
+
+
+def _serving_url(procs: dict, timeout: float = 240) -> tuple[str, str]:
+    """(the host whose global rank 0 serves, its URL without /v1), read from the server's log line."""
+    deadline, seen = time.monotonic() + timeout, dict.fromkeys(procs, "")
+    ready = selectors.DefaultSelector()
+    for h, p in procs.items():
+        ready.register(p.stderr, selectors.EVENT_READ, h)
+    while time.monotonic() < deadline:
+        for key, _ in ready.select(timeout=1):
+            seen[key.data] += os.read(key.fileobj.fileno(), 65536).decode(errors="replace")  # as communicate reads
+            if m := re.search(r"serving smollm2 on (http://\S+)/v1", seen[key.data]):
+                return key.data, m.group(1)
+        if any(p.poll() is not None for p in procs.values()):
+            break
+    raise AssertionError(f"no host served within {timeout} s: {seen}")
+
+
+def test_serve_across_hosts_disaggregated_then_a_lost_host_ends_it(hosts):
+    """`shardlm serve` under torchrun on two hosts, two replicas of tp=2 (one per host) with prefill on
+    one and decode on the other: global rank 0's process serves HTTP and drives every rank (the
+    other host's over TCP), answers = one process's greedy tokens, and every prompt's KV cache is
+    handed across the hosts. Then host B is killed mid-stream: the stream ends with an error, the
+    server exits non-zero within seconds with one line, and nothing is left on either host."""
+    prompts = ["The capital of France is", "Water boils at", "Tensor parallelism splits", "A haiku about GPUs:"]
+    with LLM("smollm2", threads=1) as llm:
+        want = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    port = next(_ports)
+    args = ["serve", "--dp", "2", "--tp", "2", "--prefill-replicas", "1", "--host", "0.0.0.0", "--port", "8000"]
+    args += ["--threads", "1", "--timeout", "30", "--grace", "1"]
+    procs = {h: hosts.torchrun(h, 2, args, port=port) for h in ("A", "B")}
+    host, url = _serving_url(procs)
+    url = url.replace("0.0.0.0", ADDRESSES[host])
+    client = hosts.start(host, [sys.executable, "-c", _CLIENT, url, json.dumps(prompts)])
+    out, err = client.communicate(timeout=300)
+    assert client.returncode == 0, err
+    got = json.loads(out)
+    assert got["texts"] == want and got["handoffs"] == [len(prompts)]
+    other = "B" if host == "A" else "A"
+    stream = hosts.start(host, [sys.executable, "-u", "-c", _STREAM, url])
+    assert stream.stdout.readline().strip() == "streaming"
+    hosts.kill(other)
+    start = time.monotonic()
+    code, _, log = both({host: procs[host]}, timeout=60)[host]
+    took = time.monotonic() - start
+    rest = stream.communicate(timeout=30)[0]
+    assert code != 0 and took < 15, (took, log[-3000:])
+    assert "error event" in rest or "ended:" in rest, rest
+    lines = [x for x in log.splitlines() if x.startswith("shardlm: error:")]
+    assert len(lines) == 1 and "the server stopped (all ranks ended)" in lines[0], log[-3000:]
+    deadline = time.monotonic() + 10
+    while (hosts.pids("A") or hosts.pids("B")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not hosts.pids("A") and not hosts.pids("B")
