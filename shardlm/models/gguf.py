@@ -47,6 +47,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardlm.errors import UsageError
+from shardlm.parallel.int4 import INT4_GROUP, Int4Blocks
 
 __all__ = ["GGUFError", "GGUFFile", "TensorInfo", "unpermute_qk"]
 
@@ -173,6 +174,39 @@ class GGUFFile:
         values = _dequantize(raw, info.ggml_type)[..., c0 - b0 * block_elems : c1 - b0 * block_elems]
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(out_shape)
 
+    def holds_int4(self, name: str) -> bool:
+        """Whether ``name`` is stored in 4-bit blocks that map exactly onto int4 groups (Q4_0, Q4_1)."""
+        return self.info(name).ggml_type in _INT4_TYPES
+
+    def read_int4(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Int4Blocks:
+        """``tensor[rows, cols]`` of a Q4_0 or Q4_1 tensor (2-D) as int4 codes, scales and zeros,
+        straight from its blocks (no float weight): ``w = (q - 8) * scale + zero`` is Q4_1's
+        ``d * q + m`` with scale = d, zero = m + 8 d, and Q4_0's ``d * (q - 8)`` with zero = 0
+        (llama.cpp's ``ggml-common.h``: a block is float16 d [, float16 m], then 16 bytes: element
+        j in the low nibble of byte j, element 16 + j in its high nibble). ``cols`` must hold whole
+        blocks of 32. scale and zero are float32: the float16 d and m exactly, m + 8 d rounded once."""
+        info = self.info(name)
+        if info.ggml_type not in _INT4_TYPES or len(info.shape) != 2:
+            raise GGUFError(
+                f"{name!r} is {_type_name(info.ggml_type)} {list(info.shape)}; read_int4 reads 2-D Q4_0/Q4_1"
+            )
+        n_rows, n_cols = info.shape
+        r0, r1 = _span(rows, n_rows, "rows", name)
+        c0, c1 = _span(cols, n_cols, "cols", name)
+        if c0 % INT4_GROUP or c1 % INT4_GROUP:
+            raise GGUFError(f"{name!r}: cols [{c0}, {c1}) do not hold whole blocks of {INT4_GROUP}")
+        _, block_bytes = info.block
+        table = self._data[info.offset : info.offset + info.nbytes].reshape(n_rows, n_cols // INT4_GROUP, block_bytes)
+        raw = torch.from_numpy(np.array(table[r0:r1, c0 // INT4_GROUP : c1 // INT4_GROUP]))  # [r, blocks, bytes]
+        d = raw[..., :2].contiguous().view(torch.float16)[..., 0].float()  # [r, blocks]
+        if info.ggml_type == GGMLQuantizationType.Q4_1:
+            zero = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].float() + 8 * d
+        else:
+            zero = torch.zeros_like(d)
+        qs = raw[..., -16:]  # [r, blocks, 16]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(r1 - r0, c1 - c0)  # [r, cols] in 0..15
+        return Int4Blocks(q, d, zero)
+
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head RoPE row permutation of ``attn_q``/``attn_k`` (see module doc).
@@ -188,6 +222,13 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     half = w.shape[0] // n_heads // 2
     # [heads, half, 2, ...] -> [heads, 2, half, ...]: pair (2i, 2i+1) goes back to (i, i + half)
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+def _type_name(ggml_type: GGMLQuantizationType | int) -> str:
+    return ggml_type.name if isinstance(ggml_type, GGMLQuantizationType) else f"ggml type {ggml_type}"
 
 
 def _span(s: slice | None, n: int, what: str, name: str) -> tuple[int, int]:
