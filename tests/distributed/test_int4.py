@@ -171,3 +171,18 @@ def test_int4_refuses_a_shard_whose_in_features_straddle_groups(tiny):
         make_worker(path, 1, quantization="int4")  # the MLP's 200 columns: not even at tp=1
     with pytest.raises(UsageError, match="quantization='gguf' keeps a GGUF file's 4-bit blocks"):
         make_worker(path, 1, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_int4_weights_gives_eager_tokens(tmp_path_factory):
+    """The int4 kernel is an opaque op (shardlm::int4_linear) in the compiled graph: compiled decode
+    gives eager's tokens with one graph per shape class (~100 s: inductor compiles two classes)."""
+    from harness.rankfns import compiled_runs, llm_greedy
+
+    ref = build_tiny("qwen3", tmp_path_factory.mktemp("qwen3_int4_compile"), num_hidden_layers=2, **TINY)
+    [(runs, classes, graphs)] = run_ranks(1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, quantization="int4")
+    [(eager, _, _)] = run_ranks(1, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, block_size=4, quantization="int4")
+    assert classes == {False, True} and graphs == 2
+    indices, _, tokens = runs[0]  # every prompt, decoded together
+    assert tokens == [eager[i] for i in indices]
+    assert eager != ref.tokens  # int4: not HF's float32 answers, so the option took effect
