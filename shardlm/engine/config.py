@@ -69,10 +69,10 @@ class EngineConfig:
     blocks dequantized, as HF transformers loads it). 'int8': each output row with its own scale
     (absmax / 127 of the whole row, so every layout holds the same int8 weights), computed by each
     rank on its shard after loading. 'int4': group-wise asymmetric int4 (a scale and zero per 32
-    input columns, torch's CPU int4 kernel): a GGUF file's Q4_0/Q4_1 blocks are taken as they are,
-    other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's Q4_0/Q4_1
+    input columns, torch's CPU int4 kernel): a GGUF file's Q4_0/Q4_1/Q4_K blocks are taken as they are,
+    other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's Q4_0/Q4_1/Q4_K
     layers kept as int4, every other type dequantized to ``dtype`` (no kernel takes Q8_0's or the
-    k-quants' per-block scales as they are). int4 and gguf run on CPU (``parallel/int4.py``)."""
+    other k-quants' per-block scales as they are). int4 and gguf run on CPU (``parallel/int4.py``)."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,

@@ -118,7 +118,7 @@ class GGUFSource:
         return self.gguf.holds_int4(gguf_name(name))
 
     def read_int4(self, name: str, rows: slice | None = None, cols: slice | None = None):
-        """The Q4_0/Q4_1 tensor's rows as ``Int4Blocks`` (Q/K rows un-permuted as in ``read``)."""
+        """The Q4_0/Q4_1/Q4_K tensor's rows as ``Int4Blocks`` (Q/K rows un-permuted as in ``read``)."""
         from shardlm.models.gguf import unpermute_qk
 
         blocks = self.gguf.read_int4(gguf_name(name), rows=rows, cols=cols)

@@ -8,7 +8,7 @@ A weight ``W [out, in]`` is held as 4-bit codes ``q`` in 0..15 and, for every ru
 which is the form of torch's int4 kernel (``aten._weight_int4pack_mm_for_cpu``, "tinygemm"). It is
 exactly llama.cpp's 4-bit blocks of 32 (``ggml-common.h``): Q4_1 stores ``w = d * q + m`` (scale
 ``d``, zero ``m + 8 d``), Q4_0 ``w = d * (q - 8)`` (scale ``d``, zero 0), so a GGUF file's Q4_0 and
-Q4_1 blocks become packed weights without going through float (``models/gguf.py``,
+Q4_1 blocks (and Q4_K's sub-blocks of 32) become packed weights without going through float (``models/gguf.py``,
 ``GGUFFile.read_int4``). Float checkpoints are quantized by ``int4_groups``: each group's min and
 max (asymmetric), ``scale = (max - min) / 15``.
 

@@ -71,6 +71,29 @@ def test_q4_blocks_map_exactly_onto_int4_groups(q4_file, name, qtype):
     assert torch.equal(part.dequantize(), want[16:32, 32:96])
 
 
+def test_q4_k_blocks_map_onto_int4_groups(tmp_path):
+    """Q4_K (gguf-py cannot quantize to it): random blocks, each sub-block of 32 with its own 6-bit
+    scale and min; a column window crossing super-blocks reads the covering blocks and trims."""
+    rng = np.random.default_rng(1)
+    rows, cols = 32, 512
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    w = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("k.weight", raw, raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gguf = GGUFFile(tmp_path / "k.gguf")
+    want = torch.from_numpy(dequantize(raw, Q.Q4_K))
+    blocks = gguf.read_int4("k.weight")
+    tol = 2.0**-22 * (blocks.zero.abs() + 16 * blocks.scale.abs()).repeat_interleave(INT4_GROUP, 1)
+    assert torch.all((blocks.dequantize() - want).abs() <= tol)
+    part = gguf.read_int4("k.weight", rows=slice(8, 24), cols=slice(192, 320))
+    assert torch.equal(part.dequantize(), blocks.dequantize()[8:24, 192:320])
+
+
 def test_smollm2_q4_1_layers_read_as_int4_equal_the_dequantized_file():
     gguf = GGUFFile(smollm2_gguf_path())
     for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_gate.weight"):
@@ -81,7 +104,7 @@ def test_smollm2_q4_1_layers_read_as_int4_equal_the_dequantized_file():
 
 def test_read_int4_refuses_other_types_and_split_blocks(q4_file):
     gguf, _ = q4_file
-    with pytest.raises(GGUFError, match="'c.weight' is Q8_0 \\[48, 128\\]; read_int4 reads 2-D Q4_0/Q4_1"):
+    with pytest.raises(GGUFError, match="'c.weight' is Q8_0 \\[48, 128\\]; read_int4 reads 2-D Q4_0/Q4_1/Q4_K"):
         gguf.read_int4("c.weight")
     with pytest.raises(GGUFError, match=r"cols \[16, 64\) do not hold whole blocks of 32"):
         gguf.read_int4("b.weight", cols=slice(16, 64))
