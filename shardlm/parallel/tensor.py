@@ -44,7 +44,7 @@ from shardlm.parallel.comm import (
     split_sizes,
 )
 from shardlm.parallel.dims import LayoutError
-from shardlm.parallel.int4 import Int4Blocks, check_int4_shape, int4_groups, pack_int4
+from shardlm.parallel.int4 import Int4Blocks, check_int4_shape, int4_groups, int4_linear, pack_int4
 
 
 class TensorSource(Protocol):
@@ -106,8 +106,15 @@ def linear(
     With ``scale``, ``weight`` is int8 (see ``int8_rows``; ``scale`` [out]) or packed int4
     (``parallel/int4.py``; ``scale`` is its scales_and_zeros [in / 32, out, 2])."""
     if scale is not None:
-        op = torch.ops.shardlm.int4_linear if scale.dim() == 3 else torch.ops.shardlm.int8_linear
-        y = op(x, weight, scale)
+        if scale.dim() == 3:  # eager: the function itself (the op's dispatch cost ~30 us a call, 1 in 5 of
+            # a decode step's int4 time); compiled: the opaque op (docs/performance.md, "Int4 weights")
+            y = (
+                torch.ops.shardlm.int4_linear(x, weight, scale)
+                if torch.compiler.is_compiling()
+                else int4_linear(x, weight, scale)
+            )
+        else:
+            y = torch.ops.shardlm.int8_linear(x, weight, scale)
         return y if bias is None else y + bias
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and weight.element_size() == 2:
         y = torch.mv(weight, x[0]).unsqueeze(0)  # [1, out]
