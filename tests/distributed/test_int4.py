@@ -186,3 +186,16 @@ def test_compiled_decode_with_int4_weights_gives_eager_tokens(tmp_path_factory):
     indices, _, tokens = runs[0]  # every prompt, decoded together
     assert tokens == [eager[i] for i in indices]
     assert eager != ref.tokens  # int4: not HF's float32 answers, so the option took effect
+
+
+@pytest.mark.slow
+def test_gguf_greedy_tokens_at_pp2_are_pp1s(smollm2_q4):
+    """Each pipeline stage packs only its own layers' blocks; the tokens are one process's (~10 s)."""
+    from harness.rankfns import llm_greedy
+
+    path, prompts = smollm2_q4
+    [(tokens, _, _)] = run_ranks(1, llm_greedy, path, prompts, 8, quantization="gguf")
+    stages = run_ranks(2, llm_greedy, path, prompts, 8, quantization="gguf", pp=2)
+    for rank, (pp_tokens, _, _) in enumerate(stages):
+        assert pp_tokens == tokens, f"stage {rank} of pp=2"
+    assert [list(layers) for _, _, layers in stages] != [list(range(30))] * 2  # the stages split the layers
