@@ -168,9 +168,11 @@ class Int8Weight:
         """Fill the weight as packed int4 from ``reads`` (name, rows, cols), stacked by rows; False
         when it stays float (mode 'gguf' and some part is not 4-bit in the file). Never builds a
         float copy of a part the file holds in 4 bits."""
+        if self.int4 is None or not self.packable:
+            return False
         holds = getattr(src, "holds_int4", lambda name: False)
         in_file = [holds(name) for name, _, _ in reads]
-        if self.int4 is None or not self.packable or (self.int4 == "gguf" and not all(in_file)):
+        if self.int4 == "gguf" and not all(in_file):
             return False
         rows, cols = self.weight.shape
         check_int4_shape(what, rows, cols, next((c.start or 0 for _, _, c in reads if c is not None), 0))
