@@ -6,11 +6,12 @@ logits at every position are compared with the same model's in float32 with a fl
 Per setting: mean and max |logit difference|, and how often the top token is the same.
 
 Table 1, KV-cache element types (``kv_cache_dtype``): KV-cache tokens per GiB.
-Table 2, weight-only int8 (``quantization="int8"``) in float32 and bfloat16: parameter MiB, and
-decode tok/s at batch 1 and 32 (one thread) against the same dtype unquantized, loaded together
-and timed in turns (best of --repeats).
+Table 2, weight-only int8 and int4 (``quantization="int8"``, ``"int4"``: here SmolLM2's own Q4_1
+blocks, the file's linear layers being Q4_1) in float32 and bfloat16: parameter MiB, and decode
+tok/s at batch 1 and 32 (one thread) against the same dtype unquantized, loaded together and timed
+in turns (best of --repeats).
 
-    python benchmarks/quantization.py [--kv int8,fp8,fp8_e5m2] [--repeats 3] [--tokens 32]
+    python benchmarks/quantization.py [--kv int8,fp8,fp8_e5m2] [--weights int8,int4] [--repeats 3] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def batch_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kv", default="int8,fp8,fp8_e5m2", help="KV-cache dtypes to compare with float32")
+    ap.add_argument("--kv", default="int8,fp8,fp8_e5m2", help="KV-cache dtypes to compare with float32 ('' for none)")
+    ap.add_argument("--weights", default="int8,int4", help="weight quantizations to compare with float")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run")
     args = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
     )
     print(f"{'KV cache':<10} {'mean |dlogit|':>13} {'max':>7} {'top-1 same':>11} {'tokens/GiB':>11}")
     print(f"{'float32':<10} {'-':>13} {'-':>7} {'-':>11} {2**30 // per_token:>11}")
-    for name in args.kv.split(","):
+    for name in filter(None, args.kv.split(",")):
         w = worker(kv_cache_dtype=name)
         per_token = ModelRunner.kv_bytes_per_block(w.model, 1, w.config.kv_torch_dtype)
         print(f"{name:<10} {errors(w.prompt_logits(prompt, chunk=1), ref)} {2**30 // per_token:>11}", flush=True)
@@ -73,7 +75,8 @@ def main() -> None:
         f"{'tok/s b=1':>10} {'b=32':>7}"
     )
     for dtype in ("float32", "bfloat16"):
-        llms = {q: LLM("smollm2", dtype=dtype, quantization=q, threads=1) for q in (None, "int8")}
+        quants = [None, *filter(None, args.weights.split(","))]
+        llms = {q: LLM("smollm2", dtype=dtype, quantization=q, threads=1) for q in quants}
         try:
             best = {(q, b): 0.0 for q in llms for b in (1, 32)}
             for _ in range(args.repeats):
@@ -82,7 +85,7 @@ def main() -> None:
                         best[q, b] = max(best[q, b], batch_rate(llm, [chat] * b, args.tokens))
             for q, llm in llms.items():
                 got = llm.worker.prompt_logits(prompt, chunk=1)
-                name = f"{dtype}{' int8' if q else ''}"
+                name = f"{dtype}{' ' + q if q else ''}"
                 print(
                     f"{name:<16} {errors(got, ref)} {llm.param_bytes[0] / 2**20:>7.1f} {best[q, 1]:>10.1f} "
                     f"{best[q, 32]:>7.1f}",

@@ -199,8 +199,10 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="int8: weight-only int8 linear layers (a scale per output row); embedding and LM head stay",
+        choices=["int8", "int4", "gguf"],
+        help="weight-only, linear layers (embedding and LM head stay): int8 (a scale per output row), int4 (a "
+        "scale and zero per 32 inputs; a GGUF's Q4_0/Q4_1/Q4_K blocks as they are), gguf (a GGUF file's Q4_0/Q4_1/Q4_K "
+        "layers kept as int4, other types dequantized); default: float (GGUF blocks dequantized)",
     )
     p.add_argument(
         "--kv-cache-dtype",

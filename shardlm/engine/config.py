@@ -23,6 +23,8 @@ KV_CACHE_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 """KV-cache element types besides "auto" (the model's dtype); the fp8 names are vLLM's --kv-cache-dtype."""
+QUANTIZATIONS = (None, "int8", "int4", "gguf")
+"""Weight formats ``quantization`` takes (see its docstring)."""
 AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
 """The parallel axes the engine runs."""
 CP_ATTENTION = ("pass-q", "ulysses")
@@ -62,10 +64,15 @@ class EngineConfig:
     once the weights are loaded (``kv_budget``; instead of kv_cache_memory); the rest stays free
     for activations and workspace. Refused on CPU."""
     quantization: str | None = None
-    """'int8': weight-only int8 for the linear layers (each output row with its own scale, absmax /
-    127 of the whole row, so every layout holds the same int8 weights), computed by each rank on its
-    shard after loading; the embedding, LM head and MoE experts keep ``dtype``. Halves a bfloat16
-    model's linear weights, quarters a float32 one's."""
+    """Weight-only quantization of the column- and row-parallel linear layers; the embedding, LM head
+    and MoE experts keep ``dtype``. None: the checkpoint's weights in ``dtype`` (a GGUF file's
+    blocks dequantized, as HF transformers loads it). 'int8': each output row with its own scale
+    (absmax / 127 of the whole row, so every layout holds the same int8 weights), computed by each
+    rank on its shard after loading. 'int4': group-wise asymmetric int4 (a scale and zero per 32
+    input columns, torch's CPU int4 kernel): a GGUF file's Q4_0/Q4_1/Q4_K blocks are taken as they are,
+    other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's Q4_0/Q4_1/Q4_K
+    layers kept as int4, every other type dequantized to ``dtype`` (no kernel takes Q8_0's or the
+    other k-quants' per-block scales as they are). int4 and gguf run on CPU (``parallel/int4.py``)."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,
@@ -122,8 +129,11 @@ class EngineConfig:
         self.parallel.refuse_beyond(AXES, "the inference engine")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise UsageError(f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}")
-        if self.quantization not in (None, "int8"):
-            raise UsageError(f"quantization={self.quantization!r} is not supported; use 'int8' (weight-only) or None")
+        if self.quantization not in QUANTIZATIONS:
+            raise UsageError(
+                f"quantization={self.quantization!r} is not supported; use one of "
+                f"{', '.join(repr(q) for q in QUANTIZATIONS)}"
+            )
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise UsageError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use auto or one of "

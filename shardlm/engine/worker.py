@@ -80,6 +80,7 @@ class Worker:
             device=self.device,
             max_positions=self.max_model_len,
             layers=self.layers,
+            int4=config.quantization if config.quantization in ("int4", "gguf") else None,
         )
         if config.quantization == "int8":
             quantize_int8(self.model)

@@ -44,9 +44,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from shardlm.errors import UsageError
+from shardlm.parallel.int4 import INT4_GROUP, Int4Blocks
 
 __all__ = ["GGUFError", "GGUFFile", "TensorInfo", "unpermute_qk"]
 
@@ -173,6 +174,63 @@ class GGUFFile:
         values = _dequantize(raw, info.ggml_type)[..., c0 - b0 * block_elems : c1 - b0 * block_elems]
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(out_shape)
 
+    def holds_int4(self, name: str) -> bool:
+        """Whether ``name`` is stored in 4-bit blocks that map exactly onto int4 groups (Q4_0, Q4_1, Q4_K)."""
+        return self.info(name).ggml_type in _INT4_TYPES
+
+    def read_int4(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Int4Blocks:
+        """``tensor[rows, cols]`` of a Q4_0, Q4_1 or Q4_K tensor (2-D) as int4 codes, scales and
+        zeros, straight from its blocks (no float weight); ``w = (q - 8) * scale + zero`` is
+
+        * Q4_1's ``d * q + m``: scale = d, zero = m + 8 d;
+        * Q4_0's ``d * (q - 8)``: scale = d, zero = 0;
+        * Q4_K's ``d * sc_j * q - dmin * m_j`` in each sub-block j of 32 of a 256-block (6-bit
+          sc_j, m_j): scale = d sc_j, zero = 8 d sc_j - dmin m_j.
+
+        Layouts: llama.cpp's ``ggml-common.h`` (Q4_0/Q4_1: float16 d [, m], then 16 bytes, element j
+        in the low nibble of byte j, 16 + j in its high nibble; Q4_K: float16 d, dmin, 12 bytes of
+        packed scales and mins, then 4 runs of 32 bytes, run c holding sub-block 2c in its low and
+        2c + 1 in its high nibbles). ``cols`` must start and end on a multiple of 32 (the covering
+        blocks are read, then trimmed). scale and zero are float32: the products of the float16
+        fields exact, the zero rounded once."""
+        info = self.info(name)
+        if info.ggml_type not in _INT4_TYPES or len(info.shape) != 2:
+            raise GGUFError(
+                f"{name!r} is {_type_name(info.ggml_type)} {list(info.shape)}; read_int4 reads 2-D Q4_0/Q4_1/Q4_K"
+            )
+        n_rows, n_cols = info.shape
+        r0, r1 = _span(rows, n_rows, "rows", name)
+        c0, c1 = _span(cols, n_cols, "cols", name)
+        if c0 % INT4_GROUP or c1 % INT4_GROUP:
+            raise GGUFError(f"{name!r}: cols [{c0}, {c1}) do not hold whole blocks of {INT4_GROUP}")
+        block_elems, block_bytes = info.block
+        b0, b1 = c0 // block_elems, -(-c1 // block_elems)  # blocks covering [c0, c1)
+        table = self._data[info.offset : info.offset + info.nbytes].reshape(n_rows, n_cols // block_elems, block_bytes)
+        raw = torch.from_numpy(np.array(table[r0:r1, b0:b1]))  # [r, blocks, bytes]: only these pages are read
+        half = lambda at: raw[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+        d = half(0)  # [r, blocks]
+        if info.ggml_type == GGMLQuantizationType.Q4_K:
+            sc, mins = (
+                torch.from_numpy(t.astype(np.float32))
+                for t in Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy())
+            )
+            scale = d[..., None] * sc.reshape(*d.shape, 8)  # [r, blocks, 8 sub-blocks]
+            zero = 8 * scale - half(2)[..., None] * mins.reshape(*d.shape, 8)
+            qs = raw[..., 16:].reshape(*d.shape, 4, 1, 32)  # [r, blocks, run, 1, 32]
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # [r, blocks, run, nibble, 32]: sub-block 2 run + nibble
+        else:
+            scale = d[..., None]  # [r, blocks, 1]
+            zero = (
+                (half(2) + 8 * d)[..., None] if info.ggml_type == GGMLQuantizationType.Q4_1 else torch.zeros_like(scale)
+            )
+            qs = raw[..., -16:]  # [r, blocks, 16]
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [r, blocks, 32]
+        g0 = c0 // INT4_GROUP - b0 * block_elems // INT4_GROUP  # first wanted group among those read
+        g1 = g0 + (c1 - c0) // INT4_GROUP
+        groups = lambda t: t.reshape(r1 - r0, -1)[:, g0:g1]
+        q = q.reshape(r1 - r0, -1)[:, g0 * INT4_GROUP : g1 * INT4_GROUP]  # [r, cols] in 0..15
+        return Int4Blocks(q.contiguous(), groups(scale).contiguous(), groups(zero).contiguous())
+
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head RoPE row permutation of ``attn_q``/``attn_k`` (see module doc).
@@ -188,6 +246,13 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     half = w.shape[0] // n_heads // 2
     # [heads, half, 2, ...] -> [heads, 2, half, ...]: pair (2i, 2i+1) goes back to (i, i + half)
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+
+
+def _type_name(ggml_type: GGMLQuantizationType | int) -> str:
+    return ggml_type.name if isinstance(ggml_type, GGMLQuantizationType) else f"ggml type {ggml_type}"
 
 
 def _span(s: slice | None, n: int, what: str, name: str) -> tuple[int, int]:

@@ -115,6 +115,19 @@ class GGUFSource:
             t = unpermute_qk(t, t.shape[0] // self.head_dim)
         return t
 
+    def holds_int4(self, name: str) -> bool:
+        return self.gguf.holds_int4(gguf_name(name))
+
+    def read_int4(self, name: str, rows: slice | None = None, cols: slice | None = None):
+        """The Q4_0/Q4_1/Q4_K tensor's rows as ``Int4Blocks`` (Q/K rows un-permuted as in ``read``)."""
+        from shardlm.models.gguf import unpermute_qk
+
+        blocks = self.gguf.read_int4(gguf_name(name), rows=rows, cols=cols)
+        if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = blocks.q.shape[0] // self.head_dim
+            blocks = blocks.map_rows(lambda t: unpermute_qk(t, n))
+        return blocks
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -196,9 +209,23 @@ def load_model(
     layers: range | Sequence[range] | None = None,
     source=None,
     sequence_parallel: bool = False,
+    int4: str | None = None,
 ):
-    """Build this rank's shard of the model and fill it from the checkpoint's slices."""
+    """Build this rank's shard of the model and fill it from the checkpoint's slices; ``int4``
+    ('int4' or 'gguf', see ``parallel.tensor.Int8Weight.int4``): linear layers load as packed int4."""
     from shardlm.models.transformer import Transformer
+    from shardlm.parallel.tensor import prepare_int4
+
+    if int4 == "gguf" and ckpt.kind != "gguf":
+        raise ConfigError(
+            f"quantization='gguf' keeps a GGUF file's 4-bit blocks, and {str(ckpt.path)!r} is a HF directory; "
+            f"use quantization='int4' (group-wise int4 from its float weights) or 'int8'"
+        )
+    if int4 is not None and torch.device(device).type != "cpu":
+        raise ConfigError(
+            f"quantization={int4!r} runs torch's CPU int4 kernel, and this run is on {torch.device(device).type}; "
+            f"use quantization='int8' there (or none)"
+        )
 
     with torch.device(device):
         model = Transformer(
@@ -209,5 +236,7 @@ def load_model(
             layers=layers,
             sequence_parallel=sequence_parallel,
         )
+    if int4 is not None:
+        prepare_int4(model, int4)
     model.load(source if source is not None else ckpt.source())
     return model.eval()

@@ -93,6 +93,7 @@ class LatentAttention(nn.Module):
             group=group,
             dtype=dtype,
         )
+        self.kv_b.packable = False  # _absorbed reads its weight as a matrix: int4 leaves it float
         self.o = RowParallelLinear(
             f"{prefix}.o_proj",
             slice(heads.start * self.v_dim, heads.stop * self.v_dim),

@@ -22,6 +22,7 @@ tokens and a row-parallel layer reduce-scatters its output (the same bytes as on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +44,7 @@ from shardlm.parallel.comm import (
     split_sizes,
 )
 from shardlm.parallel.dims import LayoutError
+from shardlm.parallel.int4 import Int4Blocks, check_int4_shape, int4_groups, int4_linear, pack_int4
 
 
 class TensorSource(Protocol):
@@ -101,9 +103,18 @@ def linear(
     batch-1 decode torch's CPU GEMV reads bf16 weights faster than its GEMM path does at M=1,
     and under torch.compile inductor's own matrix-vector loop is faster still; for float32 the
     BLAS GEMM is at least as fast (benchmarks/decode.py; docs/performance.md, "Decode, batch 1").
-    With ``scale``, ``weight`` is int8 (see ``int8_rows``)."""
+    With ``scale``, ``weight`` is int8 (see ``int8_rows``; ``scale`` [out]) or packed int4
+    (``parallel/int4.py``; ``scale`` is its scales_and_zeros [in / 32, out, 2])."""
     if scale is not None:
-        y = torch.ops.shardlm.int8_linear(x, weight, scale)
+        if scale.dim() == 3:  # eager: the function itself (the op's dispatch cost ~30 us a call, 1 in 5 of
+            # a decode step's int4 time); compiled: the opaque op (docs/performance.md, "Int4 weights")
+            y = (
+                torch.ops.shardlm.int4_linear(x, weight, scale)
+                if torch.compiler.is_compiling()
+                else int4_linear(x, weight, scale)
+            )
+        else:
+            y = torch.ops.shardlm.int8_linear(x, weight, scale)
         return y if bias is None else y + bias
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and weight.element_size() == 2:
         y = torch.mv(weight, x[0]).unsqueeze(0)  # [1, out]
@@ -142,9 +153,37 @@ def int8_rows(w: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torc
 
 class Int8Weight:
     """For a linear layer: ``quantize_int8`` swaps its weight for int8 rows and their scales,
-    the same on every layout (a row split over ranks takes the whole row's scale)."""
+    the same on every layout (a row split over ranks takes the whole row's scale). With ``int4``
+    set (``prepare_int4``, before loading) the layer loads its weight as packed int4 instead."""
 
     weight: nn.Parameter
+    weight_scale: nn.Parameter | None
+    int4: str | None = None
+    """'int4': packed int4 from the checkpoint's 4-bit blocks where it has them, else quantized from
+    float; 'gguf': only from 4-bit blocks (a layer with other parts stays float); None: float."""
+    packable: bool = True
+    """False for a layer whose weight is read as a matrix elsewhere (MLA's kv_b): int4 leaves it float."""
+
+    def load_int4(self, src: TensorSource, reads: Sequence[tuple[str, slice | None, slice | None]], what: str) -> bool:
+        """Fill the weight as packed int4 from ``reads`` (name, rows, cols), stacked by rows; False
+        when it stays float (mode 'gguf' and some part is not 4-bit in the file). Never builds a
+        float copy of a part the file holds in 4 bits."""
+        if self.int4 is None or not self.packable:
+            return False
+        holds = getattr(src, "holds_int4", lambda name: False)
+        in_file = [holds(name) for name, _, _ in reads]
+        if self.int4 == "gguf" and not all(in_file):
+            return False
+        rows, cols = self.weight.shape
+        check_int4_shape(what, rows, cols, next((c.start or 0 for _, _, c in reads if c is not None), 0))
+        parts = [
+            src.read_int4(name, rows=r, cols=c) if held else int4_groups(src.read(name, rows=r, cols=c))  # type: ignore[attr-defined]
+            for (name, r, c), held in zip(reads, in_file, strict=True)
+        ]
+        packed, scales_zeros = pack_int4(Int4Blocks.cat(parts))
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.weight_scale = nn.Parameter(scales_zeros, requires_grad=False)
+        return True
 
     def quantize_int8(self) -> None:
         w = self.weight.detach()
@@ -163,6 +202,15 @@ def quantize_int8(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, Int8Weight):
             m.quantize_int8()
+
+
+def prepare_int4(model: nn.Module, mode: str) -> None:
+    """Before loading: every column- and row-parallel linear layer of ``model`` loads its weight as
+    packed int4 (``mode``: 'int4' or 'gguf', see ``Int8Weight.int4``); the embedding, the LM head and
+    MoE experts keep the model's dtype."""
+    for m in model.modules():
+        if isinstance(m, Int8Weight):
+            m.int4 = mode
 
 
 def _scaled(s: slice, k: int) -> slice:
@@ -196,7 +244,9 @@ class ColumnParallelLinear(Int8Weight, nn.Module):
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
-            self.weight.copy_(torch.cat([src.read(f"{n}.weight", rows=r) for n, r in self.sources]))
+            reads = [(f"{n}.weight", r, None) for n, r in self.sources]
+            if not self.load_int4(src, reads, "+".join(n for n, _ in self.sources)):
+                self.weight.copy_(torch.cat([src.read(name, rows=r) for name, r, _ in reads]))
             if self.bias is not None:
                 self.bias.copy_(torch.cat([src.read(f"{n}.bias", rows=r) for n, r in self.sources]))
 
@@ -258,7 +308,8 @@ class RowParallelLinear(Int8Weight, nn.Module):
 
     def load(self, src: TensorSource) -> None:
         with torch.no_grad():
-            self.weight.copy_(src.read(f"{self.source}.weight", cols=self.cols))
+            if not self.load_int4(src, [(f"{self.source}.weight", None, self.cols)], self.source):
+                self.weight.copy_(src.read(f"{self.source}.weight", cols=self.cols))
             if self.bias is not None:
                 self.bias.copy_(src.read(f"{self.source}.bias"))
 

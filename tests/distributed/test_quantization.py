@@ -66,5 +66,7 @@ def test_int8_linear_matches_its_dequantized_weights(k, rows):
 
 
 def test_unknown_quantization_is_refused(tiny):
-    with pytest.raises(UsageError, match="quantization='int4' is not supported; use 'int8'"):
-        LLM(str(tiny("llama").path), quantization="int4")
+    with pytest.raises(
+        UsageError, match="quantization='fp4' is not supported; use one of None, 'int8', 'int4', 'gguf'"
+    ):
+        LLM(str(tiny("llama").path), quantization="fp4")

@@ -1,0 +1,201 @@
+"""Weight-only int4 (``quantization="int4"`` and ``"gguf"``): packed int4 linear layers.
+
+* SmolLM2's GGUF (its linear layers are Q4_1): with quantization="gguf" each rank holds, for every
+  linear layer, exactly its rows' blocks of the file (the codes packed, d and m + 8 d as the
+  kernel's scale and zero) and nothing else: its parameter bytes are the packed size plus the float
+  parts (norms, the Q8_0 embedding dequantized). Greedy tokens at tp=2 and tp=3 = tp=1's: the same
+  weights, only the partial sums' rounding differs.
+* A float checkpoint with quantization="int4" (a tiny Qwen3 whose every shard splits into groups of
+  32): each rank's layers compute x @ W^T of their dequantized int4 weights within the kernel's
+  rounding (bfloat16 activations), and the weights of tp=2 and tp=3 are tp=1's (groups never
+  straddle the tp split); the logits' error against HF's float32 model is bounded as for int8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.multirank import run_ranks
+from harness.rankfns import greedy_and_logits, make_worker
+from harness.reference import NEW_TOKENS, PROMPTS, SMOLLM2_QUESTIONS, build_tiny
+from shardlm.errors import UsageError
+
+TINY = dict(intermediate_size=192)  # qwen3: hidden 96, head_dim 32: every tp<=3 shard is whole groups
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4():
+    """(SmolLM2's Q4_1 GGUF, two chat prompts as ids); no HF reference needed here."""
+    from shardlm.models.loader import open_checkpoint
+
+    ckpt = open_checkpoint("smollm2")
+    tok = ckpt.tokenizer()
+    return str(ckpt.path), [tok.encode_chat([{"role": "user", "content": q}]) for q in SMOLLM2_QUESTIONS[:2]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build_tiny("qwen3", tmp_path_factory.mktemp("qwen3_int4"), **TINY)
+
+
+def held_vs_file(model: str, tp: int):
+    """On this rank: for every column- and row-parallel layer, whether its packed weight and
+    scales are the file's blocks for its rows/columns, and (bytes held, packed bytes expected)."""
+    from shardlm.models.loader import GGUFSource
+    from shardlm.parallel.int4 import INT4_GROUP, pack_int4
+    from shardlm.parallel.tensor import ColumnParallelLinear, Int8Weight
+
+    worker = make_worker(model, tp, quantization="gguf")
+    src = GGUFSource(worker.checkpoint.source().gguf, worker.checkpoint.config)
+    same, held, expected, layers = True, 0, 0, 0
+    for m in worker.model.modules():
+        if not isinstance(m, Int8Weight):
+            continue
+        if isinstance(m, ColumnParallelLinear):
+            parts = [src.read_int4(f"{n}.weight", rows=r) for n, r in m.sources]
+        else:
+            parts = [src.read_int4(f"{m.source}.weight", cols=m.cols)]
+        q = torch.cat([p.q for p in parts])
+        packed, sz = pack_int4(type(parts[0]).cat(parts))
+        assert m.weight_scale is not None
+        same &= torch.equal(m.weight, packed) and torch.equal(m.weight_scale, sz) and m.weight.dtype == torch.uint8
+        held += m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() * m.weight_scale.element_size()
+        expected += q.numel() // 2 + q.numel() // INT4_GROUP * 2 * 2  # two codes a byte; bf16 scale and zero
+        layers += 1
+    return same, held, expected, layers, worker.model.param_bytes()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gguf_q4_1_weights_are_held_as_the_files_blocks(smollm2_q4, tp):
+    path, _ = smollm2_q4
+    results = run_ranks(tp, held_vs_file, path, tp)
+    for rank, (same, held, expected, layers, _) in enumerate(results):
+        assert layers == 30 * 4, f"rank {rank}: {layers} packed layers"  # qkv, o, gate/up, down per layer
+        assert same, f"rank {rank} of tp={tp} holds weights other than the file's blocks"
+        assert held == expected, f"rank {rank}: {held} bytes held for {expected} packed"
+    if tp == 2:  # each rank holds about half (a KV head whose query group spans both ranks is on both)
+        [(_, whole, _, _, _)] = run_ranks(1, held_vs_file, path, 1)
+        assert all(h < 0.55 * whole for _, h, _, _, _ in results), [h / whole for _, h, _, _, _ in results]
+
+
+def test_gguf_greedy_tokens_at_tp2_are_tp1s(smollm2_q4):
+    path, prompts = smollm2_q4
+    [(tokens, logits, int4_bytes)] = run_ranks(1, greedy_and_logits, path, 1, prompts, 16, quantization="gguf")
+    [(float_tokens, float_logits, float_bytes)] = run_ranks(1, greedy_and_logits, path, 1, prompts, 16)
+    assert int4_bytes < 0.45 * float_bytes  # the linear layers in 4 bits; the embedding stays float32
+    # the same weights as the dequantized float32 model, run with bfloat16 activations: the logits
+    # differ a little (so int4 took effect), the greedy tokens not at all on these prompts
+    assert 1e-3 < (logits - float_logits).abs().mean() < 0.2
+    assert tokens == float_tokens
+    for rank, (tp_tokens, _, _) in enumerate(
+        run_ranks(2, greedy_and_logits, path, 2, prompts, 16, quantization="gguf")
+    ):
+        assert tp_tokens == tokens, f"rank {rank} of tp=2"
+
+
+@pytest.mark.slow
+def test_gguf_greedy_tokens_at_tp3_are_tp1s(smollm2_q4):
+    """tp=3 splits SmolLM2's 9 heads 3+3+3 and its MLP 512 x 3 (~15 s: three ranks load the model)."""
+    path, prompts = smollm2_q4
+    [(tokens, _, _)] = run_ranks(1, greedy_and_logits, path, 1, prompts, 16, quantization="gguf")
+    for rank, (tp_tokens, _, _) in enumerate(
+        run_ranks(3, greedy_and_logits, path, 3, prompts, 16, quantization="gguf")
+    ):
+        assert tp_tokens == tokens, f"rank {rank} of tp=3"
+
+
+def int4_layers(model: str, tp: int):
+    """On this rank: for each packed layer, (|layer(x) - x @ dequantized W^T| max, |ref| max), and
+    the dequantized weight of the first MLP down projection's shard."""
+    from shardlm.parallel.int4 import Int4Blocks, int4_groups
+    from shardlm.parallel.tensor import ColumnParallelLinear, Int8Weight, RowParallelLinear, linear
+
+    worker = make_worker(model, tp, quantization="int4")
+    src = worker.checkpoint.source()
+    errors, down = [], None
+    g = torch.Generator().manual_seed(0)
+    for m in worker.model.modules():
+        if not isinstance(m, Int8Weight):
+            continue
+        if isinstance(m, ColumnParallelLinear):
+            w = torch.cat([src.read(f"{n}.weight", rows=r) for n, r in m.sources])
+        else:
+            w = src.read(f"{m.source}.weight", cols=m.cols)
+        blocks: Int4Blocks = int4_groups(w)
+        ref_w = blocks.dequantize()
+        assert (ref_w - w).abs().max() <= blocks.scale.max() / 2 + 1e-6  # round to nearest within a group
+        x = torch.randn(5, w.shape[1], generator=g)
+        want = x @ ref_w.T
+        errors.append(((linear(x, m.weight, None, m.weight_scale) - want).abs().max().item(), want.abs().max().item()))
+        if down is None and isinstance(m, RowParallelLinear) and m.source.endswith("down_proj"):
+            down = ref_w
+    return errors, down
+
+
+def test_int4_layers_match_their_dequantized_weights_at_tp_1_2_3(qwen3):
+    [(errors, whole)] = run_ranks(1, int4_layers, str(qwen3.path), 1)
+    for tp in (1, 2, 3):
+        results = run_ranks(tp, int4_layers, str(qwen3.path), tp)
+        for rank, (errors, _) in enumerate(results):
+            for err, scale in errors:
+                # x in bfloat16 (relative 2^-9), then float32 sums: 1e-2 of the largest output
+                assert err <= 1e-2 * scale, f"rank {rank} of tp={tp}: {err} of {scale}"
+        # the row-parallel shards are tp=1's columns: no group straddles the split
+        assert torch.equal(torch.cat([d for _, d in results], dim=1), whole), f"tp={tp}"
+
+
+def test_int4_error_against_hf_is_bounded(qwen3):
+    [(_, _, full_bytes)] = run_ranks(1, greedy_and_logits, str(qwen3.path), 1, PROMPTS[-1:], NEW_TOKENS)
+    [(_, logits, int4_bytes)] = run_ranks(
+        1, greedy_and_logits, str(qwen3.path), 1, PROMPTS[-1:], NEW_TOKENS, quantization="int4"
+    )
+    err = (logits - qwen3.logits).abs()
+    top1 = (logits.argmax(-1) == qwen3.logits.argmax(-1)).float().mean()
+    # measured: mean 0.64, top-1 0.48, max 4.2 (a random model's logits are flat and its weights
+    # Gaussian: 16 levels per group cost more than on a trained model; SmolLM2: docs/performance.md)
+    assert 1e-3 < err.mean() < 1.0, f"mean |dlogit| {err.mean():.4f}"
+    assert top1 >= 0.4
+    assert int4_bytes < 0.6 * full_bytes  # the embedding (tied head) stays float32
+    for tp in (2, 3):
+        for rank, (_, tp_logits, _) in enumerate(
+            run_ranks(tp, greedy_and_logits, str(qwen3.path), tp, PROMPTS[-1:], NEW_TOKENS, quantization="int4")
+        ):
+            assert (tp_logits - logits).abs().mean() < 0.06, f"rank {rank} of tp={tp}"
+
+
+def test_int4_refuses_a_shard_whose_in_features_straddle_groups(tiny):
+    """Tiny Llama: 6 heads of 16; at tp=2 a rank's o_proj takes 48 in-features, not whole groups."""
+    path = str(tiny("llama").path)
+    with pytest.raises(UsageError, match=r"in-features \[0, 200\) on this rank, which do not split into groups"):
+        make_worker(path, 1, quantization="int4")  # the MLP's 200 columns: not even at tp=1
+    with pytest.raises(UsageError, match="quantization='gguf' keeps a GGUF file's 4-bit blocks"):
+        make_worker(path, 1, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_int4_weights_gives_eager_tokens(tmp_path_factory):
+    """The int4 kernel is an opaque op (shardlm::int4_linear) in the compiled graph: compiled decode
+    gives eager's tokens with one graph per shape class (~100 s: inductor compiles two classes)."""
+    from harness.rankfns import compiled_runs, llm_greedy
+
+    ref = build_tiny("qwen3", tmp_path_factory.mktemp("qwen3_int4_compile"), num_hidden_layers=2, **TINY)
+    [(runs, classes, graphs)] = run_ranks(1, compiled_runs, str(ref.path), PROMPTS, NEW_TOKENS, quantization="int4")
+    [(eager, _, _)] = run_ranks(1, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, block_size=4, quantization="int4")
+    assert classes == {False, True} and graphs == 2
+    indices, _, tokens = runs[0]  # every prompt, decoded together
+    assert tokens == [eager[i] for i in indices]
+    assert eager != ref.tokens  # int4: not HF's float32 answers, so the option took effect
+
+
+@pytest.mark.slow
+def test_gguf_greedy_tokens_at_pp2_are_pp1s(smollm2_q4):
+    """Each pipeline stage packs only its own layers' blocks; the tokens are one process's (~10 s)."""
+    from harness.rankfns import llm_greedy
+
+    path, prompts = smollm2_q4
+    [(tokens, _, _)] = run_ranks(1, llm_greedy, path, prompts, 8, quantization="gguf")
+    stages = run_ranks(2, llm_greedy, path, prompts, 8, quantization="gguf", pp=2)
+    for rank, (pp_tokens, _, _) in enumerate(stages):
+        assert pp_tokens == tokens, f"stage {rank} of pp=2"
+    assert [list(layers) for _, _, layers in stages] != [list(range(30))] * 2  # the stages split the layers

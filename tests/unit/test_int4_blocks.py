@@ -1,0 +1,146 @@
+"""int4 weights in one process: GGUF Q4_0/Q4_1 blocks read as int4 codes, scales and zeros (no
+float weight), torch's int4 kernel against the dequantized weights, and the refusals.
+
+Tolerances: the mapping (scale d, zero m + 8 d) reproduces ``gguf.quants.dequantize`` exactly on
+the files here; in general m + 8 d is one float32 rounding, so the test allows 2^-22 of the block's
+|m| + 8 |d|. The re-encoded blocks (codes, float16 d and m) equal the file's bytes exactly. The
+kernel takes bfloat16 activations: 1e-2 of the largest output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from shardlm.errors import UsageError
+from shardlm.models.gguf import GGUFError, GGUFFile
+from shardlm.models.registry import smollm2_gguf_path
+from shardlm.parallel.int4 import INT4_GROUP, Int4Blocks, check_int4_shape, int4_groups, pack_int4
+from shardlm.parallel.tensor import linear
+
+
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory) -> tuple[GGUFFile, dict[str, np.ndarray]]:
+    """A GGUF file with a Q4_0, a Q4_1 and a Q8_0 tensor [48, 128] (blocks quantized by gguf-py)."""
+    path = tmp_path_factory.mktemp("q4") / "q4.gguf"
+    w = GGUFWriter(str(path), "llama")
+    g = np.random.default_rng(0)
+    raw = {}
+    for name, qtype in (("a.weight", Q.Q4_0), ("b.weight", Q.Q4_1), ("c.weight", Q.Q8_0)):
+        x = (g.standard_normal((48, 128)) * 0.05 + g.standard_normal((48, 1)) * 0.02).astype(np.float32)
+        raw[name] = quantize(x, qtype)
+        w.add_tensor(name, raw[name], raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(path), raw
+
+
+def encode(blocks: Int4Blocks, qtype: Q) -> np.ndarray:
+    """``blocks`` back to ggml's block bytes: d, [m = zero - 8 d,] then the codes two a byte."""
+    rows, cols = blocks.q.shape
+    q = blocks.q.reshape(rows, cols // 32, 2, 16)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # element j low nibble, 16 + j high nibble
+    d = blocks.scale.half().numpy()[..., None].view(np.uint8)
+    parts = [d]
+    if qtype == Q.Q4_1:
+        parts.append((blocks.zero - 8 * blocks.scale).half().numpy()[..., None].view(np.uint8))
+    else:
+        assert torch.all(blocks.zero == 0)
+    return np.concatenate([*parts, qs], axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize(("name", "qtype"), [("a.weight", Q.Q4_0), ("b.weight", Q.Q4_1)])
+def test_q4_blocks_map_exactly_onto_int4_groups(q4_file, name, qtype):
+    gguf, raw = q4_file
+    blocks = gguf.read_int4(name)
+    assert blocks.q.dtype == torch.uint8 and int(blocks.q.max()) <= 15
+    # the codes, d and m are the file's bytes, bit for bit
+    assert np.array_equal(encode(blocks, qtype), raw[name])
+    want = torch.from_numpy(dequantize(raw[name], qtype))
+    tol = 2.0**-22 * (blocks.zero.abs() + 16 * blocks.scale.abs()).repeat_interleave(INT4_GROUP, 1)
+    assert torch.all((blocks.dequantize() - want).abs() <= tol)
+    assert torch.equal(blocks.dequantize(), want)  # and exactly, on this file
+    # a rank's slice: its rows' blocks only, the same values
+    part = gguf.read_int4(name, rows=slice(16, 32), cols=slice(32, 96))
+    assert torch.equal(part.dequantize(), want[16:32, 32:96])
+
+
+def test_q4_k_blocks_map_onto_int4_groups(tmp_path):
+    """Q4_K (gguf-py cannot quantize to it): random blocks, each sub-block of 32 with its own 6-bit
+    scale and min; a column window crossing super-blocks reads the covering blocks and trims."""
+    rng = np.random.default_rng(1)
+    rows, cols = 32, 512
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    w = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("k.weight", raw, raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gguf = GGUFFile(tmp_path / "k.gguf")
+    want = torch.from_numpy(dequantize(raw, Q.Q4_K))
+    blocks = gguf.read_int4("k.weight")
+    tol = 2.0**-22 * (blocks.zero.abs() + 16 * blocks.scale.abs()).repeat_interleave(INT4_GROUP, 1)
+    assert torch.all((blocks.dequantize() - want).abs() <= tol)
+    part = gguf.read_int4("k.weight", rows=slice(8, 24), cols=slice(192, 320))
+    assert torch.equal(part.dequantize(), blocks.dequantize()[8:24, 192:320])
+
+
+def test_smollm2_q4_1_layers_read_as_int4_equal_the_dequantized_file():
+    gguf = GGUFFile(smollm2_gguf_path())
+    for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_gate.weight"):
+        assert gguf.holds_int4(name)
+        assert torch.equal(gguf.read_int4(name, rows=slice(0, 64)).dequantize(), gguf.read(name, rows=slice(0, 64)))
+    assert not gguf.holds_int4("token_embd.weight")  # Q8_0: dequantized, never int4
+
+
+def test_read_int4_refuses_other_types_and_split_blocks(q4_file):
+    gguf, _ = q4_file
+    with pytest.raises(GGUFError, match="'c.weight' is Q8_0 \\[48, 128\\]; read_int4 reads 2-D Q4_0/Q4_1/Q4_K"):
+        gguf.read_int4("c.weight")
+    with pytest.raises(GGUFError, match=r"cols \[16, 64\) do not hold whole blocks of 32"):
+        gguf.read_int4("b.weight", cols=slice(16, 64))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_linear_matches_its_dequantized_weights(rows):
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 128, generator=g), torch.randn(rows, 128, generator=g)
+    blocks = int4_groups(w)
+    deq = blocks.dequantize()
+    assert (deq - w).abs().max() <= blocks.scale.max() / 2 + 1e-6  # round to nearest, within a group
+    packed, sz = pack_int4(blocks)
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 * 128 // 2 and sz.shape == (4, 48, 2)
+    want = x @ deq.T
+    got = linear(x, packed, None, sz)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    # perturbing the zero mapping (zero = m instead of m + 8 d) is caught
+    bad = Int4Blocks(blocks.q, blocks.scale, blocks.zero - 8 * blocks.scale)
+    bad_packed, bad_sz = pack_int4(bad)
+    assert (linear(x, bad_packed, None, bad_sz) - want).abs().max() > 0.1 * want.abs().max()
+
+
+def test_int4_shapes_the_kernel_cannot_hold_are_refused():
+    check_int4_shape("blk.0.down", 64, 128, col_offset=256)  # whole groups, rows in 16s
+    with pytest.raises(UsageError, match=r"down holds in-features \[48, 96\) on this rank.*groups of 32"):
+        check_int4_shape("down", 64, 48, col_offset=48)
+    with pytest.raises(UsageError, match="q holds 40 output rows on this rank.*multiples of 16"):
+        check_int4_shape("q", 40, 64)
+
+
+def test_int4_off_cpu_is_refused():
+    from shardlm.models.loader import load_model, open_checkpoint
+    from shardlm.parallel.dims import ParallelDims
+
+    ckpt = open_checkpoint(smollm2_gguf_path())
+    with pytest.raises(UsageError, match="quantization='gguf' runs torch's CPU int4 kernel, and this run is on cuda"):
+        load_model(ckpt, ParallelDims(), device="cuda", int4="gguf")
