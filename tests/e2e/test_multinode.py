@@ -76,6 +76,57 @@ def test_train_dp2_tp3_zero3_across_hosts_takes_one_hosts_steps(hosts, tmp_path)
     assert ("0, 3", "gloo") in groups and ("1, 4", "gloo") in groups  # dp (ZeRO-3), across the hosts
 
 
+# every rank runs it (SPMD under torchrun); global rank 0 prints the greedy token ids
+_MOE_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+from shardlm import LLM, SamplingParams
+with LLM(sys.argv[1], dp=4, ep=4, threads=1) as llm:
+    out = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=int(sys.argv[3])))
+if dist.get_rank() == 0:
+    print(json.dumps([o.token_ids for o in out]))
+"""
+
+
+def test_moe_generate_with_ep_across_hosts_gives_hfs_tokens(hosts, tmp_path, tmp_path_factory):
+    """Qwen3-MoE's experts over ep=4 ranks, two on each host: every MoE layer's all-to-all crosses
+    the hosts (gloo), and the greedy tokens are HF's."""
+    from harness.moe_reference import cached_tiny_moe
+    from harness.reference import NEW_TOKENS, PROMPTS
+
+    ref = cached_tiny_moe("qwen3_moe", tmp_path_factory)
+    script = tmp_path / "moe.py"
+    script.write_text(_MOE_SCRIPT)
+    args = [str(ref.path), json.dumps(PROMPTS), str(NEW_TOKENS)]
+    port = next(_ports)
+    procs = {h: hosts.torchrun(h, 2, args, port=port, entry=(str(script),)) for h in ("A", "B")}
+    out = both(procs, timeout=240)
+    assert all(code == 0 for code, _, _ in out.values()), out
+    printed = [line for _, stdout, _ in out.values() for line in stdout.splitlines()]
+    assert len(printed) == 1 and json.loads(printed[0]) == ref.tokens
+
+
+def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tmp_path):
+    """A pipeline stage per host (pp across, tp=3 inside) under ZB-H1: the hidden states and their
+    gradients cross the hosts point to point, and the losses are one process's."""
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.train.data import Batches
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    data = tmp_path / "data.txt"
+    data.write_text("Weight gradients wait for the bubbles of the pipeline. " * 40)
+    args = ["train", "--data", str(data), "--pp", "2", "--tp", "3", "--pp-schedule", "zb-h1", "--grad-accum", "2"]
+    args += ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--json"]
+    ids = open_checkpoint("smollm2").tokenizer().encode(data.read_text())
+    batches = Batches(ids, seq_len=16, batch_size=2, seed=0)
+    one = Trainer(TrainConfig(model="smollm2", threads=1))
+    want = [one.step(batches(i))["loss"] for i in range(2)]
+    out = on_both(hosts, 3, args)
+    assert all(code == 0 for code, _, _ in out.values()), out
+    losses = [json.loads(x)["loss"] for _, stdout, _ in out.values() for x in stdout.splitlines()]
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
 def test_a_lost_host_ends_generation_with_one_line(hosts):
     """Host B's processes killed mid-generation: host A's ranks each say which host and ranks
     were lost, within seconds, exit non-zero, and leave no process behind."""

@@ -83,15 +83,17 @@ class TwoHosts:
         self.procs.append(proc)
         return proc
 
-    def torchrun(self, host: str, nproc: int, args: list[str], port: int = 29555, **kw) -> subprocess.Popen:
-        """``shardlm ARGS`` under torchrun, one node of two, the rendezvous on host A."""
+    def torchrun(
+        self, host: str, nproc: int, args: list[str], port: int = 29555, entry: tuple = ("-m", "shardlm.cli"), **kw
+    ) -> subprocess.Popen:
+        """``shardlm ARGS`` (or ``entry``: a script) under torchrun, one node of two, the rendezvous on host A."""
         return self.start(
             host,
             [
                 str(BIN / "torchrun"),
                 "--nnodes", "2", "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES['A']}:{port}", "--rdzv-id", "shardlm-test",
-                "-m", "shardlm.cli", *args,
+                *entry, *args,
             ],
             **kw,
         )  # fmt: skip
