@@ -25,8 +25,11 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+RUNTIME_FAMILIES = tuple(ARCHITECTURES.values())
+# families the planner costs but the runtime does not run: GPT's LayerNorm + GELU 4h MLP (GPT-2's
+# config.json; the GPT-3 preset uses its format)
+ARCHITECTURES["GPT2LMHeadModel"] = "gpt2"
 MODEL_TYPES = {fam: fam for fam in ARCHITECTURES.values()}
-RUNTIME_FAMILIES = tuple(MODEL_TYPES)
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 
 
@@ -66,6 +69,11 @@ class ModelConfig:
     sliding_window: int | None = None
     """Attend only to the last `sliding_window` positions (Mistral v0.1)."""
     hidden_act: str = "silu"
+    gated_mlp: bool = True
+    """A gated MLP (SwiGLU: gate, up and down matrices), else two matrices around the activation
+    (GPT's GELU MLP; planner only)."""
+    dropout: bool = False
+    """Trained with dropout (GPT's configs): its masks are activations a layer keeps (planner only)."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # ---- mixture of experts ----
@@ -239,6 +247,20 @@ class ModelConfig:
         if family is None:
             known = ", ".join(sorted(ARCHITECTURES))
             raise ConfigError(f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm knows {known}")
+        if family == "gpt2":  # GPT-2's names; biases everywhere, a tied head, the MLP 4h unless n_inner says
+            h = cfg["n_embd"]
+            cfg = {
+                **cfg,
+                "hidden_size": h,
+                "num_hidden_layers": cfg["n_layer"],
+                "num_attention_heads": cfg["n_head"],
+                "intermediate_size": cfg.get("n_inner") or 4 * h,
+                "max_position_embeddings": cfg.get("n_positions", 1024),
+                "hidden_act": cfg.get("activation_function", "gelu_new"),
+                "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                "attention_bias": True,
+                "mlp_bias": True,
+            }
         # transformers >= 5 writes rope settings into `rope_parameters` (theta included);
         # older files have `rope_theta` and `rope_scaling` side by side.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -270,11 +292,13 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family in ("qwen2", "qwen2_moe") or attn_bias,
-            o_bias=attn_bias and family == "llama",
+            o_bias=attn_bias and family in ("llama", "gpt2"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             hidden_act=cfg.get("hidden_act", "silu"),
+            gated_mlp=family != "gpt2",
+            dropout=any(cfg.get(k, 0.0) for k in ("resid_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             num_experts=experts,

@@ -87,7 +87,7 @@ def prefill_working_set(
     rl = costs.rank_layer(cfg.is_moe and cfg.first_k_dense == 0, lay.tp, lay.ep, lay.etp)
     width: float = 4 * cfg.hidden_size + (rl.q_heads + 2 * max(rl.kv_heads, 1)) * cfg.head_dim
     ffn = max(costs.cfg.intermediate_size, costs.cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
-    width += 3 * ffn / lay.tp
+    width += (3 if cfg.gated_mlp else 2) * ffn / lay.tp
     scores = 0.0 if fused_attention else chunk_tokens / lay.cp * rl.q_heads * ctx * C.FP32_BYTES
     return chunk_tokens / lay.cp * width * a_bytes + scores
 
@@ -128,7 +128,14 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
     ffn = cfg.shared_expert_intermediate_size if moe else cfg.intermediate_size
     # as shardlm trains: fused attention (flash); unfused keeps the a x s x s scores
     return LayerShape(
-        hidden=cfg.hidden_size, heads=cfg.num_heads, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn, flash=fused_attention
+        hidden=cfg.hidden_size,
+        heads=cfg.num_heads,
+        q_dim=q_dim,
+        kv_dim=kv_dim,
+        ffn=ffn,
+        gated=cfg.gated_mlp,
+        dropout=cfg.dropout,
+        flash=fused_attention,
     )
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 
-from shardlm.models.config import DEEPSEEK
+from shardlm.models.config import DEEPSEEK, RUNTIME_FAMILIES
 from shardlm.parallel.tensor import partition_heads
 from shardlm.plan.layout import Layout
 
 
 def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str) -> str | None:
     """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can)."""
+    if cfg.family not in RUNTIME_FAMILIES:  # models/config.py check_supported
+        return f"the {cfg.family} architecture (shardlm runs {', '.join(RUNTIME_FAMILIES)})"
     if train:
         if lay.sp and (cfg.is_moe or cfg.is_mla):  # models/transformer.py
             return "sequence parallelism with MoE or latent-attention layers"

@@ -86,8 +86,9 @@ def _attention_params(cfg: ModelConfig, q: int, kv: int) -> int:
 
 
 def _mlp_params(cfg: ModelConfig, rows: int) -> int:
-    """SwiGLU MLP with ``rows`` intermediate rows (gate, up, down)."""
-    return 3 * cfg.hidden_size * rows + ((2 * rows + cfg.hidden_size) if cfg.mlp_bias else 0)
+    """An MLP with ``rows`` intermediate rows: SwiGLU (gate, up, down), or GPT's (fc, proj)."""
+    mats = 3 if cfg.gated_mlp else 2
+    return mats * cfg.hidden_size * rows + (((mats - 1) * rows + cfg.hidden_size) if cfg.mlp_bias else 0)
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:

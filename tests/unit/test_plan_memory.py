@@ -300,3 +300,27 @@ def test_optimizer_offload_leaves_the_model_states_but_adam_on_the_device():
     want = owned * (6 / (128e9 / 2) + 28 / C.HOST_MEM_BPS_PER_GPU)
     assert on.step_s - off.step_s == pytest.approx(want - owned * 32 / gpu.mem_Bps, rel=1e-6)
     assert on.step_s > off.step_s and "offload" in lay.with_(offload=True).label(training=True)
+
+
+def test_gpt3_preset_is_korthikantis_layer_and_gpts_size():
+    """GPT-3 175B (Brown et al. 2020) in GPT-2's config format: LayerNorm, a GELU MLP of 4h (two
+    matrices, not SwiGLU's three), dropout; 175B parameters (174.6B counted with GPT-2's vocabulary);
+    its layer is the one Korthikanti et al. count (their Table 2 shape) when attention is unfused;
+    the runtime refuses the architecture with the reason and the planner marks it."""
+    from shardlm.models.config import ConfigError
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import layer_shape
+    from shardlm.plan.runnable import not_runnable
+
+    cfg, _ = load_model("gpt3-175b")
+    assert (cfg.gated_mlp, cfg.dropout, cfg.intermediate_size, cfg.tie_word_embeddings) == (
+        False,
+        True,
+        4 * 12288,
+        True,
+    )
+    assert total_params(cfg) / 1e9 == pytest.approx(175.0, rel=5e-3)
+    assert layer_shape(_costs("gpt3-175b"), False, fused_attention=False) == LayerShape.gpt(12288, 96)
+    with pytest.raises(ConfigError, match="architecture family 'gpt2' is not runnable yet"):
+        cfg.check_supported()
+    assert "the gpt2 architecture" in (not_runnable(cfg, Layout(tp=8), train=True, dtype="bf16") or "")
