@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from shardlm.args import byte_size
 from shardlm.errors import UsageError
 from shardlm.plan.catalog import model_names
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import THIS_MACHINE, gpu_names
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
@@ -113,6 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
+    p.add_argument(
+        "--compare",
+        metavar="PINS",
+        help="set the pick beside the best layout with these pins, e.g. tp8,pp16 or tp8,pp8,dp16,zero1,interleaved,vpp2: "
+        "axis sizes (tp pp dp cp ep etp), zeroN, a schedule name, vppN, mbN (micro-batch)",
+    )
     c = p.add_argument_group("plan comm")
     c.add_argument("--min-bytes", type=byte_size, default=1024, help="smallest message (default 1KiB)")
     c.add_argument("--max-bytes", type=byte_size, default=1 << 30, help="largest message (default 1GiB; x8 a row)")
@@ -168,7 +176,6 @@ def _fail(msg: str) -> int:
 
 
 def build_request(args):
-    from shardlm.plan.errors import PlanError
     from shardlm.plan.planner import PlanRequest
 
     def given(names: tuple[str, ...]) -> list[str]:
@@ -245,6 +252,7 @@ def build_request(args):
 
         calibrate(force=True)
     common = dict(
+        compare=None if args.compare is None else parse_pins(args.compare, train=args.train),
         model=args.model,
         gpu=args.gpu,
         gpus=args.gpus,
@@ -347,3 +355,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def parse_pins(spec: str, *, train: bool) -> dict:
+    """``--compare``'s pins ("tp8,pp16,zero1,interleaved,vpp2") as search pins."""
+    out: dict = {}
+    for token in filter(None, (t.strip().lower() for t in spec.split(","))):
+        m = re.fullmatch(r"(tp|pp|dp|cp|ep|etp|zero|vpp|mb)(\d+)", token)
+        if m and (m.group(1) not in ("zero", "vpp", "mb") or train):
+            key = {"vpp": "virtual", "mb": "micro_batch"}.get(m.group(1), m.group(1))
+            out[key] = int(m.group(2))
+            if key == "virtual":
+                out["schedule"] = "interleaved"
+        elif token in SCHEDULES and train:
+            out["schedule"] = token
+        else:
+            knobs = ", zeroN, vppN, mbN or a schedule (" + ", ".join(SCHEDULES) + ")" if train else ""
+            raise PlanError(
+                f"--compare {spec}: {token!r} is not a pin; give axis sizes (tp8, pp16, dp4, cp2, ep8, etp2){knobs}"
+            )
+    if out.get("zero", 0) > 3:
+        raise PlanError(f"--compare {spec}: ZeRO stages are 0-3")
+    return out

@@ -183,3 +183,43 @@ def explain(results: list, ctx: dict) -> list[str]:
                 f"{follower.layout.label(train)}, scores {gap}."
             )
     return lines
+
+
+def compare(win, other, ctx: dict, pins: str) -> list[str]:
+    """Sentences setting the pick beside ``other``, the best layout with the user's ``pins``
+    (``--compare``): by how much one wins and, in numbers, where the difference comes from."""
+    if other is None:
+        return [f"Nothing with {pins} was found on this cluster (the pins leave no layout to search)."]
+    train, label = ctx["train"], other.layout.label(ctx["train"])
+    if not other.fits:
+        m = other.memory
+        return [
+            f"Compared: {label} (the closest with {pins}) does not fit: {gib(m.total)} per GPU of "
+            f"{gib(ctx['cluster'].gpu.memory_bytes)} (weights {gib(m.weights)}, activations {gib(m.activations)}, "
+            f"gradients {gib(m.gradients)}, optimizer {gib(m.optimizer)}, KV cache {gib(m.kv_cache)})."
+        ]
+    if other.layout == win.layout:
+        return [f"Compared: {label}, the best with {pins}, is the pick itself."]
+    if train:
+        parts = [f"bubble {other.bubble_fraction * 100:.1f}% vs {win.bubble_fraction * 100:.1f}%"]
+        for k in sorted(set(other.comm_s or {}) | set(win.comm_s or {})):
+            a, b = (other.comm_s or {}).get(k, 0.0), (win.comm_s or {}).get(k, 0.0)
+            if max(a, b) > 0.01 * win.step_s:
+                parts.append(f"{k} communication {a:.2f} s vs {b:.2f} s")
+        parts.append(
+            f"forward + backward {other.forward_s + other.backward_s:.3f} s vs {win.forward_s + win.backward_s:.3f} s a micro-batch"
+        )
+        parts.append(f"memory {gib(other.memory.total)} vs {gib(win.memory.total)} per GPU")
+        return [
+            f"Compared: {label} (the best with {pins}): {_pct(other.tokens_per_s, win.tokens_per_s)} tokens/s "
+            f"({other.tokens_per_s:,.0f} vs {win.tokens_per_s:,.0f}), step {other.step_s:.2f} s vs {win.step_s:.2f} s: "
+            + ", ".join(parts)
+            + "."
+        ]
+    return [
+        f"Compared: {label} (the best with {pins}): {_pct(other.throughput, win.throughput)} throughput "
+        f"({other.throughput:,.0f} vs {win.throughput:,.0f} output tokens/s), latency {other.latency_s * 1e3:,.0f} ms "
+        f"vs {win.latency_s * 1e3:,.0f} ms per request, TPOT {other.tpot_s * 1e3:.1f} ms vs {win.tpot_s * 1e3:.1f} ms, "
+        f"TTFT {other.ttft_s * 1e3:.0f} ms vs {win.ttft_s * 1e3:.0f} ms, batch {other.batch} vs {win.batch} per "
+        f"replica, weights {gib(other.memory.weights)} vs {gib(win.memory.weights)} per GPU."
+    ]

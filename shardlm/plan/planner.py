@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
-from shardlm.plan.explain import departures, explain, rerank
+from shardlm.plan.explain import compare, departures, explain, rerank
 from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.roofline import ModelCosts
@@ -45,6 +45,9 @@ class PlanRequest:
     """Layouts to report."""
     memory_reserve_gib: float | None = None
     """GiB per GPU kept out of the plan (``--memory-reserve``); None: ``Cluster.reserve``'s default."""
+    compare: dict | None = None
+    """Pins of a layout to set beside the pick (``--compare tp8,pp16``): its best settings are
+    searched and the explanation says in numbers why one wins."""
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Plan:
     """Why the winner wins, what the runner-up trades, which rules hold."""
     context: dict
     """Inputs of the rule checks (cluster, config, objective, context length)."""
+    compared: object = None
+    """The best result with the ``compare`` pins (or the closest to fitting, when none fits)."""
 
     @property
     def best(self):
@@ -143,6 +148,11 @@ def plan(req: PlanRequest) -> Plan:
         context=ctx,
     )
     out.explanation[:0] = out.runnable_note()
+    if req.compare is not None:
+        pins = {**req.fixed, **req.compare}
+        theirs = _search(costs, cluster, req, pins)
+        out.compared = rerank(theirs.results, ctx)[0] if theirs.results else (theirs.rejected or [None])[0]
+        out.explanation += compare(out.best, out.compared, ctx, ",".join(f"{k}={v}" for k, v in req.compare.items()))
     return out
 
 

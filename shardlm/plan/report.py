@@ -126,46 +126,9 @@ def _num(x):
 
 def to_data(plan) -> dict:
     req, train = plan.request, plan.request.train
-    items = []
-    for r in plan.ranked[: req.top]:
-        d = {
-            "layout": {**r.layout.sizes(), "label": r.layout.label(train)},
-            "memory_bytes": r.memory.as_dict(),
-            "rule_departures": plan.departures(r),
-            "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
-            "not_runnable": plan.not_runnable(r),  # why shardlm cannot run it yet; None: it can
-        }
-        if train:
-            lay = r.layout
-            d["layout"].update(
-                sp=lay.sp,
-                zero=lay.zero,
-                schedule=lay.schedule,
-                virtual=lay.virtual,
-                micro_batch=lay.micro_batch,
-                num_micro=lay.num_micro,
-                recompute=lay.recompute,
-                cp_attention=lay.cp_attention,
-            )
-            d.update(
-                tokens_per_s=r.tokens_per_s,
-                step_s=r.step_s,
-                mfu=r.mfu,
-                bubble_fraction=r.bubble_fraction,
-                comm_s=r.comm_s,
-            )
-        else:
-            d.update(
-                throughput_tokens_per_s=r.throughput,
-                batch_per_replica=r.batch,
-                max_batch=r.max_batch,
-                ttft_s=_num(r.ttft_s),
-                tpot_s=_num(r.tpot_s),
-                latency_s=_num(r.latency_s),
-            )
-        items.append(d)
+    items = [_item(plan, r) for r in plan.ranked[: req.top]]
     c = plan.cluster
-    return {
+    out = {
         "model": plan.model_name,
         "gpu": c.gpu.name,
         "gpus": c.num_gpus,
@@ -179,6 +142,50 @@ def to_data(plan) -> dict:
         "layouts": items,
         "explanation": plan.explanation,
     }
+    if req.compare is not None:  # the best with --compare's pins (fits: false when none fits)
+        out["compared"] = None if plan.compared is None else {**_item(plan, plan.compared), "fits": plan.compared.fits}
+    return out
+
+
+def _item(plan, r) -> dict:
+    """One ranked (or compared) layout as data."""
+    train = plan.request.train
+    d = {
+        "layout": {**r.layout.sizes(), "label": r.layout.label(train)},
+        "memory_bytes": r.memory.as_dict(),
+        "rule_departures": plan.departures(r),
+        "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
+        "not_runnable": plan.not_runnable(r),  # why shardlm cannot run it yet; None: it can
+    }
+    if train:
+        lay = r.layout
+        d["layout"].update(
+            sp=lay.sp,
+            zero=lay.zero,
+            schedule=lay.schedule,
+            virtual=lay.virtual,
+            micro_batch=lay.micro_batch,
+            num_micro=lay.num_micro,
+            recompute=lay.recompute,
+            cp_attention=lay.cp_attention,
+        )
+        d.update(
+            tokens_per_s=r.tokens_per_s,
+            step_s=r.step_s,
+            mfu=r.mfu,
+            bubble_fraction=r.bubble_fraction,
+            comm_s=r.comm_s,
+        )
+    else:
+        d.update(
+            throughput_tokens_per_s=r.throughput,
+            batch_per_replica=r.batch,
+            max_batch=r.max_batch,
+            ttft_s=_num(r.ttft_s),
+            tpot_s=_num(r.tpot_s),
+            latency_s=_num(r.latency_s),
+        )
+    return d
 
 
 def to_json(plan) -> str:

@@ -300,3 +300,28 @@ def test_h800_and_gb200_are_in_the_catalog():
     assert t800 > 2 * t100
     rack = Cluster(gpu=gb200, num_gpus=144, gpus_per_node=gb200.gpus_per_node)
     assert gb200.gpus_per_node == 72 and rack.node_of(71) == 0 and rack.node_of(72) == 1
+
+
+def test_compare_sets_a_pinned_layout_beside_the_pick_in_numbers(capsys):
+    """--compare: the best layout with those pins (what pinning them finds) beside the pick, by how
+    much and why (bubble, communication per group, compute, memory); the pick itself says so; one
+    that cannot fit gives its memory breakdown; a bad pin is one line."""
+    train = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train"]
+    code, out, err = run([*train, "--compare", "tp8,pp8", "--json"], capsys)
+    assert code == 0, err
+    got = json.loads(out)
+    theirs, last = got["compared"], got["explanation"][-1]
+    code, out, err = run([*train, "--tp", "8", "--pp", "8", "--json"], capsys)
+    pinned = json.loads(out)["layouts"][0]
+    assert theirs["layout"]["label"] == pinned["layout"]["label"] and theirs["tokens_per_s"] == pinned["tokens_per_s"]
+    assert last.startswith(f"Compared: {theirs['layout']['label']} (the best with tp=8,pp=8): ")
+    pick = got["layouts"][0]["tokens_per_s"]
+    assert f"{(theirs['tokens_per_s'] / pick - 1) * 100:+.0f}% tokens/s" in last and "tp communication" in last
+    code, out, err = run(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--compare", "tp1"], capsys)
+    assert code == 0 and "Compared: tp1 pp1 dp8, the best with tp=1, is the pick itself." in out, err
+    code, out, err = run(["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "8", "--compare", "tp1,pp1"], capsys)
+    assert code == 0 and "(the closest with tp=1,pp=1) does not fit: " in out and "weights 131" in out, err
+    code, out, err = run(
+        ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--compare", "tp2,zero1"], capsys
+    )
+    assert code == 2 and "'zero1' is not a pin" in err and err.count("\n") == 1
