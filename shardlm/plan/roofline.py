@@ -102,6 +102,8 @@ class Step:
     """Sequences in the step (decode reads each one's KV once)."""
     moe_tokens: float
     """Tokens entering the rank's expert-parallel group (for experts touched and routed FLOPs)."""
+    scores_bytes: float = 0.0
+    """Unfused attention: bytes of the score matrix each query moves per head (0: fused, flash-style)."""
 
 
 def layer_work(
@@ -135,7 +137,7 @@ def layer_work(
     kv_write = step.tokens * per_tok
     attn = Work(
         flops=step.tokens * attention_flops_per_query(cfg, rl, step.ctx, step.decode),
-        bytes=kv_read + kv_write,
+        bytes=kv_read + kv_write + step.tokens * rl.q_heads * step.scores_bytes,
         ops=1,
     )
     return matmul, attn

@@ -154,7 +154,14 @@ def _stage(
         if not n:
             continue
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
-        step = Step(tokens=tokens, ctx=wl.seq_len / 2, decode=False, seqs=lay.micro_batch, moe_tokens=moe_tokens)
+        step = Step(
+            tokens=tokens,
+            ctx=wl.seq_len / 2,
+            decode=False,
+            seqs=lay.micro_batch,
+            moe_tokens=moe_tokens,
+            scores_bytes=0.0 if wl.fused_attention else unfused_scores_bytes(cfg, wl.seq_len, a),
+        )
         mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
         t_attn = at.time(gpu, wl.dtype)
         f_comp += n * mm.time(gpu, wl.dtype)
@@ -185,3 +192,11 @@ def _stage(
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_c, ep_c, cp_c
+
+
+def unfused_scores_bytes(cfg, seq_len: int, a: int) -> float:
+    """Bytes of the score matrix one query moves per head in an unfused attention's forward: its
+    row over the whole sequence (the causal mask is applied, not skipped) written by QK^T, read and
+    written by the (fused scale-mask-)softmax, read by PV (4 x a bytes an element), and with
+    dropout its 1-byte mask written and the dropped probabilities written and read (+5)."""
+    return seq_len * (4 * a + (5 if cfg.dropout else 0))
