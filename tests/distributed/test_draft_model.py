@@ -102,6 +102,36 @@ def test_a_draft_equal_to_the_target_has_every_draft_accepted(target):
     assert llm.last_stats.draft_tokens == llm.last_stats.accepted_tokens > 0
 
 
+def test_the_draft_cache_rolls_back_to_the_accepted_prefix(draft):
+    """Drafting rounds after steps that accepted 0..3 of the drafts and then a token of the target's
+    own (which the draft did not propose): each round's drafts equal those of a fresh draft cache fed
+    the whole history, so nothing a rejected draft wrote is read back. The sequence holds only the
+    blocks for its computed tokens, so its last token and drafts land in scratch blocks."""
+    from shardlm.engine.draft import Drafter
+    from shardlm.engine.sequence import Sequence
+    from shardlm.models.loader import load_model, open_checkpoint
+    from shardlm.parallel.dims import ParallelDims
+
+    model = load_model(open_checkpoint(draft), ParallelDims().build_mesh("cpu"))
+    make = dict(k=3, num_blocks=32, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    drafter = Drafter(model, kv_dtype=torch.float32, max_num_seqs=2, **make)
+    tokens = list(PROMPTS[3])
+    seq = Sequence(0, tokens, SamplingParams(temperature=0.0))
+    rejected = 0
+    for accepted in [0, 1, 2, 3, 0, 2, 1, 0, 3, 1]:
+        seq.block_table = list(range(-(-(len(tokens) - 1) // 4)))  # blocks for the computed tokens only
+        drafter.propose([(seq, tokens, 3)])
+        fresh = Sequence(1, tokens, SamplingParams(temperature=0.0))
+        fresh.block_table = seq.block_table
+        Drafter(model, kv_dtype=torch.float32, max_num_seqs=2, **make).propose([(fresh, tokens, 3)])
+        assert seq.proposed == fresh.proposed, (len(tokens), seq.proposed, fresh.proposed)
+        # the step: the first ``accepted`` drafts kept, then the target's own token (not the next draft)
+        own = (seq.proposed[accepted] + 1) % 251 if accepted < 3 else 7
+        rejected += accepted < 3
+        tokens = tokens + seq.proposed[:accepted] + [own]
+    assert rejected >= 5
+
+
 def test_draft_model_and_layer_skip_give_plain_greedy_tokens(target, draft):
     """One process: a separate 2-layer draft and the target's first 2 layers (which share its
     weights) draft the same tokens, so their counts agree; both give plain greedy's tokens."""
