@@ -63,12 +63,13 @@ class Drafter:
     ):
         self.k = k
         # a sequence's drafts reach at most k positions past the blocks it holds: scratch blocks for them,
-        # numbered first (block b of the target's is the draft's b + offset) so that blocks are touched in order
+        # after the target's (block b of the target's is the draft's b), zeroed as first used (``_forward``)
         self.scratch = -(-k // block_size) + 1
-        self.offset = max_num_seqs * self.scratch
+        self.first_scratch = num_blocks
+        self.scratch_zeroed = 0
         self.runner = ModelRunner(
             model,
-            num_blocks=self.offset + num_blocks,
+            num_blocks=num_blocks + max_num_seqs * self.scratch,
             block_size=block_size,
             device=device,
             dtype=dtype,
@@ -86,8 +87,9 @@ class Drafter:
             return
         tables = []
         for i, (seq, _, _) in enumerate(work):
-            own = [b + self.offset for b in seq.block_table]
-            tables.append(own + [i * self.scratch + j for j in range(self.scratch)])
+            scratch = range(self.first_scratch + i * self.scratch, self.first_scratch + (i + 1) * self.scratch)
+            tables.append(seq.block_table + list(scratch))
+        self._zero_blocks(work)
         # catch up: positions [draft_computed, len(tokens)); those of several tokens first (prefills)
         feeds = [(i, seq.draft_computed, tokens[seq.draft_computed :]) for i, (seq, tokens, _) in enumerate(work)]
         feeds.sort(key=lambda f: len(f[2]) == 1)
@@ -120,6 +122,15 @@ class Drafter:
         qs.append(q)
         drafts.append(int(torch.multinomial(q, 1, generator=seq.draft_generator).item()))
 
+    def _zero_blocks(self, work) -> None:
+        """Zero the blocks this round may read before their first write (never-written memory may hold
+        NaN, which a masked slot's zero weight would spread: ``ModelRunner._zero_new_blocks``)."""
+        self.runner._zero_new_blocks(max(max(seq.block_table) for seq, _, _ in work))
+        if (n := len(work) * self.scratch) > self.scratch_zeroed:
+            for cache in self.runner.caches:
+                cache[:, self.first_scratch + self.scratch_zeroed : self.first_scratch + n].view(torch.uint8).zero_()
+            self.scratch_zeroed = n
+
     def _forward(self, feeds: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Float32 logits [len(feeds), vocab] at the last token of each (block table, first position,
         tokens); feeds of several tokens come first (prefill rows), then single tokens (decode rows)."""
@@ -146,7 +157,6 @@ class Drafter:
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in decodes], device=dev)
             meta.decode_context_lens = torch.tensor([n for _, n in decodes], device=dev)
             meta.decode_max_context = max(n for _, n in decodes)
-        self.runner._zero_new_blocks(max(max(t) for t, _, _ in feeds))
         meta.slot_mapping = torch.tensor(slots, device=dev)
         out = self.runner.model(
             torch.tensor(ids, device=dev),
