@@ -256,7 +256,9 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
         default=None,
         metavar="JSON",
         help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        "(drafts looked up in each sequence's history; greedy output unchanged)",
+        '(drafts looked up in each sequence\'s history), \'{"model": PATH, "num_speculative_tokens": 4}\' '
+        '(a draft model with the same vocabulary), or \'{"method": "layer_skip", "num_layers": 8}\' '
+        "(the model's own first layers draft); greedy output unchanged",
     )
 
 

@@ -21,6 +21,10 @@ collectives never mismatch. Otherwise replicas never wait for each other.
 Disaggregated serving (disagg.py): a request added with a ``handoff`` replica leaves this
 engine once its prompt is computed and its first token sampled; its KV cache goes to that
 replica's engine, which ``adopt``s it and decodes the rest.
+
+Speculative decoding with a draft model (draft.py): the last stage drafts each sequence's next
+drafts right after it verifies a step, and the step's token message carries them (k slots a
+sequence) to the other stages, whose schedulers then feed them in that sequence's next step.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.disagg import Handoff, adopt, hand_off
+from shardlm.engine.draft import Drafter
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, TokenLogprob, logprobs_of, process, processes, sample
 from shardlm.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -102,8 +107,12 @@ class Engine:
         lockstep=None,
         replica_link: ReplicaLink | None = None,
         tokenizer: Tokenizer | Callable[[], Tokenizer] | None = None,
+        draft_slots: int = 0,
+        drafter: Drafter | None = None,
     ):
         self.runner = runner
+        self.draft_slots = draft_slots  # a draft model's k: drafts each sampled sequence's message carries
+        self.drafter = drafter  # on the last stage, with draft_slots: drafts the next steps
         self.lockstep = lockstep  # the dp group when replicas share expert collectives
         self.blocks = blocks
         self.links = links
@@ -243,8 +252,9 @@ class Engine:
 
     def _finish_step(self, sched: Scheduler, batch: Batch, sampled: Sampled | None, on_token) -> list[Sequence]:
         if sampled is None:  # sampled by the last stage
-            size = sum(_message_slots(batch))
-            sampled = _unpack(batch, self.links.recv_tokens(size, self.runner.device) if size else [])
+            size = sum(_message_slots(batch, self.draft_slots))
+            flat = self.links.recv_tokens(size, self.runner.device) if size else []
+            sampled = _unpack(batch, flat, self.draft_slots)
         before = [len(s.output_ids) for s in batch.seqs]
         done = sched.update(batch, *sampled)
         for seq, entries in zip(batch.seqs, sampled[2]):
@@ -276,10 +286,28 @@ class Engine:
             self.links.send_hidden(hidden)
             return None
         sampled = _sample(batch, out.cpu(), self.tokenizer)
+        if self.drafter is not None:
+            self._draft(batch, sampled[0])
         self.busy_s += time.perf_counter() - t0
-        if any(_message_slots(batch)):  # the size every other stage expects (_finish_step)
-            self.links.send_tokens(_pack(batch, sampled), self.runner.device)
+        if any(_message_slots(batch, self.draft_slots)):  # the size every other stage expects (_finish_step)
+            self.links.send_tokens(_pack(batch, sampled, self.draft_slots), self.runner.device)
         return sampled
+
+    def _draft(self, batch: Batch, tokens: StepTokens) -> None:
+        """Draft the next step of each sequence this step sampled for and that goes on (draft.py)."""
+        assert self.drafter is not None
+        work = []
+        for seq, token in zip(batch.seqs, tokens):
+            seq.proposed, seq.draft_q = [], None
+            if token is None or seq.status is Status.FINISHED:
+                continue
+            run = token if isinstance(token, list) else [token]
+            left = (
+                seq.params.max_tokens - len(seq.output_ids) - len(run)
+            )  # the next step emits one more than it accepts
+            if left > 1 and not any(t in seq.stop_ids for t in run):
+                work.append((seq, seq.token_ids() + run, min(self.drafter.k, left - 1)))
+        self.drafter.propose(work)
 
     # ---- offline ------------------------------------------------------------------------
     def run(
@@ -339,8 +367,9 @@ def _sample(batch: Batch, raw: torch.Tensor, tokenizer: Callable[[], Tokenizer])
     if batch.drafts or any(prompt):
         for i, first, rows in spans:
             seq = batch.seqs[i]
+            q = None if seq.draft_q is None else seq.draft_q[: rows - 1]  # a draft model's distributions
             tokens[i] = (
-                verify(logits[first : first + rows], batch.draft(i), seq.params, seq.generator)
+                verify(logits[first : first + rows], batch.draft(i), seq.params, seq.generator, q)
                 if rows > 1
                 else sample(logits[first : first + 1], [seq.params], [seq.generator])[0]
             )
@@ -369,12 +398,15 @@ def _entry_width(k: int | None) -> int:
     return 0 if k is None else 2 + 2 * k
 
 
-def _message_slots(batch: Batch) -> list[int]:
+def _message_slots(batch: Batch, drafts: int = 0) -> list[int]:
     """Values each sequence takes in the message that carries a step's tokens down the pipeline
-    (its prompt logprob entries, then per emitted token its id and logprob entry), so that every
-    stage knows its size before it arrives."""
+    (its prompt logprob entries, then per emitted token its id and logprob entry, then, with a
+    draft model, ``drafts`` slots for its next drafts), so that every stage knows its size before
+    it arrives."""
     return [
-        len(batch.prompt_rows(i)) * _entry_width(s.params.prompt_logprobs) + n * (1 + _entry_width(s.params.logprobs))
+        len(batch.prompt_rows(i)) * _entry_width(s.params.prompt_logprobs)
+        + n * (1 + _entry_width(s.params.logprobs))
+        + (drafts if n else 0)
         for i, (n, s) in enumerate(zip(_token_slots(batch), batch.seqs))
     ]
 
@@ -387,8 +419,9 @@ def _entry(v: list[float]) -> TokenLogprob:
     return TokenLogprob(v[0], int(v[1]), tuple((int(v[j]), v[j + 1]) for j in range(2, len(v), 2)))
 
 
-def _pack(batch: Batch, sampled: Sampled) -> list[float]:
-    """A step's emitted tokens (and logprobs) in their slots, unused slots -1."""
+def _pack(batch: Batch, sampled: Sampled, drafts: int = 0) -> list[float]:
+    """A step's emitted tokens (and logprobs) in their slots, then each sequence's next drafts
+    (``drafts`` slots), unused slots -1."""
     flat: list[float] = []
     for n, seq, token, entries, prompt in zip(_token_slots(batch), batch.seqs, *sampled):
         for e in prompt or []:
@@ -399,10 +432,13 @@ def _pack(batch: Batch, sampled: Sampled) -> list[float]:
             if entries is not None:
                 flat += _flat(entries[j])
         flat += [-1.0] * ((n - len(run)) * (1 + _entry_width(seq.params.logprobs)))
+        if n and drafts:
+            flat += [*map(float, seq.proposed), *[-1.0] * (drafts - len(seq.proposed))]
     return flat
 
 
-def _unpack(batch: Batch, flat: list[float]) -> Sampled:
+def _unpack(batch: Batch, flat: list[float], drafts: int = 0) -> Sampled:
+    """``_pack``'s message read back; each sequence's next drafts go to its ``proposed``."""
     tokens: StepTokens = []
     logprobs: StepLogprobs = []
     prompt: StepLogprobs = []
@@ -417,6 +453,9 @@ def _unpack(batch: Batch, flat: list[float]) -> Sampled:
         slots = [v for v in slots if v[0] >= 0]
         at += n * width
         run = [int(v[0]) for v in slots]
+        if n and drafts:
+            seq.proposed = [int(v) for v in flat[at : at + drafts] if v >= 0]
+            at += drafts
         tokens.append(None if n == 0 else run if batch.draft(i) else run[0])
         logprobs.append([_entry(v[1:]) for v in slots] if n and seq.params.logprobs is not None else None)
     return tokens, logprobs, prompt

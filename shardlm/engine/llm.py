@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import cast
 
 from shardlm.engine.config import EngineConfig
+from shardlm.engine.draft import check_draft
 from shardlm.engine.engine import Request, RunStats
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.structured import check_grammar
@@ -131,6 +132,12 @@ def check_layout(config: EngineConfig, ckpt: Checkpoint) -> ParallelDims:
     partition_heads(ckpt.config.num_heads, ckpt.config.num_kv_heads, dims.tp, 0)
     check_expert_layout(ckpt.config, dims.ep, dims.etp)
     stage_layers(ckpt.config, dims.pp, config.pp_layers)
+    check_draft(
+        config.speculative_config,
+        ckpt,
+        dims.tp,
+        max_model_len(config, ckpt.config.max_position_embeddings),
+    )
     if config.prefill_replicas and ckpt.config.is_moe and experts_span_replicas(dims.tp, dims.ep, dims.etp):
         raise UsageError(
             f"prefill_replicas={config.prefill_replicas} needs replicas that step on their own, but "

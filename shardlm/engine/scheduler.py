@@ -36,7 +36,8 @@ class SchedulerConfig:
     """Most prompt tokens fed through the model in one step (longer prompts are prefilled in
     chunks); decoding sequences always get their one token, bounded by max_num_seqs."""
     speculative: SpeculativeConfig | None = None
-    """Draft tokens for decoding sequences (n-gram lookup), verified in the same step."""
+    """Draft tokens for decoding sequences (n-gram lookup, or a draft model's proposals that the
+    sampling ranks made at the sequence's previous step), verified in the same step."""
 
 
 @dataclass
@@ -191,7 +192,10 @@ class Scheduler:
         bs = self.blocks.block_size
         slots = (len(seq.block_table) + self.blocks.num_free) * bs - seq.num_tokens  # free slots after its own
         room = min(budget, seq.params.max_tokens - len(seq.output_ids) - 1, slots)
-        drafts = propose(seq.token_ids(), spec, room)
+        if spec.drafts_with_model:  # drafted for the current history after its last step (draft.py)
+            drafts, seq.proposed = seq.proposed[: max(room, 0)], []
+        else:
+            drafts = propose(seq.token_ids(), spec, room)
         if not drafts:
             return []
         self.blocks.grow(seq, seq.num_tokens + len(drafts))
@@ -212,6 +216,7 @@ class Scheduler:
         self.preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.draft_computed = 0  # the draft model's cache of it goes with its blocks
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

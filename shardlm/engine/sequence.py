@@ -50,6 +50,13 @@ class Sequence:
         self.stop_reason: int | str | None = None  # vLLM's: the stop token id or string (None: EOS, or length)
         self.stop_text = stop_text  # the text so far, when params.stop lists strings
         self.guide: Guide | None = None  # structured outputs: the grammar state, on the ranks that sample
+        # speculative decoding with a draft model (draft.py): the drafts for its next step (every rank),
+        # and on the sampling ranks the distributions they were drawn from ([drafts, vocab]; None:
+        # greedy), the tokens whose K/V the draft's cache holds, and the draft's own generator
+        self.proposed: list[int] = []
+        self.draft_q: torch.Tensor | None = None
+        self.draft_computed = 0
+        self.draft_generator: torch.Generator | None = None
         self.arrival = time.perf_counter()
         self.scheduled_time: float | None = None  # first admitted to a batch (queue time: from arrival)
         self.first_token_time: float | None = None

@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts.
+"""Speculative decoding: the config, n-gram (prompt lookup) drafts, and the verifier.
 
 A decoding sequence whose recent tokens occurred before in its own history (a document it
 is asked about, code it edits, a list it repeats) is likely to continue as it did then. The
@@ -15,7 +15,11 @@ drafts are accepted while each equals the target's argmax, then the target's own
 so the tokens are those of plain greedy decoding. Sampling: an n-gram draft is one token with
 probability 1, so draft x is accepted with probability p(x) (p: the target's distribution after
 temperature, top-k and top-p), and on rejection the token is drawn from p with x removed; every
-token is then distributed as p, whatever the drafts were.
+token is then distributed as p, whatever the drafts were. A draft model's draft x comes with the
+distribution q it was drawn from: x is accepted with probability min(1, p(x) / q(x)), and on
+rejection the token is drawn from norm(max(0, p - q)) (Leviathan et al., algorithm 1); the
+n-gram case is q one-hot on x. Draft models themselves (``method`` 'draft_model' and
+'layer_skip') live in draft.py.
 """
 
 from __future__ import annotations
@@ -28,31 +32,59 @@ import torch
 from shardlm.engine.sampling import SamplingParams, probabilities
 from shardlm.errors import UsageError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model", "layer_skip")
+"""n-gram lookup in the sequence's history; a small model with the target's vocabulary (vLLM's
+'draft_model', given by ``model``); the target's own first ``num_layers`` layers (self-draft)."""
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "num_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` for the n-gram method."""
+    """vLLM's ``speculative_config``: n-gram drafts, a draft model, or a layer-skip self-draft."""
 
-    method: str = "ngram"
+    method: str | None = None
+    """One of ``METHODS``; default 'draft_model' when ``model`` is given, else 'ngram'."""
     num_speculative_tokens: int = 4
     """Most draft tokens verified per sequence and step (k)."""
     prompt_lookup_max: int = 4
-    """Longest suffix n-gram looked up in the sequence's history."""
+    """ngram: longest suffix n-gram looked up in the sequence's history."""
     prompt_lookup_min: int = 1
-    """Shortest suffix n-gram that may propose a draft."""
+    """ngram: shortest suffix n-gram that may propose a draft."""
+    model: str | None = None
+    """draft_model: the draft (a HF directory, a .gguf file or 'smollm2'), with the target's vocabulary."""
+    num_layers: int | None = None
+    """layer_skip: the target's first this many decoder layers, then its final norm and LM head, draft."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        method = self.method if self.method is not None else "draft_model" if self.model is not None else "ngram"
+        object.__setattr__(self, "method", method)  # frozen: settled once, here
+        if method not in METHODS:
             raise UsageError(
-                f"speculative method={self.method!r} is not supported; use one of {METHODS} "
-                "(drafts looked up in the sequence's own history)"
+                f"speculative method={method!r} is not supported; use one of {METHODS} "
+                "(drafts looked up in the sequence's own history, a small draft model, or the target's first layers)"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"speculative {name}={v!r} must be a positive integer")
+        if method != "ngram" and (self.prompt_lookup_max, self.prompt_lookup_min) != (4, 1):
+            raise UsageError(f"speculative prompt_lookup_max/min apply to method='ngram', not {method!r}; drop them")
+        if (method == "draft_model") != (self.model is not None):
+            raise UsageError(
+                f"speculative model={self.model!r} goes with method='draft_model' (and it needs one), "
+                f"not method={method!r}; give both or neither"
+            )
+        if method == "layer_skip":
+            n = self.num_layers
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise UsageError(
+                    f"speculative num_layers={n!r} must be a positive integer with method='layer_skip' "
+                    "(the target's first layers that draft), e.g. 4"
+                )
+        elif self.num_layers is not None:
+            raise UsageError(
+                f"speculative num_layers={self.num_layers!r} goes with method='layer_skip', not {method!r}; drop it"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise UsageError(
                 f"speculative prompt_lookup_min={self.prompt_lookup_min} is above prompt_lookup_max="
@@ -69,13 +101,15 @@ class SpeculativeConfig:
                 f"speculative_config={value!r} must be a dict such as "
                 '{"method": "ngram", "num_speculative_tokens": 4}'
             )
-        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(value) - set(KEYS)
         if unknown:
-            raise UsageError(
-                f"speculative_config has unknown keys {sorted(unknown)}; known: method, "
-                "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min"
-            )
+            raise UsageError(f"speculative_config has unknown keys {sorted(unknown)}; known: {', '.join(KEYS)}")
         return cls(**value)
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """Drafts come from a model run on the sampling ranks (draft.py), not from the scheduler's lookup."""
+        return self.method != "ngram"
 
 
 def propose(tokens: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
@@ -96,10 +130,14 @@ def propose(tokens: list[int], config: SpeculativeConfig, limit: int) -> list[in
     return []
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator) -> list[int]:
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator, q: torch.Tensor | None = None
+) -> list[int]:
     """The tokens a step emits for one sequence: logits [len(drafts) + 1, vocab] at the last token
     and at each draft. Returns the accepted drafts, then one token of the target's own (the
-    correction at the first rejection, or the next token after the last draft)."""
+    correction at the first rejection, or the next token after the last draft). ``q``
+    [len(drafts), vocab]: the distributions a draft model drew the drafts from (None: each draft
+    certain, as n-gram drafts are)."""
     if params.greedy:
         best = logits.max(dim=-1).indices.tolist()  # first of ties, as the sampler's argmax
         n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
@@ -107,10 +145,18 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, gene
     out = []
     for i, d in enumerate(drafts):
         p = probabilities(logits[i], params)
-        if torch.rand((), generator=generator).item() < p[d].item():
+        if q is None:
+            if torch.rand((), generator=generator).item() < p[d].item():
+                out.append(d)
+                continue
+            p[d] = 0.0  # rejected: draw from what is left of p, renormalised
+            return out + [int(torch.multinomial(p / p.sum(), 1, generator=generator).item())]
+        # accept with probability min(1, p(d) / q(d)): u * q(d) < p(d) for u uniform in [0, 1)
+        if torch.rand((), generator=generator).item() * q[i, d].item() < p[d].item():
             out.append(d)
             continue
-        p[d] = 0.0  # rejected: draw from what is left of p, renormalised
-        return out + [int(torch.multinomial(p / p.sum(), 1, generator=generator).item())]
+        rest = (p - q[i].float()).clamp_(min=0.0)  # rejected: draw from norm(max(0, p - q))
+        rest = rest if rest.sum() > 0 else p  # p == q up to rounding: a rejection is then (almost) impossible
+        return out + [int(torch.multinomial(rest / rest.sum(), 1, generator=generator).item())]
     p = probabilities(logits[len(drafts)], params)
     return out + [int(torch.multinomial(p, 1, generator=generator).item())]

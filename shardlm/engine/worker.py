@@ -9,6 +9,7 @@ import torch
 
 from shardlm.engine.block_manager import BlockManager
 from shardlm.engine.config import EngineConfig, kv_budget
+from shardlm.engine.draft import Drafter, load_draft
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
 from shardlm.engine.sampling import SamplingParams, TokenLogprob
@@ -110,6 +111,31 @@ class Worker:
             cp_group=self.dims.cp_group,
             cp_attention=config.cp_attention,
         )
+        spec = SpeculativeConfig.of(config.speculative_config)
+        drafts = spec.num_speculative_tokens if spec is not None and spec.drafts_with_model else 0
+        self.drafter = None
+        # the sampling ranks draft (draft.py); built after quantization, whose layers layer_skip shares
+        if spec is not None and drafts and self.model.last:
+            draft = load_draft(
+                spec,
+                self.model,
+                ckpt,
+                self.dims,
+                config.quantization,
+                dtype=config.torch_dtype,
+                device=self.device,
+                max_positions=self.max_model_len,
+            )
+            self.drafter = Drafter(
+                draft,
+                k=drafts,
+                num_blocks=self.num_blocks,
+                block_size=bs,
+                device=self.device,
+                dtype=config.torch_dtype,
+                kv_dtype=config.kv_torch_dtype,
+                max_num_seqs=config.max_num_seqs,
+            )
         self.engine = Engine(
             self.runner,
             BlockManager(self.num_blocks, bs * cp),
@@ -117,7 +143,7 @@ class Worker:
             config=SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                speculative=SpeculativeConfig.of(config.speculative_config),
+                speculative=spec,
             ),
             links=StageLinks(self.dims),
             micro_batches=config.micro_batches or self.dims.pp,
@@ -126,6 +152,8 @@ class Worker:
             if config.prefill_replicas
             else None,
             tokenizer=ckpt.tokenizer,
+            draft_slots=drafts,
+            drafter=self.drafter,
         )
 
     @classmethod
