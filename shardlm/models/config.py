@@ -245,8 +245,11 @@ class ModelConfig:
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         family = family or MODEL_TYPES.get(cfg.get("model_type", ""))
         if family is None:
-            known = ", ".join(sorted(ARCHITECTURES))
-            raise ConfigError(f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm knows {known}")
+            runs = ", ".join(sorted(a for a, f in ARCHITECTURES.items() if f in RUNTIME_FAMILIES))
+            costs = ", ".join(sorted(a for a, f in ARCHITECTURES.items() if f not in RUNTIME_FAMILIES))
+            raise ConfigError(
+                f"unknown architecture {archs or cfg.get('model_type')!r}; shardlm runs {runs} (the planner also {costs})"
+            )
         if family == "gpt2":  # GPT-2's names; biases everywhere, a tied head, the MLP 4h unless n_inner says
             h = cfg["n_embd"]
             cfg = {

@@ -79,6 +79,7 @@ def test_gguf_q4_1_weights_are_held_as_the_files_blocks(smollm2_q4, tp):
         assert all(h < 0.55 * whole for _, h, _, _, _ in results), [h / whole for _, h, _, _, _ in results]
 
 
+@pytest.mark.slow  # ~10 s
 def test_gguf_greedy_tokens_at_tp2_are_tp1s(smollm2_q4):
     path, prompts = smollm2_q4
     [(tokens, logits, int4_bytes)] = run_ranks(1, greedy_and_logits, path, 1, prompts, 16, quantization="gguf")

@@ -109,9 +109,12 @@ def test_world_size_mismatch_under_torchrun():
 
 
 def test_unknown_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    """An architecture shardlm does not know: one line naming the ones it runs (and GPT-2's, which
+    only the planner costs)."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
     r = shardlm("generate", "--model", str(tmp_path), "x", timeout=120)
-    assert r.returncode == 2 and "unknown architecture" in r.stderr and "LlamaForCausalLM" in r.stderr
+    assert r.returncode == 2 and "unknown architecture ['FalconForCausalLM']; shardlm runs " in r.stderr
+    assert "LlamaForCausalLM" in r.stderr and "(the planner also GPT2LMHeadModel)" in r.stderr
 
 
 def test_a_killed_rank_ends_the_run_with_a_message():

@@ -152,6 +152,30 @@ def test_a_lost_host_ends_generation_with_one_line(hosts):
     assert not hosts.pids("A") and not hosts.pids("B")
 
 
+def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tmp_path):
+    """Host B's processes killed between training steps (its rank mid-way into the next): host A's
+    rank says which host and ranks were lost within seconds, exits non-zero, and nothing is left."""
+    data = tmp_path / "data.txt"
+    data.write_text("Every rank sums its gradients with the others. " * 60)
+    args = ["train", "--data", str(data), "--dp", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1"]
+    port = next(_ports)
+    procs = {
+        h: hosts.torchrun(h, 1, [*args, "--timeout", "60", "--steps", "100000", "--json"], port=port) for h in "AB"
+    }
+    ready = selectors.DefaultSelector()
+    for p in procs.values():
+        ready.register(p.stdout, selectors.EVENT_READ)
+    assert ready.select(timeout=180), "no step within 180 s"  # global rank 0 printed its first step
+    hosts.kill("B")
+    start = time.monotonic()
+    code, _, err = both({"A": procs["A"]}, timeout=60)["A"]
+    took = time.monotonic() - start
+    lines = [x for x in err.splitlines() if x.startswith("shardlm: error:")]
+    assert code != 0 and took < 10, (took, err[-2000:])
+    assert len(lines) == 1 and "lost host shardlm-b (192.0.2.2, ranks [1])" in lines[0], err[-2000:]
+    assert not hosts.pids("A") and not hosts.pids("B")
+
+
 def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tmp_path):
     """The link goes down mid-run (a partition; every process keeps running): both hosts' ranks end
     with one line each within --timeout (plus start-up slack), and the same command resumes from
