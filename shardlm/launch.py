@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
 from pathlib import Path
 from typing import Any, cast
@@ -399,12 +400,19 @@ class JoinedRanks(LocalRanks):
         joined: dict[int, Connection] = {0: conn}
 
         def accept() -> None:
-            with contextlib.suppress(OSError, EOFError):  # closed below once every rank is in (or the wait ends)
-                while len(joined) < world:
+            while len(joined) < world:
+                try:
                     c = listener.accept()
+                except AuthenticationError:  # a stranger on the port (no key): ignore it, keep waiting
+                    continue
+                except OSError:  # the listener closed: every rank is in, or the wait ended
+                    return
+                try:
                     rank, name, address = c.recv()
-                    self.hosts[rank] = (name, address)
-                    joined[rank] = c
+                except (EOFError, OSError):  # it left before saying which rank it is
+                    continue
+                self.hosts[rank] = (name, address)
+                joined[rank] = c
 
         threading.Thread(target=accept, name="shardlm-join", daemon=True).start()
         deadline = time.monotonic() + timeout_s + 30

@@ -15,8 +15,8 @@ max (asymmetric), ``scale = (max - min) / 15``.
 Held per layer: the codes two a byte (``_convert_weight_to_int4pack_for_cpu``'s layout, which
 depends on the CPU's vector width, so it is made on the rank that runs it) and ``scales_and_zeros
 [in / 32, out, 2]`` in bfloat16: torch's kernel is vectorised for bfloat16 activations only, and it
-reads scales of the activations' dtype (float32 and float16 run its scalar loop, ~12x slower for
-one row; docs/performance.md). Rounding d (a float16 in the file) to bfloat16 moves a weight by
+reads scales of the activations' dtype (float32 and float16 run its scalar loop, far slower:
+docs/performance.md). Rounding d (a float16 in the file) to bfloat16 moves a weight by
 at most 2^-9 of its scale and zero: a sixty-fourth of a quantization step for a zero of 8 d.
 
 Constraints of the kernel: a layer's rows (out-features on this rank) in multiples of 16 and its

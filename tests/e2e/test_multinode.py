@@ -127,24 +127,29 @@ def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tmp
     assert losses == pytest.approx(want, rel=1e-5)
 
 
+def _kill_b_once_a_prints(hosts: TwoHosts, procs: dict) -> tuple[int, str, float, list[str]]:
+    """Kill host B once a host's stdout has output (the run is past start-up: a fixed sleep was not
+    enough on a loaded machine, where B died while A still initialised); then host A's (exit status,
+    stderr, seconds from the kill to its exit, its `shardlm: error:` lines)."""
+    ready = selectors.DefaultSelector()
+    for p in procs.values():
+        ready.register(p.stdout, selectors.EVENT_READ)
+    assert ready.select(timeout=180), "no output within 180 s"
+    assert procs["A"].poll() is None, procs["A"].communicate()
+    hosts.kill("B")
+    start = time.monotonic()
+    code, _, err = both({"A": procs["A"]}, timeout=60)["A"]
+    return code, err, time.monotonic() - start, [x for x in err.splitlines() if x.startswith("shardlm: error:")]
+
+
 def test_a_lost_host_ends_generation_with_one_line(hosts):
     """Host B's processes killed mid-generation: host A's ranks each say which host and ranks
     were lost, within seconds, exit non-zero, and leave no process behind."""
     args = ["generate", "--tp", "2", "--pp", "2", "--no-chat", "--max-new-tokens", "3000", "--threads", "1"]
     port = next(_ports)
     procs = {h: hosts.torchrun(h, 2, [*args, "--timeout", "60", "1, 2, 3, 4, 5,"], port=port) for h in ("A", "B")}
-    # generating once global rank 0 (on either host) streams its first text (3000 tokens take minutes);
-    # a fixed sleep was not enough on a loaded machine, where host B died while A still initialised
-    ready = selectors.DefaultSelector()
-    for p in procs.values():
-        ready.register(p.stdout, selectors.EVENT_READ)
-    assert ready.select(timeout=180), "no rank started generating within 180 s"
-    assert procs["A"].poll() is None, procs["A"].communicate()
-    hosts.kill("B")
-    start = time.monotonic()
-    code, _, err = both({"A": procs["A"]}, timeout=60)["A"]
-    took = time.monotonic() - start
-    lines = [x for x in err.splitlines() if x.startswith("shardlm: error:")]
+    # generating once global rank 0 (on either host) streams its first text (3000 tokens take minutes)
+    code, err, took, lines = _kill_b_once_a_prints(hosts, procs)
     assert code != 0 and took < 10, (took, err[-2000:])
     assert len(lines) >= 1 and all("lost host shardlm-b (192.0.2.2, ranks [2, 3])" in x for x in lines), [
         x for x in err.splitlines() if "rror" in x and "elastic" not in x
@@ -162,15 +167,7 @@ def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tmp_path):
     procs = {
         h: hosts.torchrun(h, 1, [*args, "--timeout", "60", "--steps", "100000", "--json"], port=port) for h in "AB"
     }
-    ready = selectors.DefaultSelector()
-    for p in procs.values():
-        ready.register(p.stdout, selectors.EVENT_READ)
-    assert ready.select(timeout=180), "no step within 180 s"  # global rank 0 printed its first step
-    hosts.kill("B")
-    start = time.monotonic()
-    code, _, err = both({"A": procs["A"]}, timeout=60)["A"]
-    took = time.monotonic() - start
-    lines = [x for x in err.splitlines() if x.startswith("shardlm: error:")]
+    code, err, took, lines = _kill_b_once_a_prints(hosts, procs)  # global rank 0 printed its first step
     assert code != 0 and took < 10, (took, err[-2000:])
     assert len(lines) == 1 and "lost host shardlm-b (192.0.2.2, ranks [1])" in lines[0], err[-2000:]
     assert not hosts.pids("A") and not hosts.pids("B")
