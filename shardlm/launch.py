@@ -78,14 +78,19 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
     kwargs: dict[str, Any] = {}
     if device_type == "cuda":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    except RuntimeError as e:  # torch's DistStoreError: peers that never came
+        if (line := _not_joined(str(e), rank)) is None:
+            raise
+        raise RankFailure(line) from None
     if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
         here = (socket.gethostname(), _address())
         everyone: list = [None] * world
@@ -107,6 +112,35 @@ def _address() -> str:
 
 _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused")
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")  # gloo writes "[10.0.0.2]:43210" before or after
+_KEYS_TIMEOUT = re.compile(r"wait timeout after (\d+)ms, keys: (.*)", re.S)  # gloo's connect: the missing ranks' keys
+_STORE_TIMEOUT = re.compile(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined")
+
+
+def _not_joined(text: str, rank: int) -> str | None:
+    """One line for an ``init_process_group`` that timed out waiting for peers (their host was lost
+    during start-up, or they never started), naming them where torch says which; else None."""
+    if (m := _KEYS_TIMEOUT.search(text)) is not None:
+        seconds, missing = (
+            int(m.group(1)) / 1000,
+            sorted({int(r) for r in re.findall(r"/(\d+)(?=\s*(?:,|\]|$))", m.group(2))}),
+        )
+        who = f"ranks {missing}" if missing else "some ranks"
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if "TORCHELASTIC_RUN_ID" in os.environ else 0
+        if per_node and missing:
+            nodes = sorted({r // per_node for r in missing})
+            who += f" (torchrun node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+    elif (m := _STORE_TIMEOUT.search(text)) is not None:
+        seconds, joined, world = float(m.group(1)), int(m.group(2)), int(m.group(3))
+        who = f"{world - joined} of {world} ranks"
+    else:
+        return None
+    return (
+        f"rank {rank}: {who} did not join the process group within {seconds:g} s (--timeout): their process or "
+        f"host was lost or never started; the run stops (start shardlm on every node, or raise --timeout if "
+        f"start-up is that slow)"
+    )
+
+
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
 
 

@@ -1,9 +1,11 @@
 """The driver's watch over its ranks: a rank that compiles for minutes says so and is not
-taken for a hung one; a silent rank still ends the run."""
+taken for a hung one; a silent rank still ends the run; a peer that never joins ends start-up."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Pipe
 from pathlib import Path
@@ -74,3 +76,35 @@ def test_a_compile_tells_the_driver(monkeypatch):
     while mine.poll(0):
         news.append(mine.recv())
     assert len(news) >= 2 and set(news) == {("busy", "compiling the decode step for one sequence")}
+
+
+# rank 0 of two joins; its peer never does ("none"), or reaches the store but never starts its
+# process group ("half": the case of a host lost during start-up under torchrun)
+_JOIN = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+from shardlm.launch import init_distributed
+from shardlm.errors import RankFailure
+port, peer = int(sys.argv[1]), sys.argv[2]
+def half():
+    time.sleep(0.5)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=10))
+    time.sleep(30)
+if peer == "half":
+    threading.Thread(target=half, daemon=True).start()
+try:
+    init_distributed(0, 2, f"tcp://127.0.0.1:{port}", "cpu", 1)
+except RankFailure as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize(("peer", "named"), [("none", "1 of 2 ranks"), ("half", "ranks [1]")])
+def test_a_peer_that_never_joins_ends_start_up_with_one_line(peer, named):
+    """``init_process_group`` waiting for a peer that never comes ends after --timeout with one
+    line naming who is missing (torch's own error is a DistStoreError about store keys)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _JOIN, str(launch._free_port()), peer], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.startswith(f"rank 0: {named} did not join the process group within "), out
+    assert "(--timeout): their process or host was lost or never started" in out.stdout, out
