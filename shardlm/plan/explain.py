@@ -81,6 +81,8 @@ def rerank(results: list, ctx: dict) -> list:
     best = score(results[0], ctx["objective"])
     span = abs(best) * C.NEAR_TIE_FRACTION
     ties = [r for r in results if abs(score(r, ctx["objective"]) - best) <= span]
+    if getattr(results[0], "serving", None) is not None:  # at a load, a tie is one in latency too
+        ties = [r for r in ties if r.latency_s <= results[0].latency_s * (1 + C.NEAR_TIE_FRACTION)]
     ties.sort(key=lambda r: len(departures(r, ctx)))
     rest = [r for r in results if r not in ties]
     return ties + rest
@@ -123,8 +125,11 @@ def explain(results: list, ctx: dict) -> list[str]:
             if ctx["objective"] == "latency"
             else f"{win.throughput:,.0f} output tokens/s"
         )
+        batch = f"batch {win.batch}"
+        if win.serving is not None:  # at a load: the requests at work, of the slots
+            batch = f"{win.serving.running:,.1f} of {win.batch} slots busy"
         lines.append(
-            f"{win.layout.label()} wins: {lead} at batch {win.batch} per replica, "
+            f"{win.layout.label()} wins: {lead} at {batch} per replica, "
             f"TTFT {win.ttft_s * 1e3:.0f} ms, TPOT {win.tpot_s * 1e3:.1f} ms; a decode step is "
             f"{shares[top] / total * 100:.0f}% {top}."
         )

@@ -6,6 +6,7 @@ taking the planner's step time for the decodes and prompt tokens the scheduler p
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import statistics
@@ -18,6 +19,7 @@ from shardlm.engine.config import EngineConfig
 from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.scheduler import Scheduler, SchedulerConfig
 from shardlm.engine.sequence import Sequence
+from shardlm.plan import cli
 from shardlm.plan import constants as C
 from shardlm.plan.catalog import load_model
 from shardlm.plan.hardware import Cluster, load_gpu
@@ -161,3 +163,58 @@ def test_model_matches_a_simulation_of_the_engine_scheduler(load):
     assert s.tpot_s == pytest.approx(sim["tpot"], rel=0.05)
     assert s.output_tokens_per_s == pytest.approx(sim["tokens_per_s"], rel=0.05)
     assert s.ttft_s == pytest.approx(sim["ttft"], rel=0.25), (s.ttft_s, sim["ttft"])
+
+
+def plan_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    base = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "2"]
+    if "--train" not in argv:
+        base += ["--prompt-len", str(PROMPT), "--output-len", str(OUT)]
+    code = cli.main(base + argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_rate_and_concurrency_in_the_table_and_json(capsys):
+    code, out, err = plan_cli(["--request-rate", "5", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["workload"]["request_rate"] == 5 and data["workload"]["concurrency"] is None
+    for item in data["layouts"]:
+        s = item["serving"]
+        assert s["requests_per_s"] == pytest.approx(5) and s["output_tokens_per_s"] == pytest.approx(5 * OUT)
+        assert item["throughput_tokens_per_s"] == s["output_tokens_per_s"] and item["ttft_s"] == s["ttft_s"]
+        assert 0 < s["ttft_p50_s"] <= s["ttft_p99_s"] and s["tpot_s"] > 0 and not s["saturated"]
+        assert s["capacity_requests_per_s"] > 5
+    code, out, err = plan_cli(["--max-concurrency", "64"], capsys)
+    assert code == 0, err
+    assert "64 requests in flight" in out.splitlines()[0] and "req/s" in out and "p99 TTFT" in out
+    assert "slots busy per replica" in out
+
+
+def test_cli_rate_over_capacity_says_the_queue_grows_without_bound(capsys):
+    code, out, err = plan_cli(["--request-rate", "1000", "--top", "2"], capsys)
+    assert code == 0, err
+    assert "unbounded" in out and "1000 requests/s is over its capacity of" in out
+    assert "the queue grows without bound (no finite TTFT)" in out
+    code, out, err = plan_cli(["--request-rate", "1000", "--json"], capsys)
+    first = json.loads(out)["layouts"][0]
+    assert first["ttft_s"] is None and first["serving"]["ttft_s"] is None and first["serving"]["saturated"]
+    # a TTFT limit no layout can meet at that rate is refused as any unmet limit is
+    code, out, err = plan_cli(["--request-rate", "1000", "--max-ttft-ms", "500"], capsys)
+    assert code == 2 and "meets the limits" in err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--train", "--request-rate", "5"], "--request-rate is an inference flag"),
+        (["--train", "--max-concurrency", "5"], "--max-concurrency is an inference flag"),
+        (["--request-rate", "5", "--max-concurrency", "8"], "two loads: give one"),
+        (["--request-rate", "0"], "--request-rate 0: must be a positive number"),
+        (["--request-rate", "inf"], "must be a positive number"),
+        (["--max-concurrency", "0"], "--max-concurrency 0: must be a positive integer"),
+    ],
+)
+def test_cli_refuses_a_load_it_cannot_honour(argv, needle, capsys):
+    code, _, err = plan_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
