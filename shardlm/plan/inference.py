@@ -324,6 +324,8 @@ def engine_step(
     to half a prompt on average). Alone, each is ``evaluate``'s decode step or prefill chunk;
     together their tokens go through every weight matmul and collective in one pass, as the engine
     runs them, and the decodes add their attention over the cache."""
+    if decodes <= 0 and prompt_tokens <= 0:
+        return 0.0  # nothing to run: no step
     dec_ctx = (wl.prompt_len + wl.output_len / 2) / lay.cp
     dec = functools.partial(pipeline_time, costs, cluster, lay, wl, ctx=dec_ctx, decode=True, bytes_=bytes_)
     if prompt_tokens <= 0:

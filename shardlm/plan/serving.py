@@ -212,7 +212,7 @@ def open_loop(rep: Replica, rate: float, replicas: int) -> Served:
             lo, hi = (mid, hi) if lam * rep.at(mid)[2] > mid else (lo, mid)
     n = hi
     ttft, tpot, _, mean_t, mean_t2 = rep.at(n)
-    residual = (1 - math.exp(-n)) * mean_t2 / (2 * mean_t)  # the step in progress, when one is
+    residual = (1 - math.exp(-n)) * mean_t2 / (2 * mean_t) if mean_t > 0 else 0.0  # the step in progress
     rho = lam / mu
     p_wait = rho ** (math.sqrt(2 * (n_max + 1)) - 1)
     drain = 2 * (mu - lam)  # the wait's exponential tail rate (M/M/c's, halved: deterministic service)

@@ -108,6 +108,15 @@ def test_one_request_at_a_time_is_a_lone_prompt_and_a_lone_decode_step():
     assert served(request_rate=0.01).ttft_s == pytest.approx(lone.ttft_s, rel=0.01)
 
 
+def test_a_one_token_answer_has_no_tpot_and_its_throughput_is_its_requests():
+    costs, cluster = llama8b()
+    for load in ({"concurrency": 4}, {"request_rate": 2.0}):
+        for out in (0, 1):
+            wl = InferenceWorkload(prompt_len=PROMPT, output_len=out, **load)
+            s = evaluate(costs, cluster, Layout(), wl).serving
+            assert s.tpot_s == 0 and s.ttft_s > 0 and s.output_tokens_per_s == pytest.approx(s.requests_per_s * out)
+
+
 def test_ttft_grows_with_the_rate_and_the_queue_diverges_at_capacity():
     capacity = served(request_rate=1).serving.capacity_requests_per_s
     rates = [capacity * f for f in (0.1, 0.3, 0.5, 0.7, 0.9, 0.99)]
