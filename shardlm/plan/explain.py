@@ -67,9 +67,9 @@ def placement_notes(results: list, cluster) -> list[str]:
 
 
 def score(res, objective: str) -> float:
-    if objective == "latency":
-        return -(getattr(res, "latency_s", None) or res.step_s)
-    return getattr(res, "throughput", None) or res.tokens_per_s
+    if objective == "latency":  # (hasattr, not `or`: a 0 output tokens/s is a score too)
+        return -(res.latency_s if hasattr(res, "latency_s") else res.step_s)
+    return res.throughput if hasattr(res, "throughput") else res.tokens_per_s
 
 
 def rerank(results: list, ctx: dict) -> list:

@@ -213,6 +213,13 @@ def test_cli_rate_over_capacity_says_the_queue_grows_without_bound(capsys):
     assert code == 2 and "meets the limits" in err
 
 
+def test_cli_prompt_only_requests_plan(capsys):
+    """--output-len 0 (prefill only): 0 output tokens/s is a score, not a missing one."""
+    code, out, err = plan_cli(["--output-len", "0", "--max-concurrency", "8", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["layouts"][0]["throughput_tokens_per_s"] == 0
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
