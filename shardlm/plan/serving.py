@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 StepTime = Callable[[float, float], float]
 """Seconds of one engine step of (decoding sequences, prompt tokens)."""
@@ -83,18 +84,22 @@ class Replica:
     """K: tokens per step (max_num_batched_tokens)."""
     slots: int
     """Sequences the replica runs at once (its batch: what fits in KV memory)."""
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """``at``'s answers by the others seen (the open loop's bisection asks for points again)."""
 
     @property
     def chunk(self) -> int:
+        """c: prompt tokens a step takes of one prompt (as ``evaluate``'s lone prefill counts them)."""
         return min(self.prompt_len, self.budget)
 
     @property
     def prefill_steps(self) -> int:
+        """P: steps a prompt's chunks take; the last one samples the first token."""
         return math.ceil(self.prompt_len / self.chunk)
 
     @property
     def decode_steps(self) -> int:
+        """D: steps of the tokens after the first."""
         return max(self.output_len - 1, 0)
 
     @property
@@ -140,11 +145,7 @@ class Replica:
         """TTFT (no waits) at the p-quantile of the chunks M beside the tagged prompt."""
         steps, d = self.prefill_steps, self.decode_steps
         m = others * steps / (steps + d)
-        k = poisson_quantile(m, p)
-        c = self.chunk
-        r = others - m
-        b = self.step(r, c)
-        return steps * (b + k * (self.step(r, 2.0 * c) - b))
+        return steps * self._prefill_step(others - m, poisson_quantile(m, p))
 
     def capacity(self) -> float:
         """mu: requests per second with n_max at work."""
@@ -153,7 +154,10 @@ class Replica:
 
 
 def poisson_quantile(m: float, p: float) -> int:
-    """Smallest k with P(M <= k) >= p, M ~ Poisson(m)."""
+    """Smallest k with P(M <= k) >= p, M ~ Poisson(m) (past m = 100, the normal approximation:
+    exp(-m) would underflow for large m)."""
+    if m > 100:
+        return max(0, math.ceil(m + NormalDist().inv_cdf(p) * math.sqrt(m) - 0.5))
     k, term = 0, math.exp(-m)
     cdf = term
     while cdf < p and k < 10_000:

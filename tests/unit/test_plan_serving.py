@@ -26,6 +26,7 @@ from shardlm.plan.hardware import Cluster, load_gpu
 from shardlm.plan.inference import InferenceWorkload, engine_step, evaluate
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.serving import poisson_quantile
 
 PROMPT, OUT = 1024, 128  # prompt and output tokens of the workload the tests serve
 
@@ -115,6 +116,16 @@ def test_a_one_token_answer_has_no_tpot_and_its_throughput_is_its_requests():
             wl = InferenceWorkload(prompt_len=PROMPT, output_len=out, **load)
             s = evaluate(costs, cluster, Layout(), wl).serving
             assert s.tpot_s == 0 and s.ttft_s > 0 and s.output_tokens_per_s == pytest.approx(s.requests_per_s * out)
+
+
+def test_poisson_quantile_exact_then_normal():
+    for m in (0.0, 0.3, 2.5, 40.0):
+        cdf = lambda k: sum(math.exp(-m) * m**i / math.factorial(i) for i in range(k + 1))
+        for p in (0.5, 0.99):
+            k = poisson_quantile(m, p)
+            assert cdf(k) >= p and (k == 0 or cdf(k - 1) < p)
+    assert abs(poisson_quantile(99.99, 0.99) - poisson_quantile(100.01, 0.99)) <= 1  # no jump where it switches
+    assert poisson_quantile(5000.0, 0.99) == pytest.approx(5000 + 2.326 * 5000**0.5, abs=2)
 
 
 def test_ttft_grows_with_the_rate_and_the_queue_diverges_at_capacity():
