@@ -7,7 +7,8 @@ Map (one idea per file):
   activations.py  training activations (Korthikanti et al. 2022); zero.py ZeRO model states
   memory.py       the per-GPU memory breakdown
   roofline.py     per-layer FLOPs and bytes; comm.py alpha-beta collectives
-  inference.py    TTFT / TPOT / throughput; training.py step time, MFU
+  inference.py    TTFT / TPOT / throughput; serving.py the same at a concurrency or arrival rate
+  training.py     step time, MFU
   schedule.py     GPipe / 1F1B / interleaved / ZB-H1 timelines
   search.py       every valid layout, scored; explain.py rules and the why; planner.py plan()
   report.py, plot.py, cli.py   table / JSON, pictures, ``shardlm plan``

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -35,7 +36,16 @@ TRAIN_ONLY = (
     "cp_attention",
     "offload",
 )
-INFER_ONLY = ("prompt_len", "output_len", "max_ttft_ms", "max_tpot_ms", "batch", "kv_dtype")
+INFER_ONLY = (
+    "prompt_len",
+    "output_len",
+    "max_ttft_ms",
+    "max_tpot_ms",
+    "batch",
+    "kv_dtype",
+    "max_concurrency",
+    "request_rate",
+)
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
 ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -112,6 +122,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=kv_dtype_arg,
         metavar="{" + ",".join(KV_DTYPES) + "}",
         help="KV-cache dtype (default: --dtype); int8 counts its scale per token and head as shardlm stores it",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        metavar="C",
+        help="serve C requests in flight over all replicas (closed loop, as vllm bench serve --max-concurrency): "
+        "TTFT with queueing, TPOT with prefill chunks beside the decodes, throughput",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="R",
+        help="serve Poisson arrivals of R requests/s over all replicas (open loop, as vllm bench serve "
+        "--request-rate); a rate over a layout's capacity is reported as such, with no finite TTFT",
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
@@ -218,10 +242,21 @@ def build_request(args):
         "ep",
         "etp",
         "vpp",
+        "max_concurrency",
     ):
         v = getattr(args, name, None)
         if v is not None and v < (0 if name == "output_len" else 1):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
+    if args.max_concurrency is not None and args.request_rate is not None:
+        raise PlanError(
+            f"--max-concurrency {args.max_concurrency} and --request-rate {args.request_rate:g} are two loads: give "
+            f"one (a closed loop of C clients, or Poisson arrivals at R requests/s)"
+        )
+    if args.request_rate is not None and not (args.request_rate > 0 and math.isfinite(args.request_rate)):
+        raise PlanError(
+            f"--request-rate {args.request_rate:g}: must be a positive number of requests/s (for as many as the "
+            f"layout takes, leave it out: the plan is then at full batch)"
+        )
     fixed = {
         k: getattr(args, k)
         for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
@@ -283,6 +318,8 @@ def build_request(args):
         max_ttft_s=ms(args.max_ttft_ms),
         max_tpot_s=ms(args.max_tpot_ms),
         fused_attention=args.attention == "fused",
+        concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
     )
     return PlanRequest(train=False, inference=wl, **common)
 

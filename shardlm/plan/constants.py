@@ -71,8 +71,9 @@ DP_OVERLAP_FRACTION = 0.8
 all-reduce overlapped with backward, Li et al. 2020 §3.2.3; the last bucket cannot hide)."""
 
 PREFILL_CHUNK_TOKENS = 8192
-"""Tokens one prefill step processes at most (chunked prefill; vLLM's
-``max_num_batched_tokens`` default with chunked prefill on)."""
+"""Tokens one step processes at most (chunked prefill): shardlm's ``max_num_batched_tokens``
+default (``engine/config.py``; decodes take one each, prompts the rest), and vLLM's with chunked
+prefill on."""
 
 NEAR_TIE_FRACTION = 0.03
 """Layouts whose score is within 3% of the best are treated as ties; among ties the planner

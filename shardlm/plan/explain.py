@@ -67,9 +67,9 @@ def placement_notes(results: list, cluster) -> list[str]:
 
 
 def score(res, objective: str) -> float:
-    if objective == "latency":
-        return -(getattr(res, "latency_s", None) or res.step_s)
-    return getattr(res, "throughput", None) or res.tokens_per_s
+    if objective == "latency":  # (hasattr, not `or`: a 0 output tokens/s is a score too)
+        return -(res.latency_s if hasattr(res, "latency_s") else res.step_s)
+    return res.throughput if hasattr(res, "throughput") else res.tokens_per_s
 
 
 def rerank(results: list, ctx: dict) -> list:
@@ -81,6 +81,8 @@ def rerank(results: list, ctx: dict) -> list:
     best = score(results[0], ctx["objective"])
     span = abs(best) * C.NEAR_TIE_FRACTION
     ties = [r for r in results if abs(score(r, ctx["objective"]) - best) <= span]
+    if getattr(results[0], "serving", None) is not None:  # at a load, a tie is one in latency too
+        ties = [r for r in ties if r.latency_s <= results[0].latency_s * (1 + C.NEAR_TIE_FRACTION)]
     ties.sort(key=lambda r: len(departures(r, ctx)))
     rest = [r for r in results if r not in ties]
     return ties + rest
@@ -123,8 +125,11 @@ def explain(results: list, ctx: dict) -> list[str]:
             if ctx["objective"] == "latency"
             else f"{win.throughput:,.0f} output tokens/s"
         )
+        batch = f"batch {win.batch}"
+        if win.serving is not None:  # at a load: the requests at work, of the slots
+            batch = f"{win.serving.running:,.1f} of {win.batch} slots busy"
         lines.append(
-            f"{win.layout.label()} wins: {lead} at batch {win.batch} per replica, "
+            f"{win.layout.label()} wins: {lead} at {batch} per replica, "
             f"TTFT {win.ttft_s * 1e3:.0f} ms, TPOT {win.tpot_s * 1e3:.1f} ms; a decode step is "
             f"{shares[top] / total * 100:.0f}% {top}."
         )

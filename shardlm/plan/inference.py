@@ -31,6 +31,7 @@ from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
 from shardlm.plan.roofline import ModelCosts, Step, Work, kv_element_bytes, layer_work
+from shardlm.plan.serving import Replica, Served, closed_loop, open_loop
 
 LOGIT_BYTES = 4
 """Logits are gathered in fp32 for sampling."""
@@ -56,6 +57,15 @@ class InferenceWorkload:
     """Engine keeps pp micro-batches in flight (True for vLLM-style engines)."""
     fused_attention: bool = True
     """Flash/paged attention; False holds a prefill chunk's float32 scores against the prompt."""
+    concurrency: int | None = None
+    """Serving load, closed loop: requests in flight over all replicas (``--max-concurrency``)."""
+    request_rate: float | None = None
+    """Serving load, open loop: Poisson arrivals, requests per second over all replicas (``--request-rate``)."""
+
+    @property
+    def loaded(self) -> bool:
+        """A serving load is given: TTFT, TPOT and throughput come from ``serving.py``."""
+        return self.concurrency is not None or self.request_rate is not None
 
 
 @dataclass(kw_only=True)
@@ -106,6 +116,9 @@ class InferenceResult:
     """How far batch 1 is over the device memory (when it does not fit)."""
     meets_limits: bool = True
     """Within the request's TTFT/TPOT limits."""
+    serving: Served | None = None
+    """At the workload's load (queueing, prefills sharing steps with decodes); then TTFT, TPOT
+    and throughput above are these."""
 
 
 def stage_step(
@@ -295,7 +308,59 @@ def evaluate(
         throughput=lay.dp * b * wl.output_len / cycle,
         decode_parts=parts,
     )
-    res.meets_limits = (wl.max_ttft_s is None or ttft <= wl.max_ttft_s) and (
-        wl.max_tpot_s is None or tpot <= wl.max_tpot_s
+    if wl.loaded:
+        serve_at_load(res, costs, cluster, wl, bytes_)
+    res.meets_limits = (wl.max_ttft_s is None or res.ttft_s <= wl.max_ttft_s) and (
+        wl.max_tpot_s is None or res.tpot_s <= wl.max_tpot_s
     )
     return res
+
+
+def engine_step(
+    costs, cluster, lay: Layout, wl: InferenceWorkload, bytes_, decodes: float, prompt_tokens: float
+) -> float:
+    """One step of the engine's continuous batching: ``decodes`` sequences decoding a token each
+    (context prompt_len + output_len / 2) and ``prompt_tokens`` prompt tokens (their chunks attend
+    to half a prompt on average). Alone, each is ``evaluate``'s decode step or prefill chunk;
+    together their tokens go through every weight matmul and collective in one pass, as the engine
+    runs them, and the decodes add their attention over the cache."""
+    if decodes <= 0 and prompt_tokens <= 0:
+        return 0.0  # nothing to run: no step
+    dec_ctx = (wl.prompt_len + wl.output_len / 2) / lay.cp
+    dec = functools.partial(pipeline_time, costs, cluster, lay, wl, ctx=dec_ctx, decode=True, bytes_=bytes_)
+    if prompt_tokens <= 0:
+        return dec(tokens=decodes, seqs=decodes)[0]
+    tokens = prompt_tokens + decodes
+    total, _ = pipeline_time(
+        costs,
+        cluster,
+        lay,
+        wl,
+        tokens=tokens / lay.cp,
+        ctx=wl.prompt_len / 2 * prompt_tokens / tokens,  # the prompt rows' keys, spread over all rows
+        decode=False,
+        seqs=max(1.0, prompt_tokens / wl.prompt_len) + decodes,
+        bytes_=bytes_,
+    )
+    return total + (dec(tokens=decodes, seqs=decodes)[1].attention if decodes > 0 else 0.0)
+
+
+def serve_at_load(res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_) -> None:
+    """TTFT, TPOT and throughput at the workload's concurrency or arrival rate (``serving.py``),
+    with ``res.batch`` sequences a replica and the engine's chunked-prefill budget."""
+    lay = res.layout
+    rep = Replica(
+        step=functools.partial(engine_step, costs, cluster, lay, wl, bytes_),
+        prompt_len=wl.prompt_len,
+        output_len=wl.output_len,
+        budget=C.PREFILL_CHUNK_TOKENS,
+        slots=res.batch,
+    )
+    if wl.request_rate is not None:
+        s = open_loop(rep, wl.request_rate, lay.dp)
+    else:
+        assert wl.concurrency is not None  # wl.loaded
+        s = closed_loop(rep, wl.concurrency, lay.dp)
+    res.serving = s
+    res.ttft_s, res.tpot_s, res.throughput = s.ttft_s, s.tpot_s, s.output_tokens_per_s
+    res.latency_s = s.ttft_s + wl.output_len * s.tpot_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from shardlm.plan import constants as C
 from shardlm.plan.explain import groups_across_nodes, placement_notes
 from shardlm.plan.hardware import GIB
 from shardlm.plan.memory import FIELDS
@@ -25,6 +26,8 @@ def _gb(x: float) -> str:
 
 
 def _ms(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "unbounded"  # an arrival rate over the layout's capacity: the queue grows for ever
     ms = seconds * 1e3
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
 
@@ -32,7 +35,9 @@ def _ms(seconds: float) -> str:
 def rows(plan) -> tuple[list[str], list[list[str]]]:
     train = plan.request.train
     head = ["#", "layout"]
+    loaded = not train and plan.request.inference.loaded
     head += ["tokens/s", "MFU", "step s", "bubble"] if train else ["tok/s", "batch", "TTFT ms", "TPOT ms"]
+    head += ["req/s", "p99 TTFT"] if loaded else []
     mem_fields = [f for f in FIELDS if any(getattr(r.memory, f) for r in plan.ranked[: plan.request.top])]
     head += [SHORT[f] for f in mem_fields] + ["GiB/GPU"]
     out = []
@@ -47,6 +52,8 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
             ]
         else:
             row += [f"{r.throughput:,.0f}", str(r.batch), _ms(r.ttft_s), _ms(r.tpot_s)]
+            if loaded:
+                row += [f"{r.serving.requests_per_s:,.2f}", _ms(r.serving.ttft_p99_s)]
         row += [_gb(getattr(r.memory, f)) for f in mem_fields] + [_gb(r.memory.total)]
         out.append(row)
     return head, out
@@ -58,12 +65,39 @@ def title(plan) -> str:
         f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens"
         if req.train
         else f"inference, prompt {req.inference.prompt_len} + output {req.inference.output_len} tokens, "
-        f"{req.inference.dtype}"
+        f"{req.inference.dtype}{load(req.inference)}"
     )
     return (
         f"{plan.model_name} on {c.num_gpus} x {c.gpu.name} ({c.num_nodes} node{'s' * (c.num_nodes > 1)} of "
         f"{c.gpus_per_node}); {what}; objective {req.objective}"
     )
+
+
+def load(wl) -> str:
+    """The serving load, as the title names it."""
+    if wl.request_rate is not None:
+        return f", Poisson arrivals at {wl.request_rate:g} requests/s"
+    if wl.concurrency is not None:
+        return f", {wl.concurrency} requests in flight"
+    return ""
+
+
+def serving_notes(plan) -> list[str]:
+    """How the serving numbers were reached, and one line per shown layout a rate overloads."""
+    if plan.request.train or not plan.request.inference.loaded:
+        return []
+    lines = [
+        "TTFT/TPOT/throughput at that load (continuous batching, prompts in chunks of the "
+        f"{C.PREFILL_CHUNK_TOKENS}-token step budget beside the decodes, queueing; batch = slots a replica)."
+    ]
+    for i, r in enumerate(plan.ranked[: plan.request.top], 1):
+        s = r.serving
+        if s.saturated:
+            lines.append(
+                f"#{i} {r.layout.label()}: {plan.request.inference.request_rate:g} requests/s is over its capacity of "
+                f"{s.capacity_requests_per_s:,.2f}: the queue grows without bound (no finite TTFT)."
+            )
+    return lines
 
 
 def text(plan) -> str:
@@ -81,7 +115,12 @@ def text(plan) -> str:
         f"{len(plan.search.results):,} fit",
         "",
     ]
-    lines += runnable_notes(plan) + placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
+    lines += (
+        serving_notes(plan)
+        + runnable_notes(plan)
+        + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
+        + plan.explanation
+    )
     return "\n".join(lines)
 
 
@@ -115,7 +154,10 @@ def print_table(plan, console=None) -> None:
         f"{len(plan.search.results):,} fit"
     )
     for line in (
-        runnable_notes(plan) + placement_notes(plan.ranked[: plan.request.top], plan.cluster) + plan.explanation
+        serving_notes(plan)
+        + runnable_notes(plan)
+        + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
+        + plan.explanation
     ):
         console.print(line)
 
@@ -185,6 +227,8 @@ def _item(plan, r) -> dict:
             tpot_s=_num(r.tpot_s),
             latency_s=_num(r.latency_s),
         )
+        if r.serving is not None:  # at the workload's load (serving.py); null TTFTs: the queue grows for ever
+            d["serving"] = {k: _num(v) for k, v in vars(r.serving).items()}
     return d
 
 

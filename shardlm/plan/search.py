@@ -7,8 +7,9 @@ training each shape is tried with every micro-batch size that divides the replic
 every pipeline schedule, SP on and off, ZeRO 0-3, and the least recomputation that fits.
 
 Objectives: ``throughput`` (output tokens/s for inference, tokens/s for training), ``latency``
-(TTFT + output_len x TPOT at batch 1); with ``max_ttft_s`` / ``max_tpot_s`` the throughput
-objective keeps only layouts and batch sizes within the limits.
+(TTFT + output_len x TPOT at batch 1, or at the workload's concurrency or rate: ``serving.py``);
+with ``max_ttft_s`` / ``max_tpot_s`` the throughput objective keeps only layouts and batch sizes
+within the limits.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def search_inference(
     n = 0
     for lay in shapes(costs.cfg, cluster, fixed):
         if objective == "latency":
-            res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or 1)
+            # at a load the replica runs as many as fit, as a server does; alone, one request
+            res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or (None if wl.loaded else 1))
             n += 1
         else:
             res = inference.evaluate(costs, cluster, lay, wl)
@@ -101,7 +103,8 @@ def search_inference(
                         hi = mid - 1
                 res = best or inference.evaluate(costs, cluster, lay, wl, batch=1)
         (ok if res.fits and res.meets_limits else bad).append(res)
-    ok.sort(key=lambda r: -_score(r, objective))
+    # at a rate every layout that keeps up serves the same tokens/s: the lower latency goes first
+    ok.sort(key=lambda r: (-_score(r, objective), r.latency_s))
     bad.sort(key=lambda r: (not r.fits, r.shortfall_bytes))
     return SearchResult(results=ok, rejected=bad, evaluated=n, seconds=time.perf_counter() - t0)
 

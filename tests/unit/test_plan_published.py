@@ -1,9 +1,10 @@
 """The planner against published measurements, each row with its source (collected 2026-11-26 from
 the sources' own text; the issue's held-out exam is not here). The layouts are pinned as published
-and the planner predicts the throughput the source reports. ``python tests/unit/test_plan_published.py``
-prints the table of docs/plan.md; the test holds each source's mean and max error to what the
-planner reaches today, so a change that makes it worse fails (the targets, in docs/plan.md, are
-tighter than some of these bounds: where one is missed the table says so)."""
+and the planner predicts the throughput (serving at a concurrency: also TTFT and TPOT) the source
+reports. ``python tests/unit/test_plan_published.py`` prints the table of docs/plan.md; the test
+holds each source's mean and max error to what the planner reaches today, so a change that makes it
+worse fails (the targets, in docs/plan.md, are tighter than some of these bounds: where one is
+missed the table says so)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ PTDP = "Narayanan et al. 2021, Table 2, PTD-P"
 KORTHIKANTI = "Megatron-LM README (Korthikanti et al. 2022 layouts)"
 LLAMA3 = "Dubey et al. 2024, arXiv 2407.21783, Table 4"
 TRTLLM = "TensorRT-LLM perf-overview.md (H100 SXM, FP8)"
+NIM = "NVIDIA NIM 1.8.0 benchmarks, Llama 3.3 70B, 2 x H100, FP8 TP2, 5000/500"
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,13 @@ class Row:
     gpu: str
     gpus: int
     published: float
-    unit: str  # "TFLOP/s/GPU" (Megatron's count, recomputation included), "MFU", "tok/s"
+    unit: str  # "TFLOP/s/GPU" (Megatron's count, recomputation included), "MFU", "tok/s", "TTFT ms", "TPOT ms"
     pins: dict = field(default_factory=dict)
     global_batch: int = 0
     seq_len: int = 2048
     dtype: str = "bf16"
     io: tuple[int, int] = (0, 0)  # serving: input and output tokens
+    concurrency: int | None = None  # serving: requests in flight (closed loop), as the source ran it
     fused_attention: bool = True  # Megatron-LM 2021 materialised the scores (no flash attention yet)
 
 
@@ -132,6 +135,36 @@ ROWS = [
         )
         for (i, o), tps in zip(((128, 128), (1000, 1000), (2048, 2048), (5000, 500)), results)
     ),
+    # serving at a concurrency (AIPerf's closed loop, fixed lengths): TTFT, ITL (= TPOT), output tokens/s,
+    # https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance, "Llama-3.3-70b-instruct Results",
+    # "Version: 1.8.0", "2 x H100 80G", "fp8 TP2", "5000 Input Tokens / 500 Output Tokens"; NIM's own
+    # engine settings (its token budget, batch limit) are not given: the planner uses shardlm's
+    *(
+        Row(
+            f"{NIM}, {what}",
+            f"C={c}",
+            "llama-3-70b",
+            "h100-sxm",
+            2,
+            value,
+            unit,
+            dict(tp=2, pp=1, dp=1),
+            dtype="fp8",
+            io=(5000, 500),
+            concurrency=c,
+        )
+        for c, ttft, itl, tps in (
+            (1, 406.77, 18.58, 51.67),
+            (5, 546.7, 21.83, 218.48),
+            (25, 688.69, 38.75, 623.4),
+            (50, 834.51, 59.73, 814.37),
+            (100, 7996.25, 92.91, 917.26),
+            (150, 34794.22, 92.86, 920.9),
+            (200, 61680.22, 93.06, 920.54),
+            (250, 88605.32, 93.2, 920.12),
+        )
+        for what, value, unit in (("TTFT", ttft, "TTFT ms"), ("TPOT", itl, "TPOT ms"), ("tok/s", tps, "tok/s"))
+    ),
 ]
 
 # each source's mean and max relative error today (rounded up); a change that raises one fails
@@ -142,6 +175,9 @@ BOUNDS = {
     KORTHIKANTI: (0.07, 0.12),
     LLAMA3: (0.05, 0.07),
     TRTLLM: (0.18, 0.35),
+    f"{NIM}, TTFT": (0.36, 0.60),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
+    f"{NIM}, TPOT": (0.15, 0.22),
+    f"{NIM}, tok/s": (0.22, 0.29),
 }
 
 
@@ -177,9 +213,10 @@ def predict(row: Row) -> float:
 
 def _predict(row: Row) -> float:
     common = dict(model=_config(row.model), gpu=row.gpu, gpus=row.gpus, objective="throughput", top=1)
-    if row.unit == "tok/s":
-        wl = InferenceWorkload(prompt_len=row.io[0], output_len=row.io[1], dtype=row.dtype)
-        return plan(PlanRequest(train=False, inference=wl, fixed=row.pins, **common)).best.throughput
+    if row.io != (0, 0):
+        wl = InferenceWorkload(prompt_len=row.io[0], output_len=row.io[1], dtype=row.dtype, concurrency=row.concurrency)
+        best = plan(PlanRequest(train=False, inference=wl, fixed=row.pins, **common)).best
+        return {"tok/s": best.throughput, "TTFT ms": best.ttft_s * 1e3, "TPOT ms": best.tpot_s * 1e3}[row.unit]
     wl = TrainWorkload(
         global_batch=row.global_batch, seq_len=row.seq_len, dtype=row.dtype, fused_attention=row.fused_attention
     )
@@ -223,7 +260,11 @@ def print_table() -> None:
     print("| source | row | published | predicted | error |\n|---|---|---|---|---|")
     for row in ROWS:
         p = predict(row)
-        fmt = (lambda x: f"{x * 100:.1f}%") if row.unit == "MFU" else (lambda x: f"{x:,.0f}")
+        fmt = (
+            (lambda x: f"{x * 100:.1f}%")
+            if row.unit == "MFU"
+            else (lambda x: f"{x:,.1f}" if x < 100 and row.unit.endswith("ms") else f"{x:,.0f}")
+        )
         print(
             f"| {row.source} | {row.what} | {fmt(row.published)} {row.unit} | {fmt(p)} | {p / row.published - 1:+.0%} |"
         )
