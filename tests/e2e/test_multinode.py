@@ -1,6 +1,9 @@
 """Two hosts on one machine (tests/harness/hosts.py: network, UTS and mount namespaces joined by a
 veth pair) running shardlm under torchrun, one node each: the same tokens and losses as one host,
-shared memory only inside a host, and a lost host ending the other's run with one line."""
+shared memory only inside a host, and a lost host ending the other's run with one line.
+
+The model is a tiny random Llama (HF's greedy tokens recorded with it): a test runs 4-6 ranks on
+two cores, and with SmolLM2 each rank's load took most of the time, for nothing the hosts test."""
 
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ import time
 import pytest
 
 from harness.hosts import ADDRESSES, TwoHosts, both
+from harness.reference import PROMPTS, Reference, build_tiny, word_tokenizer
 from shardlm import LLM, SamplingParams
 
 why_not = TwoHosts.available()
-pytestmark = [pytest.mark.skipif(why_not is not None, reason=why_not or ""), pytest.mark.slow]
-PROMPT = "The capital of France is"
+pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
+TEXTS = [" ".join(f"w{i}" for i in p) for p in PROMPTS]  # the word tokenizer's text of each prompt
 _ports = itertools.count(29600)
 
 
@@ -30,42 +34,70 @@ def hosts(tmp_path_factory):
     rig.close()
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Reference:
+    """6 layers (pp 2), 6 query and KV heads (tp 2 and 3 split them), positions for long runs, and a
+    word tokenizer (token i is the word ``w{i}``)."""
+    ref = build_tiny("llama", tmp_path_factory.mktemp("tiny"), num_key_value_heads=6, max_position_embeddings=8192)
+    word_tokenizer(ref.path, 251)
+    return ref
+
+
+def one_process_losses(model: str, text: str, steps: int) -> list[float]:
+    """The CLI's batches and defaults (lr 1e-4, clipping at 1, float32 on CPU) in this process."""
+    from shardlm.models.loader import open_checkpoint
+    from shardlm.train.data import Batches
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    batches = Batches(open_checkpoint(model).tokenizer().encode(text), seq_len=16, batch_size=2, seed=0)
+    one = Trainer(TrainConfig(model=model, threads=1))
+    return [one.step(batches(i))["loss"] for i in range(steps)]
+
+
+def words(n: int, seed: int) -> str:
+    """A training text of ``n`` of the tiny model's words."""
+    return " ".join(f"w{(i * 37 + seed) % 250 + 1}" for i in range(n))
+
+
 def on_both(hosts: TwoHosts, nproc: int, args: list[str], timeout: float = 240) -> dict:
     port = next(_ports)
     return both({h: hosts.torchrun(h, nproc, args, port=port) for h in ("A", "B")}, timeout)
 
 
-def test_generate_tp2_pp2_across_hosts_gives_one_hosts_tokens(hosts):
-    """tp inside a host, pp across (the mesh's order: tp is the innermost axis): the greedy tokens
-    of one process; each host's tp group uses shared memory (the pp stages talk point to point)."""
-    with LLM("smollm2", threads=1) as llm:
-        want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].token_ids
-    args = ["generate", "--tp", "2", "--pp", "2", "--no-chat", "--json", "--max-new-tokens", "8", "--threads", "1"]
-    out = on_both(hosts, 2, [*args, "--log-level", "debug", PROMPT])
+def test_generate_tp2_pp2_across_hosts_gives_hfs_tokens(hosts, tiny):
+    """tp inside a host, pp across (the mesh's order: tp is the innermost axis): HF's greedy tokens;
+    each host's tp group uses shared memory (the pp stages talk point to point)."""
+    args = ["generate", "--model", str(tiny.path), "--tp", "2", "--pp", "2", "--no-chat", "--json", "--threads", "1"]
+    out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
     assert all(code == 0 for code, _, _ in out.values()), out
     printed = [json.loads(line) for _, stdout, _ in out.values() for line in stdout.splitlines()]
-    assert printed[0]["token_ids"] == want and "timing" in printed[1]  # only global rank 0 prints
+    assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens and "timing" in printed[-1]  # global rank 0 prints
     logs = "".join(err for _, _, err in out.values())
     groups = re.findall(r"collectives of ranks \[(\d+), (\d+)\]: (shared memory|gloo)", logs)
     assert set(groups) == {("0", "1", "shared memory"), ("2", "3", "shared memory")}  # tp, one host each
 
 
-def test_train_dp2_tp3_zero3_across_hosts_takes_one_hosts_steps(hosts, tmp_path):
-    """A replica per host (dp across, tp=3 inside: SmolLM2's 3 KV heads): one process's losses; ZeRO-3's
-    dp groups (across the hosts) stay on gloo while the tp groups use shared memory, in one run."""
-    from shardlm.models.loader import open_checkpoint
-    from shardlm.train.data import Batches
-    from shardlm.train.trainer import TrainConfig, Trainer
+def test_generate_dp2_with_a_replica_per_host_gives_hfs_tokens(hosts, tiny):
+    """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, each taking
+    its share of the prompts, and HF's greedy tokens for every prompt."""
+    args = ["generate", "--model", str(tiny.path), "--dp", "2", "--tp", "2", "--no-chat", "--json", "--threads", "1"]
+    out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
+    assert all(code == 0 for code, _, _ in out.values()), out
+    printed = [json.loads(line) for _, stdout, _ in out.values() for line in stdout.splitlines()]
+    assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens and "timing" in printed[-1]
+    logs = "".join(err for _, _, err in out.values())
+    groups = re.findall(r"collectives of ranks \[(\d+), (\d+)\]: (shared memory|gloo)", logs)
+    assert set(groups) == {("0", "1", "shared memory"), ("2", "3", "shared memory")}  # a replica's tp, one host
 
+
+def test_train_dp2_tp3_zero3_across_hosts_takes_one_hosts_steps(hosts, tiny, tmp_path):
+    """A replica per host (dp across, tp=3 inside): one process's losses; ZeRO-3's dp groups (across
+    the hosts) stay on gloo while the tp groups use shared memory, in one run."""
     data = tmp_path / "data.txt"
-    data.write_text("Pipeline stages pass activations forward and gradients back. " * 40)
-    args = ["train", "--data", str(data), "--dp", "2", "--tp", "3", "--zero", "3", "--steps", "2"]
-    args = [*args, "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--json"]
-    # one process, the CLI's batches and defaults (lr 1e-4, clipping at 1, float32 on CPU)
-    ids = open_checkpoint("smollm2").tokenizer().encode(data.read_text())
-    batches = Batches(ids, seq_len=16, batch_size=2, seed=0)
-    one = Trainer(TrainConfig(model="smollm2", threads=1))
-    want = [one.step(batches(i))["loss"] for i in range(2)]
+    data.write_text(words(400, seed=1))
+    args = ["train", "--model", str(tiny.path), "--data", str(data), "--dp", "2", "--tp", "3", "--zero", "3"]
+    args += ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--json"]
+    want = one_process_losses(str(tiny.path), data.read_text(), 2)
     out = on_both(hosts, 3, [*args, "--log-level", "debug"])
     assert all(code == 0 for code, _, _ in out.values()), out
     losses = [json.loads(x)["loss"] for _, stdout, _ in out.values() for x in stdout.splitlines()]
@@ -106,22 +138,15 @@ def test_moe_generate_with_ep_across_hosts_gives_hfs_tokens(hosts, tmp_path, tmp
     assert len(printed) == 1 and json.loads(printed[0]) == ref.tokens
 
 
-def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tmp_path):
+def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tiny, tmp_path):
     """A pipeline stage per host (pp across, tp=3 inside) under ZB-H1: the hidden states and their
     gradients cross the hosts point to point, and the losses are one process's."""
-    from shardlm.models.loader import open_checkpoint
-    from shardlm.train.data import Batches
-    from shardlm.train.trainer import TrainConfig, Trainer
-
     data = tmp_path / "data.txt"
-    data.write_text("Weight gradients wait for the bubbles of the pipeline. " * 40)
-    args = ["train", "--data", str(data), "--pp", "2", "--tp", "3", "--pp-schedule", "zb-h1", "--grad-accum", "2"]
-    args += ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--json"]
-    ids = open_checkpoint("smollm2").tokenizer().encode(data.read_text())
-    batches = Batches(ids, seq_len=16, batch_size=2, seed=0)
-    one = Trainer(TrainConfig(model="smollm2", threads=1))
-    want = [one.step(batches(i))["loss"] for i in range(2)]
-    out = on_both(hosts, 3, args)
+    data.write_text(words(400, seed=2))
+    args = ["train", "--model", str(tiny.path), "--data", str(data), "--pp", "2", "--tp", "3"]
+    args += ["--pp-schedule", "zb-h1", "--grad-accum", "2", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
+    want = one_process_losses(str(tiny.path), data.read_text(), 2)
+    out = on_both(hosts, 3, [*args, "--threads", "1", "--json"])
     assert all(code == 0 for code, _, _ in out.values()), out
     losses = [json.loads(x)["loss"] for _, stdout, _ in out.values() for x in stdout.splitlines()]
     assert losses == pytest.approx(want, rel=1e-5)
@@ -142,13 +167,14 @@ def _kill_b_once_a_prints(hosts: TwoHosts, procs: dict) -> tuple[int, str, float
     return code, err, time.monotonic() - start, [x for x in err.splitlines() if x.startswith("shardlm: error:")]
 
 
-def test_a_lost_host_ends_generation_with_one_line(hosts):
+def test_a_lost_host_ends_generation_with_one_line(hosts, tiny):
     """Host B's processes killed mid-generation: host A's ranks each say which host and ranks
     were lost, within seconds, exit non-zero, and leave no process behind."""
-    args = ["generate", "--tp", "2", "--pp", "2", "--no-chat", "--max-new-tokens", "3000", "--threads", "1"]
+    args = ["generate", "--model", str(tiny.path), "--tp", "2", "--pp", "2", "--no-chat", "--threads", "1"]
     port = next(_ports)
-    procs = {h: hosts.torchrun(h, 2, [*args, "--timeout", "60", "1, 2, 3, 4, 5,"], port=port) for h in ("A", "B")}
-    # generating once global rank 0 (on either host) streams its first text (3000 tokens take minutes)
+    args += ["--max-new-tokens", "8000", "--timeout", "60", "w1 w2 w3"]
+    procs = {h: hosts.torchrun(h, 2, args, port=port) for h in ("A", "B")}
+    # generating once global rank 0 (on either host) streams its first text (8000 tokens take a minute)
     code, err, took, lines = _kill_b_once_a_prints(hosts, procs)
     assert code != 0 and took < 10, (took, err[-2000:])
     assert len(lines) >= 1 and all("lost host shardlm-b (192.0.2.2, ranks [2, 3])" in x for x in lines), [
@@ -157,12 +183,25 @@ def test_a_lost_host_ends_generation_with_one_line(hosts):
     assert not hosts.pids("A") and not hosts.pids("B")
 
 
-def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tmp_path):
+def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tiny, tmp_path):
     """Host B's processes killed between training steps (its rank mid-way into the next): host A's
     rank says which host and ranks were lost within seconds, exits non-zero, and nothing is left."""
     data = tmp_path / "data.txt"
-    data.write_text("Every rank sums its gradients with the others. " * 60)
-    args = ["train", "--data", str(data), "--dp", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1"]
+    data.write_text(words(1000, seed=3))
+    args = [
+        "train",
+        "--model",
+        str(tiny.path),
+        "--data",
+        str(data),
+        "--dp",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    ]
+    args += ["--threads", "1"]
     port = next(_ports)
     procs = {
         h: hosts.torchrun(h, 1, [*args, "--timeout", "60", "--steps", "100000", "--json"], port=port) for h in "AB"
@@ -173,21 +212,34 @@ def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tmp_path):
     assert not hosts.pids("A") and not hosts.pids("B")
 
 
-def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tmp_path):
+def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tiny, tmp_path):
     """The link goes down mid-run (a partition; every process keeps running): both hosts' ranks end
     with one line each within --timeout (plus start-up slack), and the same command resumes from
     the last checkpoint once the link is back."""
     data = tmp_path / "data.txt"
-    data.write_text("Every rank sums its gradients with the others. " * 60)
+    data.write_text(words(1000, seed=3))
     ckpt = tmp_path / "ckpt"
-    args = ["train", "--data", str(data), "--dp", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1"]
+    args = [
+        "train",
+        "--model",
+        str(tiny.path),
+        "--data",
+        str(data),
+        "--dp",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    ]
+    args += ["--threads", "1"]
     args += ["--timeout", "10", "--checkpoint", str(ckpt), "--checkpoint-every", "2"]
     port = next(_ports)
     procs = {h: hosts.torchrun(h, 1, [*args, "--steps", "100000"], port=port) for h in ("A", "B")}
     deadline = time.monotonic() + 120
     while not (ckpt / "state" / "meta.json").is_file() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert (ckpt / "state" / "meta.json").is_file(), "no checkpoint within 120 s"
+    assert (ckpt / "state" / "meta.json").is_file(), f"no checkpoint within 120 s: {both(procs, timeout=1)}"
     hosts.unplug()
     start = time.monotonic()
     out, took = {}, {}
@@ -219,21 +271,21 @@ def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tmp_
 # completions of four prompts, then the handoff counter from /metrics; one JSON line.
 _CLIENT = """
 import json, sys, urllib.request
-url = sys.argv[1]
+url, model = sys.argv[1], sys.argv[3]
 def post(path, body):
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"content-type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=120))
-texts = [post("/v1/completions", {"model": "smollm2", "prompt": p, "max_tokens": 8, "temperature": 0})
+texts = [post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0})
          ["choices"][0]["text"] for p in json.loads(sys.argv[2])]
 metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
 handoffs = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("shardlm_kv_handoffs_total")]
 print(json.dumps({"texts": texts, "handoffs": handoffs}), flush=True)
 """
-# a stream that outlives host B (3000 tokens take minutes): its first chunk, then what ends it
+# a stream that outlives host B (8000 tokens take a minute): its first chunk, then what ends it
 _STREAM = """
 import json, sys, urllib.request
-req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps({"model": "smollm2", "prompt": "1, 2, 3,",
-      "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}).encode(), {"content-type": "application/json"})
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps({"model": sys.argv[2], "prompt": "w1 w2 w3",
+      "max_tokens": 8000, "temperature": 0, "stream": True, "ignore_eos": True}).encode(), {"content-type": "application/json"})
 try:
     for i, line in enumerate(urllib.request.urlopen(req, timeout=120)):
         if i == 0:
@@ -254,35 +306,49 @@ def _serving_url(procs: dict, timeout: float = 240) -> tuple[str, str]:
     while time.monotonic() < deadline:
         for key, _ in ready.select(timeout=1):
             seen[key.data] += os.read(key.fileobj.fileno(), 65536).decode(errors="replace")  # as communicate reads
-            if m := re.search(r"serving smollm2 on (http://\S+)/v1", seen[key.data]):
+            if m := re.search(r"serving \S+ on (http://\S+)/v1", seen[key.data]):
                 return key.data, m.group(1)
         if any(p.poll() is not None for p in procs.values()):
             break
     raise AssertionError(f"no host served within {timeout} s: {seen}")
 
 
-def test_serve_across_hosts_disaggregated_then_a_lost_host_ends_it(hosts):
+def test_serve_across_hosts_disaggregated_then_a_lost_host_ends_it(hosts, tiny):
     """`shardlm serve` under torchrun on two hosts, two replicas of tp=2 (one per host) with prefill on
     one and decode on the other: global rank 0's process serves HTTP and drives every rank (the
     other host's over TCP), answers = one process's greedy tokens, and every prompt's KV cache is
     handed across the hosts. Then host B is killed mid-stream: the stream ends with an error, the
     server exits non-zero within seconds with one line, and nothing is left on either host."""
-    prompts = ["The capital of France is", "Water boils at", "Tensor parallelism splits", "A haiku about GPUs:"]
-    with LLM("smollm2", threads=1) as llm:
-        want = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    model = str(tiny.path)
+    with LLM(model, threads=1) as llm:
+        want = [o.text for o in llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=8))]
     port = next(_ports)
-    args = ["serve", "--dp", "2", "--tp", "2", "--prefill-replicas", "1", "--host", "0.0.0.0", "--port", "8000"]
+    args = [
+        "serve",
+        "--model",
+        model,
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--prefill-replicas",
+        "1",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
     args += ["--threads", "1", "--timeout", "30", "--grace", "1"]
     procs = {h: hosts.torchrun(h, 2, args, port=port) for h in ("A", "B")}
     host, url = _serving_url(procs)
     url = url.replace("0.0.0.0", ADDRESSES[host])
-    client = hosts.start(host, [sys.executable, "-c", _CLIENT, url, json.dumps(prompts)])
+    client = hosts.start(host, [sys.executable, "-c", _CLIENT, url, json.dumps(TEXTS), model])
     out, err = client.communicate(timeout=300)
     assert client.returncode == 0, err
     got = json.loads(out)
-    assert got["texts"] == want and got["handoffs"] == [len(prompts)]
+    assert got["texts"] == want and got["handoffs"] == [len(TEXTS)]
     other = "B" if host == "A" else "A"
-    stream = hosts.start(host, [sys.executable, "-u", "-c", _STREAM, url])
+    stream = hosts.start(host, [sys.executable, "-u", "-c", _STREAM, url, model])
     assert stream.stdout.readline().strip() == "streaming"
     hosts.kill(other)
     start = time.monotonic()
