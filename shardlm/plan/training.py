@@ -36,6 +36,13 @@ from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
 
+FP8_KEEPS_AT = {"fp8": "bf16"}
+"""FP8 training runs the linear layers' GEMMs in FP8 and keeps "the embedding module, the output
+head, MoE gating modules, normalization operators, and attention operators" in BF16 or FP32
+(DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.3.1; Transformer Engine's fp8_autocast likewise
+covers its Linear layers, not the attention core): the attention core and the LM head are timed at
+the bf16 rate."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainWorkload:
@@ -165,6 +172,7 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
         if not n:
             continue
@@ -178,7 +186,7 @@ def _stage(
             scores_bytes=0.0 if wl.fused_attention else unfused_scores_bytes(cfg, wl.seq_len, a),
         )
         mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
-        t_attn = at.time(gpu, wl.dtype)
+        t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
@@ -197,9 +205,7 @@ def _stage(
             cp_c += n * max(0.0, ring - t_attn)
     if stage == lay.pp - 1:  # LM head and loss over every token
         vocab = costs.vocab_rows(lay.tp)
-        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(
-            gpu, wl.dtype
-        )
+        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
     fwd = f_comp + f_attn + tp_c + ep_c + cp_c
     bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + tp_c + ep_c + 2 * cp_c
     if lay.recompute == "full":
