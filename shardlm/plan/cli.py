@@ -35,6 +35,7 @@ TRAIN_ONLY = (
     "vpp",
     "cp_attention",
     "offload",
+    "prefetch",
 )
 INFER_ONLY = (
     "prompt_len",
@@ -163,6 +164,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--offload",
         choices=("optimizer",),
         help="ZeRO-Offload: masters and Adam moments in host memory, the step there (as train's --offload)",
+    )
+    t.add_argument(
+        "--prefetch",
+        type=int,
+        metavar="N",
+        help="ZeRO-3: layers whose all-gathers are in flight while one computes, as train's --prefetch "
+        "(default 1; 0: each gathered when needed)",
     )
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
     t.add_argument(
@@ -303,6 +311,7 @@ def build_request(args):
             seq_len=args.seq_len or DEFAULTS["seq_len"],
             dtype=dtype,
             fused_attention=args.attention == "fused",
+            prefetch=1 if args.prefetch is None else args.prefetch,
         )
         return PlanRequest(train=True, training=wl, **common)
 

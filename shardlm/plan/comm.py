@@ -80,6 +80,25 @@ def all_gather(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
 reduce_scatter = all_gather
 
 
+def ring_gather(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    """All-gather (or reduce-scatter) of ``nbytes`` in total as one ring over the group in rank
+    order: n - 1 steps, each as slow as its slowest hop, so a group that spans nodes pays the NIC's
+    latency n - 1 times and moves (n - 1) / n of the bytes at one NIC's rate (the catalog's
+    ``nic_gbps`` is per GPU: one NIC each, as on a DGX). Ring is NCCL's only algorithm for these two
+    collectives across nodes before 2.23's PAT, and "the latency of ring increases linearly with
+    the communicator size" (NCCL maintainers, https://github.com/NVIDIA/nccl/issues/1712,
+    https://github.com/NVIDIA/nccl/issues/1594). ``all_gather`` is the hierarchical form instead
+    (1/k of the bytes over each of a node's k NICs, latency over k + nodes steps): what NCCL's
+    rail-spread channels reach for one large message; ZeRO-3's per-layer gathers are costed here
+    (training.zero3_exposed says why)."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    _, nodes = placement(ranks, cluster)
+    g = cluster.gpu
+    return g.collective_launch_s + _flat_gather(nbytes, n, g.inter if nodes > 1 else g.intra)
+
+
 def all_to_all(nbytes_per_rank: float, ranks: list[int], cluster: Cluster) -> float:
     """Each rank sends ``nbytes_per_rank`` spread evenly over the group (pairwise exchange);
     the share bound for other nodes goes through the NIC while the rest uses the node link."""

@@ -11,9 +11,11 @@ The pipeline turns stage times into a step with the schedule's closed form, exac
 uniform stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B);
 interleaved m(F+B) + (p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p.
 Data-parallel gradient sync (all-reduce for ZeRO-0/1; ZeRO-2 reduce-scatters every micro-batch's
-gradients because sharded gradients cannot accumulate whole; ZeRO-3 also all-gathers the
-parameters for every micro-batch's forward and backward; Rajbhandari et al. 2019 §7)
-overlaps with backward up to DP_OVERLAP_FRACTION; the optimizer step streams its states once.
+gradients because sharded gradients cannot accumulate whole; Rajbhandari et al. 2019 §7)
+overlaps with backward up to DP_OVERLAP_FRACTION. ZeRO-3 all-gathers each layer's parameters for
+every micro-batch's forward and backward and reduce-scatters its gradients: per layer, hidden only
+behind the compute of the layer its prefetch runs beside (``zero3_exposed``). The optimizer step
+streams its states once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from shardlm.plan import comm
 from shardlm.plan import constants as C
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
@@ -32,6 +35,13 @@ from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
+
+FP8_KEEPS_AT = {"fp8": "bf16"}
+"""FP8 training runs the linear layers' GEMMs in FP8 and keeps "the embedding module, the output
+head, MoE gating modules, normalization operators, and attention operators" in BF16 or FP32
+(DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.3.1; Transformer Engine's fp8_autocast likewise
+covers its Linear layers, not the attention core): the attention core and the LM head are timed at
+the bf16 rate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +54,13 @@ class TrainWorkload:
     """Compute dtype (mixed precision; master weights and Adam states in fp32)."""
     fused_attention: bool = True
     """Flash/SDPA attention (a log-sum-exp per head and token); False keeps the a x s x s scores."""
+    prefetch: int = 1
+    """ZeRO-3: decoder layers whose all-gathers are in flight while one computes (``shardlm train
+    --prefetch``, default 1 on a GPU); 0 gathers each layer when it is needed."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
 
 
 @dataclass(kw_only=True)
@@ -82,8 +99,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     tokens = lay.micro_batch * wl.seq_len / lay.cp
     # one stage of each kind: its dense and MoE layer counts, and whether it runs the LM head
     stages = {(kinds, s == lay.pp - 1): s for s, kinds in enumerate(costs.stage_kinds(lay.pp))}.values()
-    fwd, bwd, tp_c, ep_c, cp_c = max(
-        (_stage(costs, cluster, lay, wl, s, tokens, a) for s in stages), key=lambda t: t[0] + t[1]
+    fwd, bwd, tp_c, ep_c, cp_c, z3_c = max(
+        (_with_zero3(costs, cluster, lay, wl, s, _stage(costs, cluster, lay, wl, s, tokens, a)) for s in stages),
+        key=lambda t: t[0] + t[1],
     )
     p, m, v = lay.pp, lay.num_micro, lay.virtual
     p2p = 0.0
@@ -106,17 +124,15 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     grad_bytes = params * GRAD_BYTES
     dp_c = 0.0
-    if len(dp_group) > 1:
-        rs = comm.reduce_scatter(grad_bytes, dp_group, cluster)
-        ag = comm.all_gather(params * PARAM_BYTES, dp_group, cluster)
-        if lay.zero <= 1:  # gradients accumulate locally; one all-reduce (= reduce-scatter + all-gather)
-            dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
-        elif lay.zero == 2:  # sharded gradients cannot accumulate whole: a reduce-scatter per micro-batch
-            dp_c = m * rs + ag
-        else:  # ZeRO-3 also gathers the parameters for every micro-batch's forward and backward
-            dp_c = m * rs + 2 * m * ag
-    window = C.DP_OVERLAP_FRACTION * (m * (fwd + bwd) if lay.zero == 3 else m * bwd)
-    dp_exposed = max(0.0, dp_c - window)
+    if len(dp_group) > 1 and lay.zero <= 1:  # gradients accumulate locally; one all-reduce
+        dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
+    elif len(dp_group) > 1 and lay.zero == 2:  # sharded gradients cannot accumulate whole: a
+        # reduce-scatter per micro-batch, and the updated weights gathered once
+        dp_c = m * comm.reduce_scatter(grad_bytes, dp_group, cluster) + comm.all_gather(
+            params * PARAM_BYTES, dp_group, cluster
+        )
+    # ZeRO-3's gathers and reduce-scatters sit in every micro-batch's passes (zero3_exposed)
+    dp_exposed = max(0.0, dp_c - C.DP_OVERLAP_FRACTION * m * bwd) if lay.zero < 3 else 0.0
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     opt = params / shard * (ADAM_STATE_BYTES + GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
     if lay.offload and gpu.host_Bps:  # the owned float32 gradients down and 16-bit weights up over
@@ -137,7 +153,13 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         bubble_fraction=bubble,
         forward_s=fwd,
         backward_s=bwd,
-        comm_s={"tp": m * 2 * tp_c, "ep": m * 2 * ep_c, "cp": m * 3 * cp_c, "dp": dp_exposed, "pp": m * 2 * p2p},
+        comm_s={
+            "tp": m * 2 * tp_c,
+            "ep": m * 2 * ep_c,
+            "cp": m * 3 * cp_c,
+            "dp": dp_exposed + m * z3_c,
+            "pp": m * 2 * p2p,
+        },
     )
 
 
@@ -150,6 +172,7 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
         if not n:
             continue
@@ -163,7 +186,7 @@ def _stage(
             scores_bytes=0.0 if wl.fused_attention else unfused_scores_bytes(cfg, wl.seq_len, a),
         )
         mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
-        t_attn = at.time(gpu, wl.dtype)
+        t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
@@ -182,9 +205,7 @@ def _stage(
             cp_c += n * max(0.0, ring - t_attn)
     if stage == lay.pp - 1:  # LM head and loss over every token
         vocab = costs.vocab_rows(lay.tp)
-        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(
-            gpu, wl.dtype
-        )
+        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
     fwd = f_comp + f_attn + tp_c + ep_c + cp_c
     bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + tp_c + ep_c + 2 * cp_c
     if lay.recompute == "full":
@@ -192,6 +213,66 @@ def _stage(
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_c, ep_c, cp_c
+
+
+def _with_zero3(
+    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, t: tuple[float, ...]
+) -> tuple[float, float, float, float, float, float]:
+    """``_stage``'s times with ZeRO-3's exposed gathers and reduce-scatters added to forward and
+    backward (they sit in each micro-batch's passes, so the pipeline's bubble grows with them too)."""
+    fwd, bwd, tp_c, ep_c, cp_c = t
+    if lay.zero < 3 or lay.dp * lay.cp == 1:
+        return fwd, bwd, tp_c, ep_c, cp_c, 0.0
+    e_f, e_b = zero3_exposed(costs, cluster, lay, stage, fwd, bwd, wl.prefetch)
+    return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, e_f + e_b
+
+
+def zero3_exposed(
+    costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, fwd: float, bwd: float, prefetch: int
+) -> tuple[float, float]:
+    """ZeRO-3's communication one micro-batch waits for on ``stage`` (forward, backward), as
+    shardlm's trainer runs it (shardlm/train/zero.py; Rajbhandari et al. 2019 §5.3): each decoder
+    layer is a unit whose weights are all-gathered over the dp x cp ranks (G) for its forward and
+    again for its backward, and whose gradients are reduce-scattered (R) right after its backward
+    (blocking, in autograd's backward of the gather); the embedding and LM head form one more unit
+    (never prefetched). With ``prefetch`` >= 1 the next layer's gather is in flight while one
+    computes (``overlap.Prefetch``), so per layer only what the link needs beyond that layer's
+    compute waits: on L layers of f forward and b backward each,
+
+        forward  = G + (L - 1) max(0, G - f)
+        backward = G + (L - 1) max(0, G - b) + L R
+
+    (the first gather has nothing to hide behind); deeper prefetch adds nothing once every layer
+    is alike, since one link carries the gathers in turn. With ``prefetch`` 0 all of it waits:
+    L G and L (G + R). G and R are one ring over the group (``comm.ring_gather``): the latency
+    grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU."""
+    cfg = costs.cfg
+    dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
+    # the ranks holding the same expert slices: edp (x cp, whose ranks the planner's groups leave out)
+    edp_group = lay.slowest_group("edp", cluster.gpus_per_node) if cfg.is_moe else []
+    n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
+    layers = n_dense + n_moe
+    if layers == 0:
+        return 0.0, 0.0
+
+    def unit(moe: bool) -> float:  # one layer's gather: dense parts over dp x cp, experts over their own copies
+        rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
+        experts = rl.experts * rl.expert_params
+        return comm.ring_gather((rl.total - experts) * PARAM_BYTES, dp_group, cluster) + comm.ring_gather(
+            experts * PARAM_BYTES, edp_group, cluster
+        )
+
+    g = (n_dense * unit(False) + n_moe * unit(True)) / layers  # the mean layer's G (= R: 16-bit gradients)
+    embed = costs.vocab_rows(lay.tp) * cfg.hidden_size
+    rest = embed * ((stage == 0) + (stage == lay.pp - 1 and (not cfg.tie_word_embeddings or lay.pp > 1)))
+    g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
+    f, b = fwd / layers, bwd / layers
+    if prefetch >= 1:
+        e_f = g + (layers - 1) * max(0.0, g - f)
+        e_b = g + (layers - 1) * max(0.0, g - b) + layers * g
+    else:
+        e_f, e_b = layers * g, 2 * layers * g
+    return e_f + g_rest, e_b + 2 * g_rest
 
 
 def unfused_scores_bytes(cfg, seq_len: int, a: int) -> float:

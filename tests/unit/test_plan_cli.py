@@ -255,7 +255,7 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
     assert code == 0 and not any(d["not_runnable"] for d in json.loads(out)["layouts"]), err
     monkeypatch.setattr(planner, "not_runnable", lambda cfg, lay, **_: "made up" if lay.schedule == "zb-h1" else None)
     code, out, err = run(train, capsys)
-    assert code == 0 and "zb-h1 mb1x64 *" in out, err
+    assert code == 0 and "zb-h1 mb1x64 rc-selective *" in out, err
     assert "The pick is not runnable by shardlm yet (made up); the best it runs is #" in out
     monkeypatch.undo()
     code, out, err = run(["--model", "deepseek-v3", "--gpu", "h100-sxm", "--gpus", "64", "--cp", "2", "--json"], capsys)

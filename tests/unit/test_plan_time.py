@@ -71,3 +71,26 @@ def test_pipeline_does_not_shorten_a_token_but_adds_capacity(two_nodes):
     pp2 = evaluate(costs, two_nodes, Layout(tp=8, pp=2), wl, batch=1)
     assert pp2.tpot_s >= tp8.tpot_s * 0.99
     assert pp2.max_batch > 2 * tp8.max_batch
+
+
+def test_fp8_training_keeps_the_attention_core_and_lm_head_at_bf16(monkeypatch):
+    """FP8 speeds up the linear layers' GEMMs only (DeepSeek-V3 §3.3.1 keeps attention and the
+    output head in BF16): an FP8 step is slower than one with every matmul at the FP8 rate, and its
+    attention core takes as long as bf16's."""
+    from shardlm.plan import training
+
+    cfg, _ = load_model("llama-3-8b")
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    lay = Layout(dp=8, zero=1, micro_batch=1, num_micro=8, recompute="full")
+
+    def fwd(dtype: str) -> float:
+        wl = training.TrainWorkload(global_batch=64, seq_len=8192, dtype=dtype)
+        res = training.evaluate(costs, cluster, lay, wl)
+        assert res.fits
+        return res.forward_s
+
+    kept, bf16 = fwd("fp8"), fwd("bf16")
+    monkeypatch.setattr(training, "FP8_KEEPS_AT", {})
+    every = fwd("fp8")
+    assert every < kept < bf16
+    assert kept - every > 0.1 * kept  # at 8K tokens the attention core is a large share

@@ -1,0 +1,83 @@
+"""Planner: ZeRO-3's per-layer gathers and reduce-scatters, their ring over the dp group and what
+the prefetch hides (training.zero3_exposed, comm.ring_gather)."""
+
+import json
+
+import pytest
+
+from shardlm.plan import comm, training
+from shardlm.plan.catalog import load_model
+from shardlm.plan.hardware import Cluster, load_gpu
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.zero import PARAM_BYTES
+
+
+def _cluster(n: int) -> Cluster:
+    return Cluster(gpu=load_gpu("a100-80g"), num_gpus=n, gpus_per_node=8)
+
+
+def test_ring_gather_latency_grows_with_the_group_and_moves_at_one_nics_rate():
+    g, size = load_gpu("a100-80g"), 3.6e9  # one GPT-3 175B layer in 16 bits
+    for n in (16, 384, 1536):
+        expected = g.collective_launch_s + (n - 1) * g.inter.alpha_s + (n - 1) / n * size / g.inter.bandwidth_Bps
+        assert comm.ring_gather(size, list(range(n)), _cluster(n)) == pytest.approx(expected)
+    # inside a node: NVLink; the hierarchical form spreads the bytes over the node's 8 NICs
+    assert comm.ring_gather(size, list(range(8)), _cluster(8)) == pytest.approx(
+        comm.all_gather(size, list(range(8)), _cluster(8))
+    )
+    assert comm.ring_gather(size, list(range(16)), _cluster(16)) > 4 * comm.all_gather(
+        size, list(range(16)), _cluster(16)
+    )
+
+
+def _gpt3(n: int, micro_batch: int, prefetch: int = 1):
+    cfg, _ = load_model("gpt3-175b")
+    costs, cluster = ModelCosts(cfg), _cluster(n)
+    lay = Layout(dp=n, zero=3, micro_batch=micro_batch, num_micro=1536 // n // micro_batch, recompute="full")
+    wl = training.TrainWorkload(global_batch=1536, seq_len=2048, prefetch=prefetch)
+    return costs, cluster, lay, training.evaluate(costs, cluster, lay, wl)
+
+
+def test_zero3_exposed_per_layer():
+    """Narayanan et al. 2021's Table 2 run at 1,536 GPUs: each layer's gather (~170 ms over one
+    200 Gb/s NIC) against layers of f = G/2 forward, b = 2G backward: the forward waits
+    G + (L - 1)(G - f), the backward only its first gather and the reduce-scatters, G + L R; with
+    no prefetch, all of it. The embedding and LM head are one more unit, never prefetched."""
+    costs, cluster, lay, res = _gpt3(1536, 1)
+    cfg, layers, dp = costs.cfg, costs.cfg.num_layers, list(range(1536))
+    g = comm.ring_gather(costs.rank_layer(False, 1).total * PARAM_BYTES, dp, cluster)
+    assert cfg.tie_word_embeddings  # GPT's LM head is its embedding: one unit's gather
+    rest = comm.ring_gather(costs.vocab_rows(1) * cfg.hidden_size * PARAM_BYTES, dp, cluster)
+    f, b = g / 2, 2 * g
+    e_f, e_b = training.zero3_exposed(costs, cluster, lay, 0, layers * f, layers * b, prefetch=1)
+    assert e_f == pytest.approx(g + (layers - 1) * (g - f) + rest)
+    assert e_b == pytest.approx(g + layers * g + 2 * rest)
+    e_f, e_b = training.zero3_exposed(costs, cluster, lay, 0, layers * f, layers * b, prefetch=0)
+    assert (e_f, e_b) == pytest.approx((layers * g + rest, 2 * layers * g + 2 * rest))
+    assert res.comm_s["dp"] > 0.5 * res.step_s  # communication-bound, as published (44 TFLOP/s/GPU)
+
+
+def test_zero3_per_gpu_throughput_falls_as_dp_grows_at_a_fixed_batch():
+    """Fixed global batch: each GPU's compute halves as dp doubles while its gathers do not
+    (Table 2: 144, 88, 44 TFLOP/s/GPU at 384, 768, 1,536 GPUs); the old model held it flat."""
+    mfu = [_gpt3(n, mb)[3].mfu for n, mb in ((384, 4), (768, 2), (1536, 1))]
+    assert mfu[0] > 1.3 * mfu[1] > 1.3**2 * mfu[2]
+    assert mfu[0] / mfu[2] > 2.5
+    # a prefetch hides what a layer's compute covers: no prefetch is slower
+    assert _gpt3(384, 4, prefetch=0)[3].step_s > 1.2 * _gpt3(384, 4)[3].step_s
+
+
+def test_prefetch_flag_is_honoured_or_refused(capsys):
+    from shardlm.plan import cli
+
+    base = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--train", "--zero", "3", "--json"]
+    steps = []
+    for prefetch in ("1", "0"):
+        assert cli.main([*base, "--tp", "1", "--pp", "1", "--prefetch", prefetch]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["layouts"][0]["step_s"])
+    assert steps[1] > steps[0]  # nothing prefetched: every gather waits
+    assert cli.main([*base, "--prefetch", "-1"]) == 2
+    assert "--prefetch -1 must be a whole number of layers >= 0" in capsys.readouterr().err
+    assert cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--prefetch", "1"]) == 2
+    assert "--prefetch is a training flag" in capsys.readouterr().err
