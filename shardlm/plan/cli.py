@@ -46,6 +46,7 @@ INFER_ONLY = (
     "kv_dtype",
     "max_concurrency",
     "request_rate",
+    "prefill_replicas",
 )
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
@@ -137,6 +138,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="serve Poisson arrivals of R requests/s over all replicas (open loop, as vllm bench serve "
         "--request-rate); a rate over a layout's capacity is reported as such, with no finite TTFT",
+    )
+    g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        metavar="N",
+        help="as serve --prefill-replicas: N of the dp replicas only prefill, the others only decode (the KV cache "
+        "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it",
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
@@ -251,6 +259,7 @@ def build_request(args):
         "etp",
         "vpp",
         "max_concurrency",
+        "prefill_replicas",
     ):
         v = getattr(args, name, None)
         if v is not None and v < (0 if name == "output_len" else 1):
@@ -265,6 +274,8 @@ def build_request(args):
             f"--request-rate {args.request_rate:g}: must be a positive number of requests/s (for as many as the "
             f"layout takes, leave it out: the plan is then at full batch)"
         )
+    if args.prefill_replicas is not None:
+        check_prefill_replicas(args)
     fixed = {
         k: getattr(args, k)
         for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
@@ -329,8 +340,29 @@ def build_request(args):
         fused_attention=args.attention == "fused",
         concurrency=args.max_concurrency,
         request_rate=args.request_rate,
+        prefill_replicas=args.prefill_replicas or 0,
     )
     return PlanRequest(train=False, inference=wl, **common)
+
+
+def check_prefill_replicas(args) -> None:
+    """Refuse a prefill/decode split that cannot be made: no decode replica left, nothing to decode."""
+    n = args.prefill_replicas
+    if args.dp is not None and args.dp <= n:
+        raise PlanError(
+            f"--prefill-replicas {n} needs more than {n} dp replicas (at least one left to decode), and --dp is "
+            f"{args.dp}: raise --dp to {n + 1} or more, or lower --prefill-replicas"
+        )
+    if args.gpus <= n:
+        raise PlanError(
+            f"--prefill-replicas {n} needs more than {n} replicas, and --gpus {args.gpus} makes at most "
+            f"{args.gpus}: lower it or add GPUs"
+        )
+    if args.output_len is not None and args.output_len < 2:
+        raise PlanError(
+            f"--prefill-replicas {n} hands each request to a decode replica after its first token, and "
+            f"--output-len {args.output_len} leaves nothing to decode: drop --prefill-replicas"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardlm.plan import comm
 from shardlm.plan import constants as C
+from shardlm.plan.disagg import Split, served, split
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
@@ -61,6 +62,9 @@ class InferenceWorkload:
     """Serving load, closed loop: requests in flight over all replicas (``--max-concurrency``)."""
     request_rate: float | None = None
     """Serving load, open loop: Poisson arrivals, requests per second over all replicas (``--request-rate``)."""
+    prefill_replicas: int = 0
+    """Of the dp replicas, these only prefill and the others only decode (``--prefill-replicas``,
+    ``disagg.py``); 0: every replica does both."""
 
     @property
     def loaded(self) -> bool:
@@ -119,6 +123,9 @@ class InferenceResult:
     serving: Served | None = None
     """At the workload's load (queueing, prefills sharing steps with decodes); then TTFT, TPOT
     and throughput above are these."""
+    split: Split | None = None
+    """The prefill and decode pools, with ``prefill_replicas`` (then TTFT, TPOT and throughput above
+    are the split's)."""
 
 
 def stage_step(
@@ -308,7 +315,9 @@ def evaluate(
         throughput=lay.dp * b * wl.output_len / cycle,
         decode_parts=parts,
     )
-    if wl.loaded:
+    if wl.prefill_replicas:
+        disaggregate(res, costs, cluster, wl, bytes_, prefill_slots=int(free // (per_seq / seq_len * wl.prompt_len)))
+    elif wl.loaded:
         serve_at_load(res, costs, cluster, wl, bytes_)
     res.meets_limits = (wl.max_ttft_s is None or res.ttft_s <= wl.max_ttft_s) and (
         wl.max_tpot_s is None or res.tpot_s <= wl.max_tpot_s
@@ -364,3 +373,36 @@ def serve_at_load(res: InferenceResult, costs, cluster, wl: InferenceWorkload, b
     res.serving = s
     res.ttft_s, res.tpot_s, res.throughput = s.ttft_s, s.tpot_s, s.output_tokens_per_s
     res.latency_s = s.ttft_s + wl.output_len * s.tpot_s
+
+
+def disaggregate(res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_, *, prefill_slots: int) -> None:
+    """TTFT, TPOT and throughput with ``wl.prefill_replicas`` of the dp replicas prefilling and the
+    rest decoding (``disagg.py``): at the workload's load, or without one the pools' capacities
+    (the slower sets the throughput), a lone prompt's TTFT and a full decode step's TPOT."""
+    lay = res.layout
+    step = functools.partial(engine_step, costs, cluster, lay, wl, bytes_)
+    pre = Replica(  # samples the first token, then hands the request off
+        step=step, prompt_len=wl.prompt_len, output_len=1, budget=C.PREFILL_CHUNK_TOKENS, slots=max(prefill_slots, 1)
+    )
+    dec = replace(pre, output_len=wl.output_len, slots=res.batch, prompts=False)
+    s = split(
+        pre,
+        dec,
+        lay=lay,
+        cluster=cluster,
+        prefill_replicas=wl.prefill_replicas,
+        kv_bytes_per_token=kv_bytes_per_seq_token(costs, lay, bytes_[2]),
+        concurrency=wl.concurrency,
+        request_rate=wl.request_rate,
+    )
+    res.split = s
+    steps = max(wl.output_len - 1, 1)
+    if wl.loaded:
+        res.serving = served(s, wl.output_len)
+        res.ttft_s, res.tpot_s, res.throughput = res.serving.ttft_s, res.serving.tpot_s, res.serving.output_tokens_per_s
+    else:
+        res.ttft_s = pre.at(0)[0]
+        res.tpot_s = dec.at(res.batch - 1)[1] + s.handoff_s / steps
+        rps = min(s.prefill_capacity_requests_per_s, s.decode_capacity_requests_per_s)
+        res.throughput = rps * wl.output_len
+    res.latency_s = res.ttft_s + wl.output_len * res.tpot_s

@@ -11,7 +11,7 @@ from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.explain import compare, departures, explain, rerank
 from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
-from shardlm.plan.inference import InferenceWorkload
+from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.runnable import not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
@@ -83,7 +83,8 @@ class Plan:
         req = self.request
         work = req.training if req.train else req.inference
         assert work is not None  # a request carries the workload it plans
-        return not_runnable(self.cfg, res.layout, train=req.train, dtype=work.dtype)
+        split = req.inference.prefill_replicas if req.inference is not None and not req.train else 0
+        return not_runnable(self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split)
 
     def runnable_note(self) -> list[str]:
         """Lines for the explanation when the pick is not one shardlm runs yet."""
@@ -148,12 +149,28 @@ def plan(req: PlanRequest) -> Plan:
         context=ctx,
     )
     out.explanation[:0] = out.runnable_note()
+    if not req.train and req.inference is not None and req.inference.prefill_replicas:
+        out.explanation.append(colocated(costs, cluster, req.inference, out.best))
     if req.compare is not None:
         pins = {**req.fixed, **req.compare}
         theirs = _search(costs, cluster, req, pins)
         out.compared = rerank(theirs.results, ctx)[0] if theirs.results else (theirs.rejected or [None])[0]
         out.explanation += compare(out.best, out.compared, ctx, ",".join(f"{k}={v}" for k, v in req.compare.items()))
     return out
+
+
+def colocated(costs, cluster, wl: InferenceWorkload, split) -> str:
+    """The pick's layout served without the prefill/decode split, at the same load."""
+    both = evaluate(costs, cluster, split.layout, replace(wl, prefill_replicas=0))
+
+    def ms(x: float) -> str:
+        return "unbounded" if x == float("inf") else f"{x * 1e3:,.1f} ms"
+
+    return (
+        f"Colocated (every replica prefills and decodes, same layout): TTFT {ms(both.ttft_s)} vs "
+        f"{ms(split.ttft_s)}, TPOT {ms(both.tpot_s)} vs {ms(split.tpot_s)}, {both.throughput:,.0f} vs "
+        f"{split.throughput:,.0f} output tokens/s ({split.split.prefill_replicas} prefill replica(s) of {split.layout.dp})."
+    )
 
 
 def distinct_meshes(results: list) -> list:

@@ -100,6 +100,23 @@ def serving_notes(plan) -> list[str]:
     return lines
 
 
+def split_notes(plan) -> list[str]:
+    """With --prefill-replicas: each shown layout's two pools, the slower one and the KV handoff."""
+    lines = []
+    for i, r in enumerate(plan.ranked[: plan.request.top], 1):
+        s = getattr(r, "split", None)
+        if s is None:
+            continue
+        link = "NVLink, inside a node" if s.handoff_link == "node" else "the NIC, across nodes"
+        lines.append(
+            f"#{i} {r.layout.label()}: {s.prefill_replicas} prefill + {s.decode_replicas} decode replicas; capacity "
+            f"{s.prefill_capacity_requests_per_s:,.2f} / {s.decode_capacity_requests_per_s:,.2f} requests/s "
+            f"(prefill / decode: {s.bottleneck} limits); KV handoff {s.handoff_bytes / 2**20:,.1f} MiB a rank per "
+            f"request, {_ms(s.handoff_s)} ms over {link} (after the first token: in TPOT)."
+        )
+    return lines
+
+
 def text(plan) -> str:
     head, body = rows(plan)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
@@ -117,6 +134,7 @@ def text(plan) -> str:
     ]
     lines += (
         serving_notes(plan)
+        + split_notes(plan)
         + runnable_notes(plan)
         + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
         + plan.explanation
@@ -155,6 +173,7 @@ def print_table(plan, console=None) -> None:
     )
     for line in (
         serving_notes(plan)
+        + split_notes(plan)
         + runnable_notes(plan)
         + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
         + plan.explanation
@@ -229,6 +248,15 @@ def _item(plan, r) -> dict:
         )
         if r.serving is not None:  # at the workload's load (serving.py); null TTFTs: the queue grows for ever
             d["serving"] = {k: _num(v) for k, v in vars(r.serving).items()}
+        if r.split is not None:  # --prefill-replicas: the two pools (disagg.py)
+            pools = {
+                k: {n: _num(x) for n, x in vars(v).items()} for k in ("prefill", "decode") if (v := getattr(r.split, k))
+            }
+            d["disaggregated"] = {
+                **{k: v for k, v in vars(r.split).items() if k not in ("prefill", "decode")},
+                "bottleneck": r.split.bottleneck,
+                **pools,
+            }
     return d
 
 

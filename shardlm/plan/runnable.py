@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 
 from shardlm.models.config import DEEPSEEK, RUNTIME_FAMILIES
+from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.tensor import partition_heads
 from shardlm.plan.layout import Layout
 
 
-def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str) -> str | None:
-    """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can)."""
+def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas: int = 0) -> str | None:
+    """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can); ``prefill_replicas``: served
+    disaggregated (``serve --prefill-replicas``)."""
     if cfg.family not in RUNTIME_FAMILIES:  # models/config.py check_supported
         return f"the {cfg.family} architecture (shardlm runs {', '.join(RUNTIME_FAMILIES)})"
     if train:
@@ -33,4 +35,8 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str) -> str | None:
         return "context parallelism with latent attention (its cache is not striped yet)"
     if dtype == "fp8":  # engine/config.py DTYPES
         return "fp8 weights and GEMMs: shardlm computes in bf16, fp16 or fp32 (int8 weight-only)"
+    if prefill_replicas and lay.cp > 1:  # engine/config.py _check_cp
+        return "prefill replicas with cp (a handoff would move a cache striped over cp ranks)"
+    if prefill_replicas and cfg.is_moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # engine/llm.py
+        return "prefill replicas with experts spanning replicas (those replicas step in lockstep)"
     return None

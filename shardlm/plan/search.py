@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from shardlm.parallel.context import check_ulysses
 from shardlm.parallel.dims import LayoutError, factorisations
 from shardlm.plan import inference, training
+from shardlm.plan.disagg import check as check_split
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import CP_ATTENTION, Layout
@@ -82,7 +83,13 @@ def search_inference(
     ok: list[inference.InferenceResult] = []
     bad: list[inference.InferenceResult] = []
     n = 0
-    for lay in shapes(costs.cfg, cluster, fixed):
+    layouts = shapes(costs.cfg, cluster, fixed)
+    if wl.prefill_replicas:  # a prefill/decode split needs a decode replica beside the prefill ones
+        split = [lay for lay in layouts if lay.dp > wl.prefill_replicas]
+        if layouts and not split:
+            check_split(wl.prefill_replicas, max(lay.dp for lay in layouts))
+        layouts = split
+    for lay in layouts:
         if objective == "latency":
             # at a load the replica runs as many as fit, as a server does; alone, one request
             res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or (None if wl.loaded else 1))

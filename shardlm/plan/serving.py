@@ -84,6 +84,9 @@ class Replica:
     """K: tokens per step (max_num_batched_tokens)."""
     slots: int
     """Sequences the replica runs at once (its batch: what fits in KV memory)."""
+    prompts: bool = True
+    """False: a decode replica of a disaggregated split (``disagg.py``): its requests arrive
+    prefilled, so a request lives its D decode steps only and no step carries a prompt."""
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """``at``'s answers by the others seen (the open loop's bisection asks for points again)."""
 
@@ -94,8 +97,8 @@ class Replica:
 
     @property
     def prefill_steps(self) -> int:
-        """P: steps a prompt's chunks take; the last one samples the first token."""
-        return math.ceil(self.prompt_len / self.chunk)
+        """P: steps a prompt's chunks take; the last one samples the first token (0: no prompts)."""
+        return math.ceil(self.prompt_len / self.chunk) if self.prompts else 0
 
     @property
     def decode_steps(self) -> int:
@@ -106,7 +109,8 @@ class Replica:
     def n_max(self) -> float:
         """Requests at work past which more only queue: all slots, or a full budget every step."""
         p, d = self.prefill_steps, self.decode_steps
-        return max(1.0, min(float(self.slots), self.budget * (p + d) / (self.prompt_len + d)))
+        tokens = (self.prompt_len if self.prompts else 0) + d  # a request's tokens over its p + d steps
+        return max(1.0, min(float(self.slots), self.budget * (p + d) / tokens))
 
     def _mean_step(self, decodes: float, m: float) -> tuple[float, float]:
         """E_M t(decodes, M c) and E_M t^2 for M ~ Poisson(m) chunks, t affine past the first chunk."""
@@ -144,6 +148,8 @@ class Replica:
     def ttft_quantile(self, others: float, p: float) -> float:
         """TTFT (no waits) at the p-quantile of the chunks M beside the tagged prompt."""
         steps, d = self.prefill_steps, self.decode_steps
+        if not steps:
+            return 0.0
         m = others * steps / (steps + d)
         return steps * self._prefill_step(others - m, poisson_quantile(m, p))
 
