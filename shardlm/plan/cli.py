@@ -47,6 +47,7 @@ INFER_ONLY = (
     "max_concurrency",
     "request_rate",
     "prefill_replicas",
+    "attention_dp",
 )
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 KV_DTYPES = DTYPES + ("int8",)
@@ -145,6 +146,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="as serve --prefill-replicas: N of the dp replicas only prefill, the others only decode (the KV cache "
         "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it",
+    )
+    g.add_argument(
+        "--attention-dp",
+        choices=("on", "off"),
+        help="on: only layouts whose attention is data-parallel beside expert-parallel MoE layers (each replica "
+        "its own sequences and KV cache, experts spanning the replicas; SGLang's --enable-dp-attention); off: none "
+        "of them (default: both searched)",
     )
     g.add_argument("--max-ttft-ms", type=float, help="throughput objective: keep TTFT under this")
     g.add_argument("--max-tpot-ms", type=float, help="throughput objective: keep time per output token under this")
@@ -289,6 +297,8 @@ def build_request(args):
         fixed["virtual"] = args.vpp
     if args.sp is not None:
         fixed["sp"] = args.sp == "on"
+    if getattr(args, "attention_dp", None) is not None:
+        fixed["attention_dp"] = args.attention_dp == "on"
     if getattr(args, "offload", None):
         fixed["offload"] = True
     mesh = [fixed.get(a, 1) for a in ("tp", "pp", "dp", "cp")]

@@ -25,6 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from shardlm.parallel.expert import experts_span_replicas
 from shardlm.plan import comm
 from shardlm.plan import constants as C
 from shardlm.plan.disagg import Split, served, split
@@ -146,7 +147,7 @@ def stage_step(
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
     out = StepTime()
-    tp_group, cp_group, ep_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp", "ep"))
+    tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     hidden_msg = tokens * cfg.hidden_size * a_bytes
     ar = comm.all_reduce(hidden_msg, tp_group, cluster)
     # tokens entering one EP group: its dp replicas' steps (parallel folding) x tp copies / tp
@@ -173,11 +174,8 @@ def stage_step(
         out.matmul += n * mm.time(gpu, dtype)
         out.attention += n * t_attn
         out.tp_comm += n * 2 * ar
-        if moe and lay.ep > 1:  # each tp rank dispatches its 1/tp share of the (replicated) tokens
-            a2a = comm.all_to_all(
-                tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a_bytes, ep_group, cluster
-            )
-            out.ep_comm += n * 2 * a2a
+        if moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # the engine's all_to_all dispatch
+            out.ep_comm += n * moe_boundary(cfg, cluster, lay, tokens, a_bytes)
         if lay.cp > 1:  # the engine's pass-Q attention (parallel/context_paged.py), prefill and decode
             queries = tokens if decode else tokens * lay.cp  # the step's queries over the cp group
             gather_q = comm.all_gather(queries * rl.q_heads * cfg.head_dim * a_bytes, cp_group, cluster)
@@ -196,6 +194,27 @@ def stage_step(
         if lay.cp > 1:  # the sampled rows' hidden states to every cp rank (an all-reduce of owned rows)
             out.cp_comm += comm.all_reduce(last * cfg.hidden_size * a_bytes, cp_group, cluster)
     return out
+
+
+def moe_boundary(cfg, cluster: Cluster, lay: Layout, tokens: float, a_bytes: int) -> float:
+    """The tokens' trip through an MoE layer whose experts span dp replicas (attention-DP: each
+    replica its own sequences), as ``parallel/expert.py``'s all_to_all path runs it: each tp rank
+    takes its 1/tp of the tokens, an expert's etp ranks all-gather theirs (and reduce-scatter the
+    partial sums after), every (token, choice) pair goes to its expert's ep rank and back (two
+    all-to-alls), and the tp group all-gathers its tokens again. When ep x etp divides tp the
+    experts sit inside the tp group, which holds every token already: no token moves (the block's
+    all-reduce is the layer's tp all-reduce)."""
+    share = tokens / lay.tp * cfg.hidden_size * a_bytes  # bytes of one tp rank's tokens
+    t = 0.0
+    if lay.etp > 1:
+        etp_group = lay.slowest_group("etp", cluster.gpus_per_node)
+        t += 2 * comm.all_gather(share * lay.etp, etp_group, cluster)  # all-gather in, reduce-scatter out
+    if lay.ep > 1:
+        ep_group = lay.slowest_group("ep", cluster.gpus_per_node)
+        t += 2 * comm.all_to_all(share * lay.etp * cfg.num_experts_per_tok, ep_group, cluster)
+    if lay.tp > 1:
+        t += comm.all_gather(share * lay.tp, lay.slowest_group("tp", cluster.gpus_per_node), cluster)
+    return t
 
 
 def _sum(parts: list[StepTime]) -> StepTime:
@@ -364,6 +383,7 @@ def serve_at_load(res: InferenceResult, costs, cluster, wl: InferenceWorkload, b
         output_len=wl.output_len,
         budget=C.PREFILL_CHUNK_TOKENS,
         slots=res.batch,
+        lockstep=lay.dp if lay.attention_dp(costs.cfg.is_moe) else 1,
     )
     if wl.request_rate is not None:
         s = open_loop(rep, wl.request_rate, lay.dp)

@@ -18,6 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from shardlm.parallel.dims import EXPERT_AXES, MESH_AXES, LayoutError, ParallelDims, axes
+from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.schedules import PIPELINE_SCHEDULES
 from shardlm.plan.activations import RECOMPUTE
 from shardlm.plan.errors import PlanError
@@ -83,6 +84,12 @@ class Layout(ParallelDims):
     def nodes_spanned(self, kind: str, per_node: int) -> int:
         """Nodes the slowest ``kind`` group spans (1: inside a node)."""
         return len({r // per_node for r in self.slowest_group(kind, per_node)})
+
+    def attention_dp(self, moe: bool) -> bool:
+        """Attention data-parallel beside expert-parallel MoE layers (SGLang's --enable-dp-attention):
+        the experts span dp replicas (ep x etp does not divide tp), each replica attends over its own
+        sequences and KV cache, and the replicas step in lockstep (``engine/engine.py``)."""
+        return moe and self.dp > 1 and experts_span_replicas(self.tp, self.ep, self.etp)
 
     def label(self, training: bool = False) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]

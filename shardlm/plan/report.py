@@ -117,6 +117,20 @@ def split_notes(plan) -> list[str]:
     return lines
 
 
+def attention_dp_notes(plan) -> list[str]:
+    """Which shown layouts run attention data-parallel beside expert-parallel MoE layers (inference)."""
+    if plan.request.train:
+        return []
+    moe = plan.cfg.is_moe
+    shown = [f"#{i}" for i, r in enumerate(plan.ranked[: plan.request.top], 1) if r.layout.attention_dp(moe)]
+    if not shown:
+        return []
+    return [
+        f"Attention-DP ({', '.join(shown)}): each dp replica attends over its own sequences and holds only their KV "
+        "cache; the MoE layers' experts span the replicas (tokens all-to-all at each), which step in lockstep."
+    ]
+
+
 def text(plan) -> str:
     head, body = rows(plan)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
@@ -135,6 +149,7 @@ def text(plan) -> str:
     lines += (
         serving_notes(plan)
         + split_notes(plan)
+        + attention_dp_notes(plan)
         + runnable_notes(plan)
         + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
         + plan.explanation
@@ -174,6 +189,7 @@ def print_table(plan, console=None) -> None:
     for line in (
         serving_notes(plan)
         + split_notes(plan)
+        + attention_dp_notes(plan)
         + runnable_notes(plan)
         + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
         + plan.explanation
@@ -245,6 +261,7 @@ def _item(plan, r) -> dict:
             ttft_s=_num(r.ttft_s),
             tpot_s=_num(r.tpot_s),
             latency_s=_num(r.latency_s),
+            attention_dp=r.layout.attention_dp(plan.cfg.is_moe),
         )
         if r.serving is not None:  # at the workload's load (serving.py); null TTFTs: the queue grows for ever
             d["serving"] = {k: _num(v) for k, v in vars(r.serving).items()}

@@ -52,6 +52,11 @@ class SearchResult:
 def shapes(cfg, cluster: Cluster, fixed: dict[str, int]) -> list[Layout]:
     """Every (dp, pp, cp, tp, ep) layout the model and cluster allow, honouring fixed dims."""
     out = []
+    if "attention_dp" in fixed and not cfg.is_moe:
+        raise PlanError(
+            f"--attention-dp runs attention data-parallel beside expert-parallel MoE layers, and {cfg.family} has "
+            f"no experts: drop --attention-dp (its dp replicas are plain data parallelism)"
+        )
     for dp, pp, cp, tp in factorisations(cluster.num_gpus, 4):
         dims = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         if any(k in fixed and fixed[k] != v for k, v in dims.items()):
@@ -66,7 +71,10 @@ def shapes(cfg, cluster: Cluster, fixed: dict[str, int]) -> list[Layout]:
         for ep in eps:
             if "ep" in fixed and fixed["ep"] != ep:
                 continue
-            out.append(Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, etp=etp))
+            lay = Layout(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, etp=etp)
+            if "attention_dp" in fixed and lay.attention_dp(cfg.is_moe) != fixed["attention_dp"]:
+                continue
+            out.append(lay)
     return out
 
 

@@ -84,6 +84,10 @@ class Replica:
     """K: tokens per step (max_num_batched_tokens)."""
     slots: int
     """Sequences the replica runs at once (its batch: what fits in KV memory)."""
+    lockstep: int = 1
+    """Replicas that step together (attention-DP: an MoE layer's all-to-all joins every replica's
+    step, ``engine/engine.py``), so a prompt chunk on any of them stretches the step of all: a step
+    carries a chunk with probability 1 - exp(-lockstep x m) instead of 1 - exp(-m)."""
     prompts: bool = True
     """False: a decode replica of a disaggregated split (``disagg.py``): its requests arrive
     prefilled, so a request lives its D decode steps only and no step carries a prompt."""
@@ -117,9 +121,9 @@ class Replica:
         c = self.chunk
         a, b = self.step(decodes, 0.0), self.step(decodes, c)
         delta = self.step(decodes, 2.0 * c) - b
-        p0 = math.exp(-m)
+        p0 = math.exp(-m * self.lockstep)  # no chunk on this replica, nor on one it steps with
         busy = 1.0 - p0
-        extra = m - busy  # E[M] - P(M >= 1): chunks past the first
+        extra = m - (1.0 - math.exp(-m))  # E[M] - P(M >= 1): this replica's chunks past the first
         mean = p0 * a + busy * b + extra * delta
         b_bar = b + (extra / busy if busy > 0 else 0.0) * delta  # a step with prompts, on average
         return mean, p0 * a * a + busy * b_bar * b_bar
