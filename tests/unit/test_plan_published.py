@@ -8,19 +8,26 @@ missed the table says so)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.inference import InferenceWorkload
+from shardlm.plan.layout import Layout
+from shardlm.plan.memory import kv_bytes_per_seq_token, training_activation_bytes, weight_bytes
 from shardlm.plan.planner import PlanRequest, plan
+from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.training import TrainWorkload
+from shardlm.plan.zero import model_states
 
 MEGATRON = "Narayanan et al. 2021, arXiv 2104.04473, Table 1"
 ZERO3 = "Narayanan et al. 2021, Table 2, ZeRO-3"
@@ -308,6 +315,98 @@ def errors() -> dict[str, list[float]]:
     return out
 
 
+# ---- memory: per-GPU bytes the sources state or logged, against the planner's count ------------
+
+ZERO_FIG1 = "Rajbhandari et al. 2019 (ZeRO), arXiv 1910.02054, Figure 1"
+KORTHIKANTI_MEM = "Korthikanti et al. 2022, arXiv 2205.05198, 175B activations"
+VLLM_KV = "vllm-project/vllm#21348, Qwen3-235B-A22B-FP8 on 4 x H100, tp4, KV cache"
+VLLM_WEIGHTS = "vllm-project/vllm#6746, Llama 3.1 405B FP8 on 8 x H100, tp8, weights"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemRow:
+    source: str
+    what: str
+    published: float
+    unit: str  # "GB" (10^9 bytes, as ZeRO's figure counts) or "GiB" (vLLM's and SGLang's logs: bytes / 2^30)
+    bytes_: Callable[[], float]  # the planner's count, in bytes
+
+    def predicted(self) -> float:
+        return self.bytes_() / (1e9 if self.unit == "GB" else GIB)
+
+
+def _zero(stage: int) -> float:
+    """Model states of Psi = 7.5B on N_d = 64 under ZeRO-``stage`` (the planner's (2 + 2 + 12) Psi split)."""
+    return model_states(7.5e9, dp=64, stage=stage).total
+
+
+def _korthikanti(sp: bool, recompute: str) -> float:
+    """The first stage's activations of GPT-3 175B at tp8 pp8, the interleaved schedule at 3 chunks
+    (Korthikanti §4.2.3: the first stage holds L (1 + (p - 1) / (p m)) layers' worth), s 2048, b 1,
+    unfused attention (2022), through the planner's training count."""
+    lay = Layout(tp=8, pp=8, dp=1, sp=sp, recompute=recompute, schedule="interleaved", virtual=3, num_micro=64)
+    return training_activation_bytes(_costs("gpt3-175b"), lay, 2048, fused_attention=False)
+
+
+def _kv_per_token(model: str, tp: int) -> float:
+    """KV-cache bytes one token costs a rank, bf16 (both engines' default for an FP8 checkpoint)."""
+    return kv_bytes_per_seq_token(_costs(model), Layout(tp=tp), 2)
+
+
+@cache
+def _costs(model: str) -> ModelCosts:
+    return ModelCosts(load_model(model)[0])
+
+
+MEM_ROWS = [
+    # "the memory consumption of the 7.5B model ... 120GB ... 31.4GB ... 16.6GB ... 1.9GB" with K = 12
+    # and N_d = 64 (Figure 1: baseline, P_os, P_os+g, P_os+g+p), decimal GB
+    *(MemRow(ZERO_FIG1, f"7.5B, N_d 64, {name}", gb, "GB", functools.partial(_zero, stage))
+      for stage, name, gb in ((0, "baseline", 120), (1, "P_os", 31.4), (2, "P_os+g", 16.6), (3, "P_os+g+p", 1.9))),
+    # GPT-3 175B on tp8 x pp8: 66.84 GiB of activations on the first stage without SP or recomputation,
+    # 12.35 GiB with SP and selective recomputation (their Table 2 counts at the Figure 1 configuration)
+    MemRow(KORTHIKANTI_MEM, "tp8 pp8 interleaved x3, no SP, no recomputation", 66.84, "GiB",
+           functools.partial(_korthikanti, False, "none")),
+    MemRow(KORTHIKANTI_MEM, "tp8 pp8 interleaved x3, SP + selective recomputation", 12.35, "GiB",
+           functools.partial(_korthikanti, True, "selective")),
+    # https://github.com/vllm-project/vllm/issues/21348 (2025-07-22), `vllm serve Qwen3-235B-A22B-FP8
+    # --tensor-parallel-size 4` on 4 H100s: "Available KV cache memory: 8.11 GiB", "GPU KV cache size:
+    # 178,880 tokens"; SGLang --tp 4 on the same GPUs: "KV Cache is allocated. #tokens: 367404, K size:
+    # 8.23 GB, V size: 8.23 GB" (SGLang's GB are 2^30 bytes). The planner: the tokens x its bytes per token.
+    MemRow(VLLM_KV, "vLLM: 178,880 tokens", 8.11, "GiB", lambda: 178_880 * _kv_per_token("qwen3-235b-a22b", 4)),
+    MemRow(VLLM_KV, "SGLang: K of 367,404 tokens", 8.23, "GiB",
+           lambda: 367_404 * _kv_per_token("qwen3-235b-a22b", 4) / 2),
+    # https://github.com/vllm-project/vllm/issues/6746 (2024-07-24), Meta-Llama-3.1-405B-Instruct-FP8 with
+    # --tensor-parallel-size 8 on 8 H100s: "Loading model weights took 57.7520 GB" (vLLM's GB: 2^30 bytes).
+    # The planner's --dtype fp8 counts every weight at one byte; Meta's FP8 checkpoint keeps the attention
+    # layers, the first and last blocks and the embeddings in bf16 (Dubey et al. 2024 §6.2): see docs/plan.md.
+    MemRow(VLLM_WEIGHTS, "tp8, --dtype fp8", 57.752, "GiB",
+           lambda: weight_bytes(_costs("llama-3.1-405b"), Layout(tp=8), 1)),
+]  # fmt: skip
+
+MEM_BOUNDS = {  # each source's mean and max relative error today (rounded up)
+    ZERO_FIG1: (0.005, 0.014),  # the figure rounds to 0.1 GB: 1.875 -> 1.9
+    KORTHIKANTI_MEM: (0.001, 0.001),
+    VLLM_KV: (0.007, 0.012),
+    VLLM_WEIGHTS: (0.19, 0.19),  # the checkpoint's bf16 attention, end blocks and embeddings: see docs/plan.md
+}
+
+
+def mem_errors() -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for row in MEM_ROWS:
+        out.setdefault(row.source, []).append(row.predicted() / row.published - 1)
+    return out
+
+
+@pytest.mark.parametrize("source", list(MEM_BOUNDS))
+def test_memory_within_todays_error(source):
+    errs = [abs(e) for e in mem_errors()[source]]
+    mean_bound, max_bound = MEM_BOUNDS[source]
+    assert statistics.mean(errs) <= mean_bound and max(errs) <= max_bound, (source, errs)
+
+
 @pytest.mark.parametrize("source", list(BOUNDS))
 def test_each_source_within_todays_error(source):
     errs = [abs(e) for e in errors()[source]]
@@ -331,6 +430,14 @@ def print_table() -> None:
     for source, errs in errors().items():
         a = [abs(e) for e in errs]
         print(f"| {source} | {len(a)} | {statistics.mean(a):.0%} | {max(a):.0%} |")
+    print("\nMemory\n\n| source | row | published | predicted | error |\n|---|---|---|---|---|")
+    for m in MEM_ROWS:
+        err = m.predicted() / m.published - 1
+        print(f"| {m.source} | {m.what} | {m.published:,.2f} {m.unit} | {m.predicted():,.2f} | {err:+.1%} |")
+    print("\n| source | rows | mean abs error | max abs error |\n|---|---|---|---|")
+    for source, errs in mem_errors().items():
+        a = [abs(e) for e in errs]
+        print(f"| {source} | {len(a)} | {statistics.mean(a):.1%} | {max(a):.1%} |")
 
 
 if __name__ == "__main__":
