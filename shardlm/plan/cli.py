@@ -441,10 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def parse_pins(spec: str, *, train: bool) -> dict:
     """``--compare``'s pins ("tp8,pp16,zero1,interleaved,vpp2") as search pins."""
     out: dict = {}
@@ -465,3 +461,7 @@ def parse_pins(spec: str, *, train: bool) -> dict:
     if out.get("zero", 0) > 3:
         raise PlanError(f"--compare {spec}: ZeRO stages are 0-3")
     return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
