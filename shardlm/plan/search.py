@@ -82,6 +82,8 @@ def search_inference(
     bad: list[inference.InferenceResult] = []
     n = 0
     for lay in shapes(costs.cfg, cluster, fixed):
+        if wl.cp_attention == "ulysses" and not ulysses_fits(costs.cfg, lay.tp, lay.cp):
+            continue  # the engine refuses it (engine/config.py)
         if objective == "latency":
             res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or 1)
             n += 1
