@@ -10,10 +10,13 @@
    cp collectives (the queries' all-gather, the partial outputs' all-to-all with their merge, the
    sampled rows' all-reduce), timed on rank 0. --repeats rounds, one layout at a time; medians.
    All give the same tokens.
-3. With --ulysses: the prefill of the same prompt at cp=3 (SmolLM2's 3 KV heads split over 1 or 3
-   ranks only; 3 ranks on this host's 2 cores), pass-Q against Ulysses (--cp-attention).
+3. With --prefill (or --ulysses): the prefill of the same prompt at cp=--cp (default 3), 1 thread a
+   rank, by each --cp-attention: pass-Q, ring, and Ulysses where SmolLM2's 3 KV heads split over cp
+   (cp 1 or 3; 3 ranks share this host's 2 cores), against one rank with 1 thread; in turns, medians,
+   the same tokens from all.
 
-    python benchmarks/context_inference.py [--tokens 4096] [--new 16] [--kv-tokens 8192] [--repeats 2] [--ulysses]
+    python benchmarks/context_inference.py [--tokens 4096] [--new 16] [--kv-tokens 8192] [--repeats 2]
+        [--prefill [--cp 3]]
 """
 
 from __future__ import annotations
@@ -109,12 +112,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--ulysses", action="store_true", help="compare pass-Q and Ulysses prefill at cp=3 instead")
+    ap.add_argument(
+        "--prefill", "--ulysses", action="store_true", help="compare the prefill attentions at --cp instead"
+    )
+    ap.add_argument("--cp", type=int, default=3, help="--prefill: cp ranks (default 3, where Ulysses runs)")
     args = ap.parse_args()
     kv_table(args.kv_tokens)
     print(f"\nSmolLM2, a {args.tokens}-token prompt + {args.new} new tokens, float32 ({load_note()}):")
-    if args.ulysses:
-        ulysses(args)
+    if args.prefill:
+        prefill(args)
         return
     layouts = {
         "cp=1, 2 threads": (1, 2, "pass-q"),
@@ -148,17 +154,31 @@ def main() -> None:
     )
 
 
-def ulysses(args) -> None:
-    got: dict[str, list] = {"pass-q": [], "ulysses": []}
-    print(f"\nprefill at cp=3 (3 ranks x 1 thread on this host's cores), {args.tokens} tokens:")
-    for _ in range(args.repeats):
-        for attention in got:
-            got[attention] += spawn_ranks(3, rank_run, 1, attention, args.tokens, 2, 1)[0]
-            r = got[attention][-1]
-            print(f"  {attention}: first token {r['ttft']:.2f} s  ({load_note()})")
-    assert got["pass-q"][0]["tokens"] == got["ulysses"][0]["tokens"], "both give the same greedy tokens"
-    passq, uly = (statistics.median(r["ttft"] for r in got[a]) for a in ("pass-q", "ulysses"))
-    print(f"Ulysses prefill {passq / uly:.2f}x pass-Q's speed ({uly:.2f} s vs {passq:.2f} s); the same tokens")
+def prefill(args) -> None:
+    from shardlm.parallel.context import ulysses_copies
+    from shardlm.parallel.dims import LayoutError
+
+    cp = args.cp
+    layouts = {"cp=1": (1, "pass-q"), "pass-q": (cp, "pass-q"), "ring": (cp, "ring"), "ulysses": (cp, "ulysses")}
+    try:
+        ulysses_copies(3, 3, cp)  # SmolLM2: 3 KV heads of 3 query heads
+    except LayoutError:
+        del layouts["ulysses"]
+    got: dict[str, list] = {name: [] for name in layouts}
+    print(f"\nprefill at cp={cp} ({cp} ranks x 1 thread on this host's cores) against cp=1, {args.tokens} tokens:")
+    for _ in range(args.repeats):  # one layout at a time, in turns
+        for name, (n, attention) in layouts.items():
+            got[name] += spawn_ranks(n, rank_run, 1, attention, args.tokens, 2, 1)[0]
+            print(f"  {name}: first token {got[name][-1]['ttft']:.2f} s  ({load_note()})")
+    assert len({tuple(runs[0]["tokens"]) for runs in got.values()}) == 1, "every layout gives the same greedy tokens"
+    ttft = {name: statistics.median(r["ttft"] for r in runs) for name, runs in got.items()}
+    for name in layouts:
+        if name != "cp=1":
+            print(
+                f"{name} at cp={cp}: {ttft[name]:.2f} s, {ttft['cp=1'] / ttft[name]:.2f}x cp=1's speed "
+                f"({ttft['cp=1']:.2f} s), {ttft['pass-q'] / ttft[name]:.2f}x pass-Q's"
+            )
+    print("the same tokens from every layout")
 
 
 if __name__ == "__main__":

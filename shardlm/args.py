@@ -175,10 +175,11 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
     )
     p.add_argument(
         "--cp-attention",
-        choices=("pass-q", "ulysses"),
+        choices=("pass-q", "ulysses", "ring"),
         default="pass-q",
         help="with --cp: attend a prompt that arrives whole by pass-q (queries gathered to the striped "
-        "KV cache; default) or ulysses (heads split over the cp ranks for that prompt)",
+        "KV cache; default), ulysses (heads split over the cp ranks for that prompt) or ring (its keys "
+        "and values passed around the cp ranks)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache per rank (default 2GiB)")

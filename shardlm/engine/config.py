@@ -27,7 +27,7 @@ QUANTIZATIONS = (None, "int8", "int4", "gguf")
 """Weight formats ``quantization`` takes (see its docstring)."""
 AXES = ("dp", "pp", "cp", "tp", "ep", "etp")
 """The parallel axes the engine runs."""
-CP_ATTENTION = ("pass-q", "ulysses")
+CP_ATTENTION = ("pass-q", "ulysses", "ring")
 """How a whole prompt is attended under cp (``EngineConfig.cp_attention``)."""
 
 
@@ -108,7 +108,9 @@ class EngineConfig:
     'pass-q' (default): as every step, the queries all-gathered and attended to the striped cache
     where it lies; 'ulysses': all-to-alls give each rank the whole prompt for 1/cp of the heads
     (one fused causal kernel), then its own tokens back; cp must split the KV heads (or their query
-    groups). Steps with a cached context use pass-Q either way (``parallel/context_paged.py``)."""
+    groups); 'ring': each rank keeps its tokens' queries and the prompt's keys and values pass
+    around the cp ranks (cp - 1 hops, each overlapped with the attention of the block before).
+    Steps with a cached context use pass-Q either way (``parallel/context_paged.py``)."""
     prefill_replicas: int = 0
     """Serving: prefill/decode disaggregation. The first this many of the dp replicas only compute
     prompts (and each first token); the rest only decode, receiving each prompt's KV cache from

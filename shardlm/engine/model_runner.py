@@ -60,7 +60,7 @@ class ModelRunner:
         self.model = model
         # context parallelism: this rank computes and caches its stripe of every sequence
         self.cp_group, self.cp, self.cp_rank = cp_group, comm.group_size(cp_group), comm.group_rank(cp_group)
-        self.ulysses = cp_attention == "ulysses"  # fresh prompts by Ulysses (parallel/context_paged.py)
+        self.cp_attention = cp_attention  # how fresh prompts are attended (parallel/context_paged.py)
         self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
@@ -219,7 +219,7 @@ class ModelRunner:
             wanted = list(range(len(owners)))
         meta.num_prefill_tokens = len(owners)
         meta.slot_mapping = torch.tensor(slots, device=dev, dtype=torch.long)
-        meta.context = ContextShards.build(self.cp_group, self.cp_rank, owners, wanted, dev, ulysses=self.ulysses)
+        meta.context = ContextShards.build(self.cp_group, self.cp_rank, owners, wanted, dev, self.cp_attention)
         self._zero_new_blocks(max(max(s.block_table) for s in batch.seqs))
         rows = [local[r] for r in wanted if r in local]
         return (

@@ -258,14 +258,16 @@ def _striped(
 ) -> torch.Tensor:
     """cp inference: this rank's new keys go to its cache; every query of the step attends to the
     keys this rank holds (its runs of each sequence's group blocks); the partial outputs merge at
-    the queries' owners. With Ulysses (``ContextShards.ulysses``) a fresh prompt is attended whole,
-    heads over the cp ranks, instead. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
+    the queries' owners. A fresh prompt (nothing cached before it) is attended by Ulysses (heads
+    over the cp ranks) or ring attention (its keys and values around the cp ranks) instead where
+    ``ContextShards.prefill`` says so. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
     shards = meta.context
     assert shards is not None
     torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
     width, d = heads.num_kv * heads.group, q.shape[-1]
-    fresh = [s for s in meta.prefills if shards.ulysses and s.context_len == s.length]
-    cached = [s for s in meta.prefills if not (shards.ulysses and s.context_len == s.length)]
+    whole = shards.prefill != "pass-q"  # fresh prompts by Ulysses or the ring
+    fresh = [s for s in meta.prefills if whole and s.context_len == s.length]
+    cached = [s for s in meta.prefills if not (whole and s.context_len == s.length)]
     mine = torch.zeros((q.shape[0], width, d), dtype=torch.float32, device=q.device)
     if cached:  # pass-Q: every step query to the keys held here (the fresh ones' rows are redone below)
         everyone = shards.gather_queries(q)  # [step tokens, q_heads, d]
@@ -284,8 +286,9 @@ def _striped(
             out[rows] = o.permute(2, 0, 1, 3).reshape(s.length, -1, d)
             lse[rows] = o_lse.permute(2, 0, 1).reshape(s.length, -1)
         mine = shards.return_outputs(out, lse)  # [own tokens, kv * group, d]
-    if fresh:  # Ulysses: heads over the cp ranks, each prompt whole (no cache to read)
-        covered, o = shards.ulysses_prefill(q, k, v, [(s.start, s.length) for s in fresh], heads, scale, window)
+    if fresh:  # each prompt whole from its fresh keys (no cache to read): Ulysses or the ring
+        attend = shards.ulysses_prefill if shards.prefill == "ulysses" else shards.ring_prefill
+        covered, o = attend(q, k, v, [(s.start, s.length) for s in fresh], heads, scale, window)
         mine[covered] = o.float()
     return heads.ungroup(mine).to(q.dtype)
 

@@ -435,20 +435,25 @@ def irecv(buf: Tensor, src: int, group: ProcessGroup | None) -> dist.Work:
     return work
 
 
-def shift(x: Tensor, group: ProcessGroup | None, tag: int = 0) -> tuple[Tensor, list[dist.Work]]:
+def shift(
+    x: Tensor, group: ProcessGroup | None, tag: int = 0, recv_shape: Sequence[int] | None = None
+) -> tuple[Tensor, list[dist.Work]]:
     """One step around the ring: send x to group rank + 1 and receive rank - 1's x (same shape and
-    dtype) into a new buffer, valid once every returned handle is waited on. Both directions go
-    out as one batch (NCCL groups them, so a ring of sends cannot deadlock); ``tag`` keeps two
-    shifts in flight at once apart on backends that match by tag."""
+    dtype, or ``recv_shape`` where the blocks differ) into a new buffer, valid once every returned
+    handle is waited on. Both directions go out as one batch (NCCL groups them, so a ring of sends
+    cannot deadlock); ``tag`` keeps two shifts in flight at once apart on backends that match by
+    tag. An empty block is neither sent nor received (both ends know its shape)."""
     n, rank = group_size(group), group_rank(group)
     if n == 1:
         raise ValueError("shift in a one-rank group: there is no ring to pass x around")
-    x, buf = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
-    ops = [
-        dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % n, tag=tag),
-        dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % n, tag=tag),
-    ]
-    return buf, dist.batch_isend_irecv(ops)
+    x = x.contiguous()
+    buf = x.new_empty(x.shape if recv_shape is None else tuple(recv_shape))
+    ops = []
+    if x.numel():
+        ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % n, tag=tag))
+    if buf.numel():
+        ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=(rank - 1) % n, tag=tag))
+    return buf, dist.batch_isend_irecv(ops) if ops else []
 
 
 # ---- lower-precision payloads (encodings in compress.py) ------------------------------------

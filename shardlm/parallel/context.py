@@ -27,6 +27,7 @@ runs on the local tokens as it is. Attention over the whole sequence comes in tw
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -219,6 +220,24 @@ def _mask(meta: ContextBatch, src: int, rows: slice, cols: slice, window: int | 
     return mask if window is None else mask & (k_pos > q_pos - window)
 
 
+def ring_blocks(x: Tensor, group, shapes: Sequence[Sequence[int]] | None = None) -> Iterator[tuple[int, Tensor]]:
+    """Ring attention's pass of the cp ranks' blocks (Liu et al. 2023): yields (source rank, its
+    block) cp times, this rank's own ``x`` first, then rank - 1's, rank - 2's, ... Each hop every
+    rank sends the block it holds to rank + 1 and receives rank - 1's; the next block is already
+    in flight while the caller works on the current one (its work between two yields overlaps one
+    hop). ``shapes[r]``: rank r's block shape, where the blocks differ (striped inference prompts)."""
+    cp, rank = group_size(group), group_rank(group)
+    for step in range(cp):
+        src = (rank - step) % cp
+        if step < cp - 1:  # the next block travels while this one is worked on
+            nxt, works = shift(x, group, tag=0, recv_shape=None if shapes is None else shapes[(src - 1) % cp])
+        yield src, x
+        if step < cp - 1:
+            for w in works:
+                w.wait()
+            x = nxt
+
+
 def masked_scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     """float32 scores of q [b, kv, g, n, d] against k [b, kv, m, d]: [b, kv, g, n, m]; masked -inf.
     16-bit inputs are widened first, so the scores are not rounded before the softmax (as SDPA)."""
@@ -234,15 +253,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, meta: ContextBatch, scale: float, window: int | None):
-        cp, rank = group_size(meta.group), group_rank(meta.group)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         l = torch.zeros(q.shape[:-1], device=q.device)  # noqa: E741 (the paper's m and l)
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            if step < cp - 1:  # the next block travels while this one is attended
-                nxt, works = shift(kv, meta.group, tag=0)
-            src = (rank - step) % cp
+        for src, kv in ring_blocks(torch.stack([k, v]), meta.group):
             for rows, cols, masked in _tiles(meta, src, window):
                 mask = _mask(meta, src, rows, cols, window) if masked else None
                 s = masked_scores(q[..., rows, :], kv[0][..., cols, :], scale, mask)
@@ -254,10 +268,6 @@ class _RingAttention(torch.autograd.Function):
                 pv = p.to(v.dtype) @ kv[1][..., cols, :].unsqueeze(2)
                 acc[..., rows, :] = acc[..., rows, :] * alpha[..., None] + pv
                 m[..., rows] = m_new
-            if step < cp - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
         # every query sees at least its own key, so l > 0
         out = (acc / l[..., None]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, m + torch.log(l))
@@ -268,17 +278,13 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         meta, scale = ctx.meta, ctx.scale
-        cp, rank = group_size(meta.group), group_rank(meta.group)
+        cp = group_size(meta.group)
         grad = grad.contiguous()
         delta = (grad.float() * out.float()).sum(-1)  # [b, kv, g, n]: rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
         arriving: tuple[Tensor, list] | None = None  # (the block's gradient so far, its receive handles)
-        for step in range(cp):
-            if step < cp - 1:
-                nxt, works = shift(kv, meta.group, tag=0)
+        for src, kv in ring_blocks(torch.stack([k, v]), meta.group):
             dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-            src = (rank - step) % cp
             for rows, cols, masked in _tiles(meta, src, ctx.window):
                 mask = _mask(meta, src, rows, cols, ctx.window) if masked else None
                 kb, vb = kv[0][..., cols, :], kv[1][..., cols, :]
@@ -295,10 +301,6 @@ class _RingAttention(torch.autograd.Function):
                 dkv += arriving[0]
             # on to the rank that attends this block next (one rank: it is home already)
             arriving = shift(dkv, meta.group, tag=1) if cp > 1 else (dkv, [])
-            if step < cp - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
         assert arriving is not None  # cp >= 1 steps ran
         for w in arriving[1]:
             w.wait()

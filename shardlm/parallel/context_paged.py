@@ -25,17 +25,27 @@ all-to-all gives each rank every token of the prompt for 1/cp of the heads, caus
 there as one fused kernel, and a second all-to-all brings each rank its own tokens' outputs for every
 head; the keys and values still go to the striped cache where their owners hold them. Steps with a
 cached context (later chunks, prefix hits, decode) keep pass-Q, which needs the cache.
+
+With ``cp_attention="ring"`` a fresh prefill takes ring attention's path instead (Liu et al. 2023,
+https://arxiv.org/abs/2310.01889, over the striped layout of Brandon et al. 2023): each rank keeps
+the queries of the tokens it owns, and the keys and values of the step's fresh tokens travel around
+the cp ring, cp - 1 hops, the next block in flight while the current one is attended
+(``context.ring_blocks``, the training ring's pass). Each block is attended under the causal mask of
+its tokens' positions (and the window) and the partial outputs merge by log-sum-exp as they come. A
+rank moves the K/V heads of its own tokens (never expanded for GQA) each hop, and gathers nothing.
+Steps with a cached context keep pass-Q here too.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from shardlm.parallel.comm import ProcessGroup, all_gather, all_reduce, all_to_all, group_size
-from shardlm.parallel.context import causal_attention, masked_scores, ulysses_units
+from shardlm.parallel.context import causal_attention, masked_scores, ring_blocks, ulysses_units
 
 
 def owner(position: int, block_size: int, cp: int) -> int:
@@ -66,12 +76,12 @@ class ContextShards:
     inverse: Tensor  # [step tokens] long
     wanted: Tensor  # [this rank's wanted rows] long: their places among all wanted rows
     num_wanted: int
-    ulysses: bool = False  # fresh prefills by Ulysses (see the module's docstring)
-    _fresh: tuple | None = field(default=None, repr=False)  # _fresh_layout's answer for this step
+    prefill: str = "pass-q"  # how fresh prefills are attended: "pass-q", "ulysses" or "ring" (module docstring)
+    _layouts: dict = field(default_factory=dict, repr=False)  # the fresh prompts' layouts of this step
 
     @classmethod
     def build(
-        cls, group, rank: int, owners: list[int], wanted_rows: list[int], device, ulysses: bool = False
+        cls, group, rank: int, owners: list[int], wanted_rows: list[int], device, prefill: str = "pass-q"
     ) -> ContextShards:
         """``owners``: the cp rank of each step row; ``wanted_rows``: step rows whose logits are needed."""
         cp = group_size(group)
@@ -86,7 +96,7 @@ class ContextShards:
             torch.argsort(order),
             torch.tensor(wanted, dtype=torch.long, device=device),
             len(wanted_rows),
-            ulysses,
+            prefill,
         )
 
     def gather_queries(self, q: Tensor) -> Tensor:
@@ -130,11 +140,37 @@ class ContextShards:
         out = all_to_all(out, self.group, send_sizes=sent, recv_sizes=[m] * cp)  # [cp * m, mine_u, per, d]
         return mine, out.view(cp, m, mine_u, per, d).transpose(0, 1).reshape(m, units * per, d)
 
+    def ring_prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, fresh: list[tuple[int, int]], heads, scale: float, window: int | None
+    ) -> tuple[Tensor, Tensor]:
+        """Ring attention of the step's fresh prefills (``fresh`` as for ``ulysses_prefill``): this
+        rank's queries stay, the fresh tokens' k, v go around the ring. Returns (this rank's rows
+        they cover [m]; their outputs [m, kv * group, d], float32, in ``heads``' grouped layout)."""
+        mine, sent, _ = self._fresh_layout(tuple(fresh))
+        spans = self._ring_layout(tuple(fresh))
+        m, d, kv = len(mine), q.shape[-1], heads.num_kv
+        qs = heads.group_q(q[mine]).view(m, kv, heads.group, d).permute(1, 2, 0, 3)  # [kv, group, m, d]
+        out = torch.zeros(qs.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qs.shape[:-1], float("-inf"), device=q.device)  # [kv, group, m]
+        blocks = [(2, n, kv, d) for n in sent]  # rank r's block: its fresh tokens' k and v
+        for src, kv_block in ring_blocks(torch.stack([k[mine], v[mine]]), self.group, blocks):
+            for (rows, q_pos), (cols, k_pos) in zip(spans[self.rank], spans[src]):  # prompt by prompt
+                if rows.start == rows.stop or cols.start == cols.stop:
+                    continue
+                ks, vs = kv_block[0, cols].transpose(0, 1), kv_block[1, cols].transpose(0, 1)  # [kv, keys, d]
+                o, o_lse = partial_attention(qs[:, :, rows], ks, vs, q_pos, k_pos, scale, window)
+                # a query's own key is in the first block (its own rank's), so lse is finite from then on
+                out[:, :, rows] = merge_partials(
+                    torch.stack([out[:, :, rows], o]), torch.stack([lse[..., rows], o_lse])
+                )
+                lse[..., rows] = torch.logaddexp(lse[..., rows], o_lse)
+        return mine, out.permute(2, 0, 1, 3).reshape(m, kv * heads.group, d)
+
     def _fresh_layout(self, fresh: tuple[tuple[int, int], ...]) -> tuple[Tensor, list[int], Tensor]:
         """Where the fresh prompts' tokens are, once per step (every layer asks): this rank's
         own ones [m] (indices into its tokens), how many each rank holds, and the permutation from
         their all-to-all order (rank by rank) to step order."""
-        if self._fresh is None or self._fresh[0] != fresh:
+        if ("fresh", fresh) not in self._layouts:
             is_fresh = torch.zeros(len(self.order), dtype=torch.bool, device=self.order.device)
             for start, length in fresh:
                 is_fresh[start : start + length] = True
@@ -143,8 +179,23 @@ class ContextShards:
             sent = [int(by_owner[a : a + n].sum()) for a, n in zip(firsts, self.counts)]
             a, n = firsts[self.rank], self.counts[self.rank]
             mine = torch.nonzero(by_owner[a : a + n]).flatten()
-            self._fresh = (fresh, (mine, sent, torch.argsort(self.order[by_owner])))
-        return self._fresh[1]
+            self._layouts["fresh", fresh] = (mine, sent, torch.argsort(self.order[by_owner]))
+        return self._layouts["fresh", fresh]
+
+    def _ring_layout(self, fresh: tuple[tuple[int, int], ...]) -> list[list[tuple[slice, Tensor]]]:
+        """[cp rank][fresh prompt]: (the prompt's rows in that rank's fresh tokens, their positions
+        in the prompt [rows], ascending), once per step. A rank's tokens are in step order, so a
+        prompt's are one run of them."""
+        if ("ring", fresh) not in self._layouts:
+            ends = torch.tensor([[start, start + length] for start, length in fresh], device=self.order.device)
+            spans = []
+            for a, n in zip(itertools.accumulate([0, *self.counts]), self.counts):
+                rows = self.order[a : a + n]  # this rank's step rows, ascending
+                rows = rows[((rows[:, None] >= ends[:, 0]) & (rows[:, None] < ends[:, 1])).any(1)]  # fresh ones
+                cuts = torch.searchsorted(rows, ends).tolist()  # [prompts, 2]: each prompt's run
+                spans.append([(slice(lo, hi), rows[lo:hi] - start) for (start, _), (lo, hi) in zip(fresh, cuts)])
+            self._layouts["ring", fresh] = spans
+        return self._layouts["ring", fresh]
 
     def gather_rows(self, h: Tensor) -> Tensor:
         """This rank's wanted rows [own wanted, dim] -> all of them in step order [wanted, dim], on

@@ -33,7 +33,6 @@ TRAIN_ONLY = (
     "recompute",
     "sp",
     "vpp",
-    "cp_attention",
     "offload",
     "prefetch",
 )
@@ -189,8 +188,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default 1; 0: each gathered when needed)",
     )
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
-    t.add_argument(
-        "--cp-attention", choices=CP_ATTENTION, help="pin how attention spans the cp ranks (ring or ulysses)"
+    p.add_argument(
+        "--cp-attention",
+        choices=("pass-q", *CP_ATTENTION),
+        help="how attention spans the cp ranks: training: pin ring or ulysses (default: searched); inference: "
+        "how a prompt that arrives whole is attended, as generate's --cp-attention (default pass-q)",
     )
     d = p.add_argument_group("pin layout dimensions (the rest are searched)")
     for axis, what in (
@@ -242,6 +244,8 @@ def build_request(args):
         )
     if not args.train and given(TRAIN_ONLY):
         raise PlanError(f"--{given(TRAIN_ONLY)[0].replace('_', '-')} is a training flag; add --train or drop it")
+    if args.train and args.cp_attention == "pass-q":
+        raise PlanError("--cp-attention pass-q is an inference attention; with --train pin ring or ulysses")
     if args.objective == "latency" and (args.max_ttft_ms is not None or args.max_tpot_ms is not None):
         raise PlanError(
             "--max-ttft-ms/--max-tpot-ms bound the throughput objective; with --objective latency "
@@ -287,7 +291,7 @@ def build_request(args):
     fixed = {
         k: getattr(args, k)
         for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
-        if getattr(args, k, None) is not None
+        if getattr(args, k, None) is not None and (args.train or k != "cp_attention")  # inference: the workload's
     }
     if args.vpp is not None:
         if args.schedule not in (None, "interleaved"):
@@ -351,6 +355,7 @@ def build_request(args):
         concurrency=args.max_concurrency,
         request_rate=args.request_rate,
         prefill_replicas=args.prefill_replicas or 0,
+        cp_attention=args.cp_attention or "pass-q",
     )
     return PlanRequest(train=False, inference=wl, **common)
 

@@ -7,8 +7,11 @@ et al. 2020, https://arxiv.org/abs/2006.16668 §2.2), and under CP what the engi
 KV cache costs (``parallel/context_paged.py``): each rank computes the tokens it holds (1/cp of a
 prefill chunk, of a decode batch), attends every query of the step to its 1/cp of the keys,
 all-gathers the queries and all-to-alls the float32 partial outputs to their owners per layer,
-and all-reduces the sampled rows' hidden states; the vocab-parallel LM head all-gathers
-logits; stages hand hidden states on with send/recv.
+and all-reduces the sampled rows' hidden states (pass-Q); a prompt's first chunk, which arrives
+whole, may instead pass its keys and values around the cp ring (``cp_attention="ring"``: cp - 1
+hops of a rank's K/V per layer, hidden behind the attention as far as it lasts) or all-to-all
+q, k, v and the output (Ulysses); the vocab-parallel LM head all-gathers logits; stages hand
+hidden states on with send/recv.
 
 A replica serves a batch of B sequences as a round: prefill every prompt (in chunks of
 PREFILL_CHUNK_TOKENS), then ``output_len`` decode steps; throughput is the round's output
@@ -63,6 +66,9 @@ class InferenceWorkload:
     """Serving load, closed loop: requests in flight over all replicas (``--max-concurrency``)."""
     request_rate: float | None = None
     """Serving load, open loop: Poisson arrivals, requests per second over all replicas (``--request-rate``)."""
+    cp_attention: str = "pass-q"
+    """Under cp, how a prompt that arrives whole (its first chunk) is attended: "pass-q", "ring" or
+    "ulysses" (``shardlm generate --cp-attention``); later chunks and decode steps are pass-Q."""
     prefill_replicas: int = 0
     """Of the dp replicas, these only prefill and the others only decode (``--prefill-replicas``,
     ``disagg.py``); 0: every replica does both."""
@@ -143,6 +149,7 @@ def stage_step(
     a_bytes: int,
     kv_bytes: float,
     dtype: str,
+    cp_attention: str = "pass-q",
 ) -> StepTime:
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
@@ -176,7 +183,13 @@ def stage_step(
         out.tp_comm += n * 2 * ar
         if moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # the engine's all_to_all dispatch
             out.ep_comm += n * moe_boundary(cfg, cluster, lay, tokens, a_bytes)
-        if lay.cp > 1:  # the engine's pass-Q attention (parallel/context_paged.py), prefill and decode
+        if lay.cp > 1 and not decode and cp_attention == "ring":  # K/V hops, overlapped with attention
+            kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a_bytes  # this rank's tokens, heads not expanded
+            out.cp_comm += n * max(0.0, (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster) - t_attn)
+        elif lay.cp > 1 and not decode and cp_attention == "ulysses":  # q, k, v out, the output back
+            qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a_bytes
+            out.cp_comm += n * comm.all_to_all(qkvo, cp_group, cluster)
+        elif lay.cp > 1:  # the engine's pass-Q attention (parallel/context_paged.py), prefill and decode
             queries = tokens if decode else tokens * lay.cp  # the step's queries over the cp group
             gather_q = comm.all_gather(queries * rl.q_heads * cfg.head_dim * a_bytes, cp_group, cluster)
             # every rank sends each query's float32 partial output and log-sum-exp to its owner
@@ -231,8 +244,11 @@ def boundary_time(cluster: Cluster, lay: Layout, nbytes: float) -> float:
     return sum(comm.send_recv(nbytes, a, b, cluster) for a, b in itertools.pairwise(pp_group))
 
 
-def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_) -> tuple[float, StepTime]:
-    """Time for ``seqs`` sequences to pass every stage once; and the summed per-stage parts."""
+def pipeline_time(
+    costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_, whole: bool = False
+) -> tuple[float, StepTime]:
+    """Time for ``seqs`` sequences to pass every stage once; and the summed per-stage parts.
+    ``whole``: the step's prompts arrive whole (attended by ``wl.cp_attention``)."""
     w_bytes, a_bytes, kv_bytes = bytes_
     dtype = wl.dtype
     mb = lay.pp if (wl.pp_overlap and lay.pp > 1 and seqs >= lay.pp) else 1
@@ -250,6 +266,7 @@ def pipeline_time(costs, cluster, lay, wl, *, tokens, ctx, decode, seqs, bytes_)
             a_bytes=a_bytes,
             kv_bytes=kv_bytes,
             dtype=dtype,
+            cp_attention=wl.cp_attention if whole else "pass-q",
         )
         for s in range(lay.pp)
     ]
@@ -294,31 +311,30 @@ def evaluate(
         return InferenceResult(layout=lay, memory=mem, fits=False, max_batch=max_batch, shortfall_bytes=mem.total - cap)
     # TTFT: one prompt's prefill (chunked); a round's prefill work: all b prompts
     chunk = min(C.PREFILL_CHUNK_TOKENS, wl.prompt_len)
-    t_chunk, _ = pipeline_time(
-        costs,
-        cluster,
-        lay,
-        wl,
-        tokens=chunk / lay.cp,
-        ctx=wl.prompt_len / 2,
-        decode=False,
-        seqs=max(1.0, chunk / wl.prompt_len),
-        bytes_=bytes_,
-    )
-    ttft = math.ceil(wl.prompt_len / chunk) * t_chunk
+    chunks = math.ceil(wl.prompt_len / chunk)  # a prompt's
+
+    def prefill(step: float, whole: bool = False) -> float:
+        """A prefill step of ``step`` tokens; averaged over a prompt's chunks under cp, where its first
+        arrives whole (``wl.cp_attention``) and the later ones read its cache (pass-Q)."""
+        t = pipeline_time(
+            costs,
+            cluster,
+            lay,
+            wl,
+            tokens=step / lay.cp,
+            ctx=wl.prompt_len / 2,
+            decode=False,
+            seqs=max(1.0, step / wl.prompt_len),
+            bytes_=bytes_,
+            whole=whole,
+        )[0]
+        if whole or lay.cp == 1 or wl.cp_attention == "pass-q":
+            return t
+        return (prefill(step, whole=True) + (chunks - 1) * t) / chunks
+
+    ttft = chunks * prefill(chunk)
     round_chunk = min(C.PREFILL_CHUNK_TOKENS, b * wl.prompt_len)
-    t_round_chunk, _ = pipeline_time(
-        costs,
-        cluster,
-        lay,
-        wl,
-        tokens=round_chunk / lay.cp,
-        ctx=wl.prompt_len / 2,
-        decode=False,
-        seqs=max(1.0, round_chunk / wl.prompt_len),
-        bytes_=bytes_,
-    )
-    prefill_round = math.ceil(b * wl.prompt_len / round_chunk) * t_round_chunk
+    prefill_round = math.ceil(b * wl.prompt_len / round_chunk) * prefill(round_chunk)
     ctx = (wl.prompt_len + wl.output_len / 2) / lay.cp
     tpot, parts = pipeline_time(costs, cluster, lay, wl, tokens=b, ctx=ctx, decode=True, seqs=b, bytes_=bytes_)
     cycle = prefill_round + wl.output_len * tpot

@@ -98,6 +98,8 @@ def search_inference(
             check_split(wl.prefill_replicas, max(lay.dp for lay in layouts))
         layouts = split
     for lay in layouts:
+        if wl.cp_attention == "ulysses" and not ulysses_fits(costs.cfg, lay.tp, lay.cp):
+            continue  # the engine refuses it (engine/config.py)
         if objective == "latency":
             # at a load the replica runs as many as fit, as a server does; alone, one request
             res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or (None if wl.loaded else 1))

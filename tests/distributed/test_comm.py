@@ -174,6 +174,11 @@ def check_primitives(group) -> None:
             w.wait()
         eq(got, V((r - 1) % n, (2, 3)))
         eq(got2, V((r - 1) % n, (5,), salt=1))
+        # blocks of uneven sizes (each rank names the one it receives), rank 0's empty: not sent
+        got, works = comm.shift(V(r, (r, 3)), group, recv_shape=((r - 1) % n, 3))
+        for w in works:
+            w.wait()
+        eq(got, V((r - 1) % n, ((r - 1) % n, 3)))
         if r == 0:
             comm.send(V(0, (4,)), n - 1, group)
         elif r == n - 1:

@@ -1,6 +1,7 @@
 """Context parallelism at inference (parallel/context_paged.py): every sequence and its KV cache
 striped over the cp ranks by runs of a block, queries all-gathered, partial outputs merged at their
-owners. Greedy tokens equal HF's at every layout (float32: the merge by log-sum-exp reorders
+owners (or, for a prompt that arrives whole, heads split by Ulysses or keys and values passed
+around the ring). Greedy tokens equal HF's at every layout (float32: the merge by log-sum-exp reorders
 the softmax sums, ~1e-6 on logits, far below the references' top-2 gaps); a quantized cache gives
 the one-process quantized cache's logits; a prompt one rank's KV budget cannot hold runs over two.
 
@@ -77,6 +78,105 @@ def test_ulysses_prefill_matches_hf(tiny, name, layout):
     )
     for tokens, _, _ in results:
         assert tokens == ref.tokens
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("llama", dict(cp=2)),  # GQA: 2 KV heads of 3 query heads, sent unexpanded
+        ("llama", dict(cp=3)),
+        pytest.param("llama", dict(cp=2, tp=2), marks=pytest.mark.slow),  # 4 ranks each: ~4 s and ~2 s
+        pytest.param("llama", dict(cp=2, pp=2), marks=pytest.mark.slow),
+        ("llama", dict(dp=2, cp=2, block_size=2)),
+        ("mistral", dict(cp=2)),  # the 7-token window over blocks from both ranks
+        ("llama", dict(cp=2, max_num_batched_tokens=8)),  # first chunks by the ring, later ones by pass-Q
+    ],
+    ids=["llama-cp2", "llama-cp3", "llama-cp2-tp2", "llama-cp2-pp2", "llama-dp2-cp2", "mistral-cp2", "llama-chunked"],
+)
+def test_ring_prefill_matches_hf(tiny, name, layout):
+    """cp_attention="ring": a prompt that arrives whole keeps its queries where their tokens are and
+    passes its keys and values around the cp ranks (they are cached striped as ever)."""
+    ref = tiny(name)
+    world = layout.get("dp", 1) * layout.get("pp", 1) * layout["cp"] * layout.get("tp", 1)
+    layout = {"block_size": 4, **layout}
+    for tokens, _, _ in run_ranks(world, llm_greedy, str(ref.path), PROMPTS, NEW_TOKENS, cp_attention="ring", **layout):
+        assert tokens == ref.tokens
+
+
+def ring_prefill_on_rank(lengths: list[int], block_size: int, q, k, v, kv_of_q: list[int], window: int | None):
+    """One step's fresh prompts of ``lengths`` (q [tokens, q_heads, d], k, v [tokens, kv_heads, d],
+    laid back to back) striped over the cp ranks: this rank's ring prefill, as (the step rows it
+    computed, their outputs [rows, q_heads, d])."""
+    import torch.distributed as dist
+
+    from shardlm.models.attention import GroupedHeads
+    from shardlm.parallel.context_paged import ContextShards, owner
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    owners = [owner(p, block_size, cp) for n in lengths for p in range(n)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    rows = torch.tensor([i for i, o in enumerate(owners) if o == rank], dtype=torch.long)
+    shards = ContextShards.build(dist.group.WORLD, rank, owners, [], "cpu", "ring")
+    heads = GroupedHeads(kv_of_q)
+    fresh = list(zip(starts, lengths))
+    covered, out = shards.ring_prefill(q[rows], k[rows], v[rows], fresh, heads, q.shape[-1] ** -0.5, window)
+    return rows[covered], heads.ungroup(out)
+
+
+RING_CASES = [  # (cp, block size, prompt lengths, KV head of each query head, window)
+    (2, 4, [13, 1, 9], [0, 0, 0, 1, 1, 1], None),  # GQA; a 1-token prompt only rank 0 holds
+    (3, 2, [3, 20, 7], [0, 0, 1, 1, 1], 5),  # uneven query groups; a window; rank 2 holds none of the first
+    (4, 1, [10], [0, 1], None),
+    (3, 4, [2], [0, 0], None),  # ranks 1 and 2 hold nothing: empty blocks go round
+]
+
+
+def striped_reference(q, k, v, lengths: list[int], kv_of_q: list[int], window, visible=None):
+    """One process's causal attention over each whole prompt laid back to back (SDPA), keys hidden
+    where ``visible`` [tokens] is False: [tokens, q_heads, d]."""
+    import torch.nn.functional as F
+
+    out, at = [], 0
+    for n in lengths:
+        pos = torch.arange(n)
+        mask = pos[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        if visible is not None:
+            mask &= visible[at : at + n][None, :]
+        qs, ks, vs = (t[at : at + n].transpose(0, 1) for t in (q, k[:, kv_of_q], v[:, kv_of_q]))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=q.shape[-1] ** -0.5))
+        at += n
+    return torch.cat(out, dim=1).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "cp, block_size, lengths, kv_of_q, window", RING_CASES, ids=[f"cp{c[0]}-bs{c[1]}-w{c[4]}" for c in RING_CASES]
+)
+def test_ring_prefill_equals_one_process_attention(cp, block_size, lengths, kv_of_q, window):
+    """Each rank's ring prefill output for the tokens it owns (striped by runs of a block) equals
+    one process's causal attention over each whole prompt (SDPA), within float32 assert_close
+    defaults (rtol 1.3e-6, atol 1e-5: the blocks' partial softmaxes merge by log-sum-exp)."""
+    g = torch.Generator().manual_seed(cp)
+    tokens, d = sum(lengths), 8
+    q = torch.randn(tokens, len(kv_of_q), d, generator=g)
+    k, v = (torch.randn(tokens, max(kv_of_q) + 1, d, generator=g) for _ in range(2))
+    want = striped_reference(q, k, v, lengths, kv_of_q, window)
+    covered = torch.zeros(tokens, dtype=torch.long)
+    apart = 0.0  # how far the ranks' outputs are from attention over their own keys alone
+    for rank, (rows, out) in enumerate(
+        run_ranks(cp, ring_prefill_on_rank, lengths, block_size, q, k, v, kv_of_q, window)
+    ):
+        covered[rows] += 1
+        torch.testing.assert_close(out, want[rows], msg=lambda m: f"rank {rank}: {m}")
+        if len(rows):
+            own = torch.zeros(tokens, dtype=torch.bool)
+            own[rows] = True
+            alone = striped_reference(q, k, v, lengths, kv_of_q, window, own)[rows]
+            apart = max(apart, (alone - want[rows]).abs().max().item())
+    assert covered.tolist() == [1] * tokens  # the ranks' shares tile the prompts once
+    # it can fail: the other ranks' keys matter (but where one rank holds every token)
+    assert apart > 1e-2 or max(lengths) <= block_size
 
 
 def test_ulysses_prefill_needs_heads_that_split(tiny):
@@ -167,9 +267,22 @@ def long_prompts(tmp_path_factory):
         ("llama", dict(dp=2, cp=2)),
         ("llama", dict(cp=2, max_num_batched_tokens=512)),  # five chunks, each reading all before it
         ("llama", dict(cp=2, cp_attention="ulysses")),
+        ("llama", dict(cp=3, cp_attention="ring")),  # 1000-odd keys a hop, rank to rank
         ("mistral", dict(cp=2)),  # a 7-token window deep into the prompt
+        ("mistral", dict(cp=2, cp_attention="ring")),  # ... that most hops' blocks fall outside
     ],
-    ids=["cp3", "cp4", "cp2-tp2", "cp2-pp2", "dp2-cp2", "cp2-chunked", "cp2-ulysses", "mistral-cp2"],
+    ids=[
+        "cp3",
+        "cp4",
+        "cp2-tp2",
+        "cp2-pp2",
+        "dp2-cp2",
+        "cp2-chunked",
+        "cp2-ulysses",
+        "cp3-ring",
+        "mistral-cp2",
+        "mistral-cp2-ring",
+    ],
 )
 def test_prompts_of_thousands_of_tokens_match_hf(long_prompts, name, layout):
     path, prompts, want = long_prompts(name)
@@ -212,6 +325,7 @@ def test_what_cp_does_not_run_is_refused(tiny, options, message):
         LLM(str(tiny("llama").path), cp=2, **options)
 
 
-def test_a_cp_attention_without_cp_is_refused(tiny):
-    with pytest.raises(UsageError, match=r"cp_attention='ulysses' splits attention over cp ranks, and cp=1"):
-        LLM(str(tiny("llama").path), cp_attention="ulysses")
+@pytest.mark.parametrize("attention", ["ulysses", "ring"])
+def test_a_cp_attention_without_cp_is_refused(tiny, attention):
+    with pytest.raises(UsageError, match=rf"cp_attention='{attention}' splits attention over cp ranks, and cp=1"):
+        LLM(str(tiny("llama").path), cp_attention=attention)

@@ -239,6 +239,52 @@ def test_ulysses_is_searched_where_the_heads_split_and_costed_as_two_all_to_alls
     assert ring.comm_s["cp"] != ulysses.comm_s["cp"]
 
 
+def test_inference_cp_attention_costs_a_whole_prompt_as_the_engine_attends_it(capsys):
+    """Llama-3-8B at tp4 x cp2, a 4096-token prompt (one chunk: it arrives whole). `--cp-attention
+    ring` costs cp - 1 = 1 hop of a rank's keys and values a layer (2 KV heads of a tp rank, not
+    expanded), less the attention it hides behind, in place of pass-Q's query all-gather and partial
+    outputs' all-to-all; ulysses its all-to-alls; decode steps stay pass-Q (the same TPOT)."""
+    from dataclasses import replace
+
+    from shardlm.plan import comm
+    from shardlm.plan.inference import InferenceWorkload, evaluate, stage_step
+    from shardlm.plan.layout import Layout
+
+    cfg = load_model("llama-3-8b")[0]
+    costs, cluster, lay = (
+        ModelCosts(cfg),
+        Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8),
+        Layout(tp=4, cp=2),
+    )
+    wl = InferenceWorkload(prompt_len=4096, output_len=64, batch=1)
+    got = {a: evaluate(costs, cluster, lay, replace(wl, cp_attention=a)) for a in ("pass-q", "ring", "ulysses")}
+    assert got["ring"].tpot_s == got["ulysses"].tpot_s == got["pass-q"].tpot_s
+    assert got["ring"].ttft_s < got["pass-q"].ttft_s  # 32 query heads to 8 KV heads: the ring moves less
+    assert len({r.ttft_s for r in got.values()}) == 3
+
+    # 4 GPUs a node: the cp pair crosses nodes, and a hop outlasts a layer's attention
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=4)
+    step = dict(tokens=2048, ctx=2048, decode=False, seqs=1, w_bytes=2, a_bytes=2, kv_bytes=2, dtype="bf16")
+    ring, passq = (stage_step(costs, cluster, lay, 0, cp_attention=a, **step) for a in ("ring", "pass-q"))
+    group = lay.slowest_group("cp", 4)
+    hop = comm.send_recv(2048 * 2 * (8 // 4) * 128 * 2, group[0], group[1], cluster)  # bf16 K and V
+    sampled = comm.all_reduce(cfg.hidden_size * 2, group, cluster)  # the last token's row to both cp ranks
+    assert hop > ring.attention / 32
+    assert ring.cp_comm == pytest.approx(32 * (hop - ring.attention / 32) + sampled, rel=1e-9)
+    assert (ring.attention, ring.matmul) == (passq.attention, passq.matmul) and ring.cp_comm < passq.cp_comm
+
+    plan = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--gpus-per-node", "4"]
+    pinned = [*plan, "--tp", "4", "--cp", "2", "--prompt-len", "4096", "--json"]
+    ttft = {}
+    for a in ("pass-q", "ring"):
+        code, out, err = run([*pinned, "--cp-attention", a], capsys)
+        assert code == 0, err
+        ttft[a] = json.loads(out)["layouts"][0]["ttft_s"]
+    assert ttft["ring"] < ttft["pass-q"]
+    code, _, err = run([*plan, "--train", "--cp-attention", "pass-q"], capsys)
+    assert code == 2 and "--cp-attention pass-q is an inference attention" in err, err
+
+
 def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypatch):
     """Sequence parallelism with MoE is marked, zero-bubble picks (which the trainer runs) are not;
     a pick that is marked is followed by the best layout shardlm runs (a rule made up here: no
