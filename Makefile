@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up .venv, then a real 3-rank tensor-parallel generation on SmolLM2
-#   make test   set up .venv, then the test suite (tests/unit, tests/distributed, tests/e2e) but the slow tier
-# `make test-slow` runs the slow tier (@pytest.mark.slow: multi-host, soak, compile, full CLI runs);
+#   make test   set up .venv, then the test suite (tests/unit, tests/distributed, tests/e2e, the two-host
+#               tests included) but the slow tier
+# `make test-slow` runs the slow tier (@pytest.mark.slow: soak, compile, full CLI runs);
 # CI runs lint, test and test-slow
 # TORCH pins the CPU wheel of the development machine; on a GPU host use e.g.
 #   make TORCH="torch>=2.5" test
@@ -26,8 +27,17 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/shardlm generate --tp 3 "Explain tensor parallelism in one paragraph."
 
+# The two-host tests (torchrun across two network namespaces) spend most of their time starting
+# processes and waiting out timeouts, with the CPU half idle: they run beside the rest, and their
+# report follows the main one
+MULTIHOST = tests/e2e/test_multinode.py
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	@log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -m "not slow" $(MULTIHOST) > $$log 2>&1 & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; rm -f $$log' INT TERM; \
+	$(BIN)/python -m pytest -q -m "not slow" --ignore=$(MULTIHOST); main=$$?; \
+	wait $$pid; multi=$$?; echo "--- the two-host tests ($(MULTIHOST)), run alongside:"; cat $$log; rm -f $$log; \
+	test $$main -eq 0 && test $$multi -eq 0
 
 # the tests marked slow (each ~10 s to 2 min on 2 cores): CI runs them after `make test`
 test-slow: $(STAMP)

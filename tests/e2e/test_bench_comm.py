@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from harness.cli import main_exit
 from harness.multirank import run_ranks
 from shardlm.bench.comm import OPS, bench_comm, busbw_factor, measure, sizes_between
 
@@ -95,13 +96,23 @@ def test_cli_json_and_plots(tmp_path):
         (["--min-bytes", "1M", "--max-bytes", "8"], "min <= max"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, match):
+def test_bad_input_is_one_line_and_exit_2(args, match, capsys):
+    """Refused before any rank starts, by the command's own ``main`` in this process (the real
+    command's exit and single line are checked once, below)."""
     if "nccl" in args and dist.is_nccl_available():
         import torch
 
         if torch.cuda.device_count() >= 2:
             pytest.skip("this host can run nccl")
+    code, err = main_exit(["bench", "comm", *args], capsys)
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_real_command_refuses_with_one_line():
     out = subprocess.run(
-        [sys.executable, "-m", "shardlm.cli", "bench", "comm", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "shardlm.cli", "bench", "comm", "--ranks", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert out.returncode == 2 and match in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.returncode == 2 and "--ranks 1" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

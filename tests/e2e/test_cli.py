@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,9 +18,18 @@ PROMPT = "The capital of France is"
 
 
 def rank_processes() -> list[str]:
-    """Rank processes of this checkout's shardlm (another checkout's runs on the host are not ours)."""
+    """Rank processes of this checkout's shardlm on this host (another checkout's runs, and the
+    two-host tests' ranks in their own network namespaces, which `make test` runs alongside, are not ours)."""
     out = subprocess.run(["pgrep", "-f", "-a", "shardlm.launch"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line and str(BIN) in line]
+    here = os.readlink("/proc/self/ns/net")
+
+    def on_this_host(line: str) -> bool:
+        try:
+            return os.readlink(f"/proc/{line.split()[0]}/ns/net") == here
+        except OSError:  # gone meanwhile
+            return False
+
+    return [line for line in out.splitlines() if "pgrep" not in line and str(BIN) in line and on_this_host(line)]
 
 
 @pytest.fixture(scope="module")
