@@ -46,7 +46,9 @@ def test_striped_layouts_match_hf(tiny, layout):
         assert tokens == ref.tokens
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "qwen2"])
+@pytest.mark.parametrize(
+    "name", ["mistral", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)]
+)
 def test_families_match_hf_at_cp2(tiny, name):
     """Mistral's sliding window (7 tokens: a query's window spans both ranks' runs), Qwen3's q/k
     norms, Qwen2's biases; chunked, so prefills read the cache too."""

@@ -54,7 +54,11 @@ def serve(path: str, params: list[SamplingParams], cancelled: int = 0, **layout)
         engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, tp=2), dict(dp=3)], ids=["dp2", "dp2-tp2", "dp3"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(dp=2), dict(dp=2, tp=2), pytest.param(dict(dp=3), marks=pytest.mark.slow)],
+    ids=["dp2", "dp2-tp2", "dp3"],
+)
 def test_disaggregated_serving_matches_hf(tiny, layout):
     """One prefill replica (and one or two decode replicas; pp: the seeded test); greedy answers
     equal HF's, also for clients that leave right after their first token (aborted on whichever
@@ -73,7 +77,9 @@ def test_disaggregated_serving_matches_hf(tiny, layout):
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0, stats  # everything freed
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, pp=2)], ids=["dp2", "dp2-pp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(dp=2), pytest.param(dict(dp=2, pp=2), marks=pytest.mark.slow)], ids=["dp2", "dp2-pp2"]
+)
 def test_seeded_sampling_continues_on_the_decode_replica(tiny, layout):
     """The first token is sampled on the prefill replica, the rest on the decode replica from the
     same generator state (with pp, the last stage's: the one that samples): the answers equal

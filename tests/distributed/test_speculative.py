@@ -53,6 +53,7 @@ def test_greedy_verify_accepts_drafts_while_the_model_agrees():
     assert verify(logits, [0, 4, 7], SamplingParams(temperature=0.0), None) == [3]
 
 
+@pytest.mark.slow
 def test_sampled_verify_keeps_the_target_distribution():
     """Whatever the draft, each emitted token is distributed as the target's (temperature, top-k
     and top-p applied): 12000 draws (seeded), every token's frequency within 0.015 of its probability

@@ -343,7 +343,7 @@ def _world(layout: dict) -> int:
             dict(tp=2, pp=2, zero=3, grad_accum=2, dtype="bfloat16"),
         ),
         (dict(dp=2, zero=3), dict(tp=2, zero=1)),
-        (dict(pp=2, tp=2, zero=1, grad_accum=2), dict(dp=2, cp=2, zero=2)),
+        pytest.param(dict(pp=2, tp=2, zero=1, grad_accum=2), dict(dp=2, cp=2, zero=2), marks=pytest.mark.slow),
         (dict(dp=2, zero=3, dtype="bfloat16"), dict(pp=2, tp=2, zero=0, grad_accum=2, dtype="bfloat16")),
     ],
     ids=[

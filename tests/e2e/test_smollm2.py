@@ -16,7 +16,7 @@ from harness.rankfns import greedy_and_logits, shard_read_elements
 from harness.reference import NEW_TOKENS
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_smollm2_matches_hf(smollm2, tp):
     path, prompts, ref, total = smollm2
     results = run_ranks(tp, greedy_and_logits, path, tp, prompts, NEW_TOKENS)
@@ -41,7 +41,7 @@ def test_each_rank_reads_only_what_it_holds(smollm2):
         assert read < total / 2
 
 
-@pytest.mark.parametrize("layout", [{}, dict(tp=2)])
+@pytest.mark.parametrize("layout", [{}, pytest.param(dict(tp=2), marks=pytest.mark.slow)])
 def test_stop_strings_end_generation_on_the_ranks(smollm2, layout):
     """A stop string ends the sequence at the token that completes it: the ranks stop generating."""
     from shardlm import LLM, SamplingParams

@@ -49,6 +49,7 @@ def test_json_schema_answers_validate_for_20_prompts(llm):
         jsonschema.validate(json.loads(free.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_regex_choice_grammar_and_json_object(llm):
     ask = [{"role": "user", "content": "Give me a phone number."}]
     phone = llm.chat(
