@@ -4,7 +4,10 @@ Patterson 2009, "Roofline: An Insightful Visual Performance Model", CACM 52(4)).
 Each piece of work is ``max(FLOPs / achievable FLOP/s, bytes / achievable bytes/s)`` plus a
 fixed dispatch cost per operator. The two pieces of a layer that stress different limits
 are timed apart: the weight matmuls (weight bytes vs 2 x tokens x params FLOPs) and the
-attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs).
+attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs). An MoE layer's
+experts run as a grouped GEMM, each at M = its own tokens, reading only the experts some token
+touches, on the most loaded ep rank (``routing_imbalance``); ``node_limit`` is how many nodes
+group-limited routing lets a token's experts span.
 """
 
 from __future__ import annotations
@@ -173,7 +176,8 @@ def layer_work(
     half_rows: float,
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
-    the size-dependent GEMM efficiency of the device (``half_rows``)."""
+    the size-dependent GEMM efficiency of the device (``half_rows``), an MoE layer's experts each at
+    its own tokens, on the most loaded ep rank (``routing_imbalance``)."""
     h = cfg.hidden_size
     dense = rl.attn + rl.dense + rl.router
     flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)

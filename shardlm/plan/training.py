@@ -3,7 +3,8 @@
 Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
 (2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
 TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
-the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine, and the CP KV ring or Ulysses' all-to-alls
+the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine (once per node under node-limited
+routing: ``comm.moe_dispatch``), and the CP KV ring or Ulysses' all-to-alls
 (hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
 same communication again; recomputation adds a forward (full) or the attention core (selective).
 
