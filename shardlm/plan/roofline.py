@@ -116,9 +116,9 @@ def routing_imbalance(pairs: float, groups: int, experts: int, top_k: int) -> fl
     without replacement: hypergeometric), mean mu = pairs / g and variance
     sigma^2 = mu (1 - 1/g) (E - k) / (E - 1); by the central limit theorem about normal, so the
     most loaded of g is mu + sigma E[max of g standard normals] (``expected_max_normal``), which
-    tends to mu + sqrt(2 mu ln g) as g grows: for balls into bins with m >> n ln n the maximum is
-    m/n + sqrt(2 (m/n) ln n) (1 + o(1)) (Raab & Steger 1998, "Balls into Bins - A Simple and Tight
-    Analysis", RANDOM '98, Theorem 1). No constant is fitted: the factor -> 1 as the tokens per
+    tends to mu + sqrt(2 mu ln g) as g grows: for m balls in n bins, m >> n ln n, the maximum is with
+    high probability m/n + sqrt(2 (m/n) ln n) (1 + o(1)) (Raab & Steger 1998, "Balls into Bins - A
+    Simple and Tight Analysis", RANDOM '98, LNCS 1518). No constant is fitted: the factor -> 1 as the tokens per
     group grow, and is capped where one group takes every pair it can (each token once per
     expert: min(g, E / k)). Real routers correlate tokens (a sequence's tokens favour the same
     experts), so this is the least imbalance balanced routing leaves; no published load figure
