@@ -114,6 +114,31 @@ def all_to_all(nbytes_per_rank: float, ranks: list[int], cluster: Cluster) -> fl
     return g.collective_launch_s + max(intra, inter)
 
 
+def moe_dispatch(token_bytes: float, top_k: int, max_nodes: int | None, ranks: list[int], cluster: Cluster) -> float:
+    """One MoE all-to-all (dispatch, or combine: the same bytes back) of a rank's tokens of
+    ``token_bytes`` in all, each to ``top_k`` experts spread evenly over the ``ranks`` of the ep
+    group. Without a node limit (``max_nodes`` None) every (token, choice) pair is its own copy
+    (``all_to_all`` of top_k x token_bytes, as Megatron's and shardlm's dispatchers send them).
+    With node-limited routing (DeepSeek-V3, https://arxiv.org/abs/2412.19437 §2.1.2: "each token
+    will be sent to at most M nodes"; §3.2.2: a token crosses IB once to the GPU with the same
+    in-node index on each target node, which forwards it over NVLink to the GPUs of its experts,
+    IB and NVLink running at once) a token leaves its node at most min(k, nodes, M) times: over the
+    NIC, each of those nodes but the token's own (a share (nodes - 1) / nodes of them, the experts
+    spread evenly) carries one copy; over NVLink, the k copies go to the experts' GPUs but for the
+    (1 / ranks-per-node) share that lands on the receiving GPU itself. Time: the slower of the two."""
+    n = len(ranks)
+    if n <= 1 or token_bytes <= 0:
+        return 0.0
+    k, nodes = placement(ranks, cluster)
+    if max_nodes is None or nodes == 1:
+        return all_to_all(token_bytes * top_k, ranks, cluster)
+    g = cluster.gpu
+    node_copies = min(top_k, nodes, max_nodes)
+    inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps
+    intra = (k - 1) * g.intra.alpha_s + top_k * (k - 1) / k * token_bytes / g.intra.bandwidth_Bps
+    return g.collective_launch_s + max(intra, inter)
+
+
 def send_recv(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     if nbytes <= 0:
         return 0.0

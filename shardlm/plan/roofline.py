@@ -4,13 +4,17 @@ Patterson 2009, "Roofline: An Insightful Visual Performance Model", CACM 52(4)).
 Each piece of work is ``max(FLOPs / achievable FLOP/s, bytes / achievable bytes/s)`` plus a
 fixed dispatch cost per operator. The two pieces of a layer that stress different limits
 are timed apart: the weight matmuls (weight bytes vs 2 x tokens x params FLOPs) and the
-attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs).
+attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs). An MoE layer's
+experts run as a grouped GEMM, each at M = its own tokens, reading only the experts some token
+touches, on the most loaded ep rank (``routing_imbalance``); ``node_limit`` is how many nodes
+group-limited routing lets a token's experts span.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.pipeline import stage_layers
@@ -88,6 +92,60 @@ def expected_experts_touched(local: int, total: int, top_k: int, tokens: float) 
     return local * (1.0 - (1.0 - top_k / total) ** tokens)
 
 
+@cache
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] = integral of x n phi(x) Phi(x)^(n-1) dx (midpoint
+    rule over [-10, 10]); about sqrt(2 ln n) for large n, below it for every n (the Gaussian
+    maximal inequality, Boucheron, Lugosi & Massart 2013, "Concentration Inequalities", §2.5): 1.42
+    against 2.04 at n = 8, 2.41 against 2.88 at 64."""
+    dx = 0.01
+    xs = (-10 + (i + 0.5) * dx for i in range(2000))
+    return sum(
+        x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) * dx
+        for x in xs
+    )
+
+
+def routing_imbalance(pairs: float, groups: int, experts: int, top_k: int) -> float:
+    """Expected load of the most loaded of ``groups`` expert groups (ranks, or experts when a rank
+    holds one) over the mean, when ``pairs`` (token, choice) pairs are routed balanced in
+    expectation (an auxiliary loss or V3's bias keeps every expert's expected share 1/E): the step
+    waits for that group, so its expert GEMMs run on mean x this factor tokens.
+
+    A group's load is a sum over tokens of the choices that land on its E/g experts (k of E
+    without replacement: hypergeometric), mean mu = pairs / g and variance
+    sigma^2 = mu (1 - 1/g) (E - k) / (E - 1); by the central limit theorem about normal, so the
+    most loaded of g is mu + sigma E[max of g standard normals] (``expected_max_normal``), which
+    tends to mu + sqrt(2 mu ln g) as g grows: for m balls in n bins, m >> n ln n, the maximum is with
+    high probability m/n + sqrt(2 (m/n) ln n) (1 + o(1)) (Raab & Steger 1998, "Balls into Bins - A
+    Simple and Tight Analysis", RANDOM '98, LNCS 1518). No constant is fitted: the factor -> 1 as the tokens per
+    group grow, and is capped where one group takes every pair it can (each token once per
+    expert: min(g, E / k)). Real routers correlate tokens (a sequence's tokens favour the same
+    experts), so this is the least imbalance balanced routing leaves; no published load figure
+    for the validation runs is used (the DeepSeek-V3 report and the Mixtral paper plot expert loads
+    per domain of the Pile, not a step's most loaded rank)."""
+    if groups <= 1 or pairs <= 0 or experts <= top_k:
+        return 1.0
+    mean = pairs / groups
+    var = mean * (1 - 1 / groups) * (experts - top_k) / (experts - 1)
+    return min(1.0 + expected_max_normal(groups) * math.sqrt(var) / mean, groups, experts / top_k)
+
+
+def node_limit(cfg: ModelConfig, nodes: int) -> int | None:
+    """The most nodes one token's experts can lie on when the experts are laid out in order over an
+    ep group of ``nodes`` nodes, under group-limited routing (the top-k among the ``topk_group``
+    best of ``n_group`` groups: DeepSeek-V3's node-limited routing, its 8 groups being its 8 nodes'
+    experts, §2.1.2); None: not limited (greedy top-k, or groups that do not fall on node
+    boundaries)."""
+    if cfg.topk_method != "group_limited" or cfg.n_group <= 1 or nodes <= 1:
+        return None
+    if cfg.n_group % nodes == 0:  # whole groups on each node
+        return min(cfg.topk_group, nodes)
+    if nodes % cfg.n_group == 0:  # each group over nodes / n_group nodes
+        return cfg.topk_group * nodes // cfg.n_group
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Step:
     """What one forward step asks of one layer on one rank."""
@@ -118,7 +176,8 @@ def layer_work(
     half_rows: float,
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
-    the size-dependent GEMM efficiency of the device (``half_rows``)."""
+    the size-dependent GEMM efficiency of the device (``half_rows``), an MoE layer's experts each at
+    its own tokens, on the most loaded ep rank (``routing_imbalance``)."""
     h = cfg.hidden_size
     dense = rl.attn + rl.dense + rl.router
     flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)
@@ -127,7 +186,9 @@ def layer_work(
         k = cfg.num_experts_per_tok
         touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
         wbytes += touched * rl.expert_params * w_bytes
-        routed = step.moe_tokens * k / ep  # tokens routed to this rank's experts
+        # (token, choice) pairs the most loaded ep rank's experts take: a grouped GEMM, each local
+        # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
+        routed = step.moe_tokens * k / ep * routing_imbalance(step.moe_tokens * k, ep, cfg.num_experts, k)
         per_expert = routed / max(touched, 1e-9)
         flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops

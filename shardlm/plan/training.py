@@ -3,7 +3,8 @@
 Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
 (2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
 TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
-the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine, and the CP KV ring or Ulysses' all-to-alls
+the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine (once per node under node-limited
+routing: ``comm.moe_dispatch``), and the CP KV ring or Ulysses' all-to-alls
 (hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
 same communication again; recomputation adds a forward (full) or the attention core (selective).
 
@@ -30,7 +31,7 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
+from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work, node_limit
 from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -190,12 +191,10 @@ def _stage(
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
-        if moe and lay.ep > 1:
-            ep_c += (
-                n
-                * 2
-                * comm.all_to_all(tokens / lay.tp * cfg.num_experts_per_tok * cfg.hidden_size * a, ep_group, cluster)
-            )
+        if moe and lay.ep > 1:  # dispatch and combine; node-limited routing crosses IB once per node
+            limit = node_limit(cfg, lay.nodes_spanned("ep", cluster.gpus_per_node))
+            share = tokens / lay.tp * cfg.hidden_size * a
+            ep_c += n * 2 * comm.moe_dispatch(share, cfg.num_experts_per_tok, limit, ep_group, cluster)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)

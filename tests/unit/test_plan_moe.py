@@ -1,0 +1,115 @@
+"""Planner MoE costs: routing imbalance, grouped expert GEMMs at tokens-per-expert, node-limited
+all-to-all (roofline.routing_imbalance, roofline.layer_work, roofline.node_limit, comm.moe_dispatch)."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from shardlm.plan import comm, training
+from shardlm.plan.catalog import load_model
+from shardlm.plan.hardware import Cluster, load_gpu
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import ModelCosts, Step, expected_max_normal, layer_work, node_limit, routing_imbalance
+from shardlm.plan.training import TrainWorkload
+
+
+def test_imbalance_tends_to_one_with_many_tokens_and_exceeds_it_with_few():
+    e, k, g = 256, 8, 64  # DeepSeek-V3's experts over ep 64
+    assert routing_imbalance(1e12, g, e, k) == pytest.approx(1.0, abs=1e-4)
+    factors = [routing_imbalance(t * k, g, e, k) for t in (16, 256, 4096, 65536)]
+    assert factors == sorted(factors, reverse=True) and factors[0] > 1.5 and factors[-1] < 1.05
+    assert routing_imbalance(1e6, 1, e, k) == 1.0  # one rank holds every expert: nothing to wait for
+    assert routing_imbalance(1, 8, 8, 2) == 4.0  # capped: one token's pair on one of 8 ranks (E / k)
+    mean, var = 4096 * 2 / 8, 4096 * 2 / 8 * (7 / 8) * (6 / 7)  # the closed form, Mixtral 8 experts top-2
+    assert routing_imbalance(4096 * 2, 8, 8, 2) == pytest.approx(1 + expected_max_normal(8) * math.sqrt(var) / mean)
+    # E[max of n standard normals]: 0.564 at 2 (1 / sqrt(pi)); below sqrt(2 ln n), its large-n limit
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert [expected_max_normal(n) < math.sqrt(2 * math.log(n)) for n in (8, 64, 1024)] == [True] * 3
+
+
+def test_imbalance_matches_a_simulated_router():
+    """Top-k of E experts uniformly at random per token (balanced in expectation), E / g experts a
+    rank: the mean over draws of the most loaded rank's pairs, against the formula."""
+    rng = np.random.default_rng(0)
+    tokens, e, k, g, draws = 512, 64, 4, 16, 100
+    choices = np.argpartition(rng.random((draws, tokens, e)), k, axis=-1)[..., :k]  # k distinct experts a token
+    loads = np.stack([np.bincount(c.ravel() // (e // g), minlength=g) for c in choices])
+    simulated = loads.max(axis=1).mean() / (tokens * k / g)
+    assert simulated == pytest.approx(1.156, abs=0.01)  # 1.5 sigma above the mean of 128 pairs
+    assert routing_imbalance(tokens * k, g, e, k) == pytest.approx(simulated, rel=0.02)
+
+
+def _moe_layer(model: str, ep: int):
+    costs = ModelCosts(load_model(model)[0])
+    return costs.cfg, costs.rank_layer(True, tp=1, ep=ep)
+
+
+def test_grouped_gemm_at_few_tokens_per_expert_is_weight_bandwidth_bound():
+    cfg, rl = _moe_layer("mixtral-8x7b", ep=1)
+    gpu = load_gpu("h100-sxm")
+    one = Step(tokens=1, ctx=1024, decode=True, seqs=1, moe_tokens=1)
+    mm, _ = layer_work(cfg, rl, one, w_bytes=2, a_bytes=2, kv_bytes=2, ep=1, half_rows=gpu.gemm_half_rows)
+    # one token reads the dense weights and its k experts' (not all 8), and its time is those bytes
+    weights = (rl.attn + rl.dense + rl.router + cfg.num_experts_per_tok * rl.expert_params) * 2
+    assert mm.bytes == pytest.approx(weights, rel=1e-3)
+    assert mm.bytes / gpu.mem_Bps > mm.flops / gpu.matmul_flops("bf16")
+    assert mm.time(gpu, "bf16") == pytest.approx(mm.bytes / gpu.mem_Bps + mm.ops * gpu.op_overhead_s)
+    # each expert's GEMM runs at M = its own tokens: 64 tokens spread over 8 experts pay the small-M
+    # efficiency of 16 rows each (k = 2), not that of one GEMM of 128 rows
+    many = Step(tokens=64, ctx=1024, decode=True, seqs=64, moe_tokens=64)
+    mm64, _ = layer_work(cfg, rl, many, w_bytes=2, a_bytes=2, kv_bytes=2, ep=1, half_rows=gpu.gemm_half_rows)
+    expert_flops = mm64.flops - 2 * 64 * (rl.attn + rl.dense + rl.router) / (64 / (64 + gpu.gemm_half_rows))
+    per_expert = 64 * 2 / 8 / (1 - (1 - 2 / 8) ** 64)
+    assert expert_flops == pytest.approx(2 * 128 * rl.expert_params * (per_expert + gpu.gemm_half_rows) / per_expert)
+
+
+def test_routing_imbalance_slows_the_expert_gemms_only():
+    cfg, rl8 = _moe_layer("mixtral-8x7b", ep=8)
+    gpu = load_gpu("h100-sxm")
+    step = Step(tokens=4096, ctx=2048, decode=False, seqs=1, moe_tokens=4096 * 8)
+    mm, at = layer_work(cfg, rl8, step, w_bytes=2, a_bytes=2, kv_bytes=2, ep=8, half_rows=gpu.gemm_half_rows)
+    factor = routing_imbalance(4096 * 8 * 2, 8, 8, 2)
+    dense = 2 * 4096 * (rl8.attn + rl8.dense + rl8.router) / (4096 / (4096 + gpu.gemm_half_rows))
+    routed = 4096 * 8 * 2 / 8 * factor  # the most loaded rank's pairs, over its one expert
+    assert mm.flops - dense == pytest.approx(2 * routed * rl8.expert_params * (routed + gpu.gemm_half_rows) / routed)
+    assert at.flops == 4096 * 4 * 2048 * rl8.q_heads * cfg.head_dim  # attention: no factor
+
+
+def test_node_limited_routing_sends_a_token_once_per_node():
+    dsv3, _ = load_model("deepseek-v3")
+    mixtral, _ = load_model("mixtral-8x7b")
+    assert node_limit(dsv3, 8) == 4  # 8 groups = 8 nodes' experts, the best 4 groups ("at most 4 nodes")
+    assert node_limit(dsv3, 16) == 8  # a group over 2 nodes
+    assert node_limit(dsv3, 1) is None and node_limit(mixtral, 8) is None  # greedy top-k: no limit
+    cluster = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=64, gpus_per_node=8)
+    ep, share, g = list(range(64)), 4096 * 7168.0, cluster.gpu
+    limited = comm.moe_dispatch(share, 8, 4, ep, cluster)
+    every_pair = comm.moe_dispatch(share, 8, None, ep, cluster)
+    assert every_pair == comm.all_to_all(share * 8, ep, cluster)
+    # across IB: 4 nodes' copies, 7/8 of them remote, against 8 pairs' 56/64 remote
+    inter = 7 * g.inter.alpha_s + 4 * 7 / 8 * share / g.inter.bandwidth_Bps
+    assert limited == pytest.approx(g.collective_launch_s + inter)
+    assert limited < 0.6 * every_pair
+    assert comm.moe_dispatch(share, 8, 4, list(range(8)), cluster) == comm.all_to_all(
+        share * 8, list(range(8)), cluster
+    )
+
+
+def test_training_costs_deepseek_v3s_all_to_all_node_limited():
+    """DeepSeek-V3's published layout (ep 64 over 8 nodes): its group-limited routing (4 of 8 groups,
+    a node's experts each) costs the dispatch and combine at 4 nodes' copies over IB; the same model
+    routing greedily pays every pair's."""
+    cfg, _ = load_model("deepseek-v3")
+    cluster = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=2048, gpus_per_node=8)
+    lay = Layout(tp=1, pp=16, dp=128, ep=64, zero=1, schedule="zb-h1", micro_batch=1, num_micro=120,
+                 recompute="selective")  # fmt: skip
+    wl = TrainWorkload(global_batch=15360, seq_len=4096, dtype="fp8")
+    limited = training.evaluate(ModelCosts(cfg), cluster, lay, wl)
+    greedy = training.evaluate(
+        ModelCosts(replace(cfg, topk_method="greedy", n_group=1, topk_group=1)), cluster, lay, wl
+    )
+    assert limited.fits and greedy.fits
+    assert limited.comm_s["ep"] < 0.5 * greedy.comm_s["ep"]
+    assert limited.step_s < greedy.step_s
