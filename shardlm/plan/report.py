@@ -146,7 +146,12 @@ def text(plan) -> str:
         f"{len(plan.search.results):,} fit",
         "",
     ]
-    lines += (
+    return "\n".join(lines + notes(plan))
+
+
+def notes(plan) -> list[str]:
+    """The lines under the table: the load, the splits, the marks, placement, then the explanation."""
+    return (
         serving_notes(plan)
         + split_notes(plan)
         + attention_dp_notes(plan)
@@ -154,7 +159,6 @@ def text(plan) -> str:
         + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
         + plan.explanation
     )
-    return "\n".join(lines)
 
 
 def runnable_notes(plan) -> list[str]:
@@ -186,14 +190,7 @@ def print_table(plan, console=None) -> None:
         f"memory in GiB per GPU; searched {s.evaluated:,} layouts in {s.seconds:.2f} s ({s.rate:,.0f}/s), "
         f"{len(plan.search.results):,} fit"
     )
-    for line in (
-        serving_notes(plan)
-        + split_notes(plan)
-        + attention_dp_notes(plan)
-        + runnable_notes(plan)
-        + placement_notes(plan.ranked[: plan.request.top], plan.cluster)
-        + plan.explanation
-    ):
+    for line in notes(plan):
         console.print(line)
 
 

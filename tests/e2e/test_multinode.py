@@ -54,6 +54,12 @@ def one_process_losses(model: str, text: str, steps: int) -> list[float]:
     return [one.step(batches(i))["loss"] for i in range(steps)]
 
 
+def dp2_training(tiny: Reference, data) -> list[str]:
+    """`train` at dp 2 (a rank per host) on the tiny model: the fault tests' run."""
+    args = ["train", "--model", str(tiny.path), "--data", str(data), "--dp", "2", "--batch-size", "2"]
+    return [*args, "--seq-len", "16", "--threads", "1"]
+
+
 def words(n: int, seed: int) -> str:
     """A training text of ``n`` of the tiny model's words."""
     return " ".join(f"w{(i * 37 + seed) % 250 + 1}" for i in range(n))
@@ -188,20 +194,7 @@ def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tiny, tmp_path)
     rank says which host and ranks were lost within seconds, exits non-zero, and nothing is left."""
     data = tmp_path / "data.txt"
     data.write_text(words(1000, seed=3))
-    args = [
-        "train",
-        "--model",
-        str(tiny.path),
-        "--data",
-        str(data),
-        "--dp",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-    ]
-    args += ["--threads", "1"]
+    args = dp2_training(tiny, data)
     port = next(_ports)
     procs = {
         h: hosts.torchrun(h, 1, [*args, "--timeout", "60", "--steps", "100000", "--json"], port=port) for h in "AB"
@@ -219,20 +212,7 @@ def test_a_partition_ends_training_within_the_timeout_and_it_resumes(hosts, tiny
     data = tmp_path / "data.txt"
     data.write_text(words(1000, seed=3))
     ckpt = tmp_path / "ckpt"
-    args = [
-        "train",
-        "--model",
-        str(tiny.path),
-        "--data",
-        str(data),
-        "--dp",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-    ]
-    args += ["--threads", "1"]
+    args = dp2_training(tiny, data)
     args += ["--timeout", "10", "--checkpoint", str(ckpt), "--checkpoint-every", "2"]
     port = next(_ports)
     procs = {h: hosts.torchrun(h, 1, [*args, "--steps", "100000"], port=port) for h in ("A", "B")}
