@@ -84,8 +84,9 @@ def test_generate_tp2_pp2_across_hosts_gives_hfs_tokens(hosts, tiny):
 
 
 def test_generate_dp2_with_a_replica_per_host_gives_hfs_tokens(hosts, tiny):
-    """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, each taking
-    its share of the prompts, and HF's greedy tokens for every prompt."""
+    """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, and HF's
+    greedy tokens for every prompt. (That each replica took a share of the prompts is not checked:
+    nothing the command prints says which replica ran which prompt.)"""
     args = ["generate", "--model", str(tiny.path), "--dp", "2", "--tp", "2", "--no-chat", "--json", "--threads", "1"]
     out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
     assert all(code == 0 for code, _, _ in out.values()), out
