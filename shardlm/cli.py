@@ -125,6 +125,7 @@ def run_generate(args) -> int:
             "ttft_s": round(s.first_token_s or 0.0, 4),
             "decode_tok_s": round(s.decode_tok_s, 2) if s.decode_tok_s else None,
             "generated_tokens": s.generated_tokens,
+            "generated_tokens_per_replica": [r.generated_tokens for r in llm.last_replica_stats],
             "wall_s": round(wall, 3),
             "tp": args.tp,
             "pp": args.pp,

@@ -232,6 +232,7 @@ class LLM(EngineFront):
             )
         self.last_stats: RunStats | None = None
         self.last_rank_stats: list[RunStats] = []  # every rank's own, for runs this process drives
+        self.last_replica_stats: list[RunStats] = []  # each dp replica's, in replica order
         start = time.perf_counter()
         env = torchrun_env()
         self.worker: Worker | None = None
@@ -417,7 +418,8 @@ class LLM(EngineFront):
         done: dict[int, Completion] = {}
         for completions, _ in per_replica:  # replicas served disjoint requests
             done.update(completions)
-        self.last_stats = merge_stats([stats for _, stats in per_replica])
+        self.last_replica_stats = [stats for _, stats in per_replica]
+        self.last_stats = merge_stats(self.last_replica_stats)
         if self._ranks is not None and self.last_stats.expert_load is not None:
             self.last_stats.expert_load = join_stages(
                 [self.last_rank_stats[r].expert_load for r in self._stage_leaders]

@@ -84,14 +84,14 @@ def test_generate_tp2_pp2_across_hosts_gives_hfs_tokens(hosts, tiny):
 
 
 def test_generate_dp2_with_a_replica_per_host_gives_hfs_tokens(hosts, tiny):
-    """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, and HF's
-    greedy tokens for every prompt. (That each replica took a share of the prompts is not checked:
-    nothing the command prints says which replica ran which prompt.)"""
+    """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, each
+    generating for two of the four prompts, and HF's greedy tokens for every prompt."""
     args = ["generate", "--model", str(tiny.path), "--dp", "2", "--tp", "2", "--no-chat", "--json", "--threads", "1"]
     out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
     assert all(code == 0 for code, _, _ in out.values()), out
     printed = [json.loads(line) for _, stdout, _ in out.values() for line in stdout.splitlines()]
-    assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens and "timing" in printed[-1]
+    assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens
+    assert printed[-1]["timing"]["generated_tokens_per_replica"] == [2 * 32, 2 * 32]  # both replicas worked
     logs = "".join(err for _, _, err in out.values())
     groups = re.findall(r"collectives of ranks \[(\d+), (\d+)\]: (shared memory|gloo)", logs)
     assert set(groups) == {("0", "1", "shared memory"), ("2", "3", "shared memory")}  # a replica's tp, one host
