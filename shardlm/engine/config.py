@@ -68,8 +68,8 @@ class EngineConfig:
     and MoE experts keep ``dtype``. None: the checkpoint's weights in ``dtype`` (a GGUF file's
     blocks dequantized, as HF transformers loads it). 'int8': each output row with its own scale
     (absmax / 127 of the whole row, so every layout holds the same int8 weights), computed by each
-    rank on its shard after loading. 'int4': group-wise asymmetric int4 (a scale and zero per 32
-    input columns, torch's CPU int4 kernel): a GGUF file's Q4_0/Q4_1/Q4_K blocks are taken as they are,
+    rank on its shard after loading. 'int4': group-wise asymmetric int4 (a scale and offset per 32
+    input columns, multiplied in integers on the CPU as llama.cpp does): a GGUF file's Q4_0/Q4_1/Q4_K blocks are taken as they are,
     other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's Q4_0/Q4_1/Q4_K
     layers kept as int4, every other type dequantized to ``dtype`` (no kernel takes Q8_0's or the
     other k-quants' per-block scales as they are). int4 and gguf run on CPU (``parallel/int4.py``)."""

@@ -64,7 +64,11 @@ class ModelRunner:
         self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
-            self.compiled = torch.compile(model.forward, dynamic=True)
+            self.compiled = torch.compile(
+                model.forward,
+                dynamic=True,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
         self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
         self.announce = announce  # say on stderr when a shape class compiles
         self.block_size = block_size

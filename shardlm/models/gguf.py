@@ -180,19 +180,19 @@ class GGUFFile:
 
     def read_int4(self, name: str, rows: slice | None = None, cols: slice | None = None) -> Int4Blocks:
         """``tensor[rows, cols]`` of a Q4_0, Q4_1 or Q4_K tensor (2-D) as int4 codes, scales and
-        zeros, straight from its blocks (no float weight); ``w = (q - 8) * scale + zero`` is
+        offsets, straight from its blocks (no float weight); ``w = q * scale + offset`` is
 
-        * Q4_1's ``d * q + m``: scale = d, zero = m + 8 d;
-        * Q4_0's ``d * (q - 8)``: scale = d, zero = 0;
+        * Q4_1's ``d * q + m``: scale = d, offset = m;
+        * Q4_0's ``d * (q - 8)``: scale = d, offset = -8 d;
         * Q4_K's ``d * sc_j * q - dmin * m_j`` in each sub-block j of 32 of a 256-block (6-bit
-          sc_j, m_j): scale = d sc_j, zero = 8 d sc_j - dmin m_j.
+          sc_j, m_j): scale = d sc_j, offset = -dmin m_j.
 
         Layouts: llama.cpp's ``ggml-common.h`` (Q4_0/Q4_1: float16 d [, m], then 16 bytes, element j
         in the low nibble of byte j, 16 + j in its high nibble; Q4_K: float16 d, dmin, 12 bytes of
         packed scales and mins, then 4 runs of 32 bytes, run c holding sub-block 2c in its low and
         2c + 1 in its high nibbles). ``cols`` must start and end on a multiple of 32 (the covering
-        blocks are read, then trimmed). scale and zero are float32: the products of the float16
-        fields exact, the zero rounded once."""
+        blocks are read, then trimmed). scale and offset are float32, exact: the float16 fields
+        and their products with the 6-bit integers."""
         info = self.info(name)
         if info.ggml_type not in _INT4_TYPES or len(info.shape) != 2:
             raise GGUFError(
@@ -215,21 +215,34 @@ class GGUFFile:
                 for t in Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy())
             )
             scale = d[..., None] * sc.reshape(*d.shape, 8)  # [r, blocks, 8 sub-blocks]
-            zero = 8 * scale - half(2)[..., None] * mins.reshape(*d.shape, 8)
+            offset = -half(2)[..., None] * mins.reshape(*d.shape, 8)
             qs = raw[..., 16:].reshape(*d.shape, 4, 1, 32)  # [r, blocks, run, 1, 32]
             q = torch.cat([qs & 0x0F, qs >> 4], dim=-2)  # [r, blocks, run, nibble, 32]: sub-block 2 run + nibble
         else:
             scale = d[..., None]  # [r, blocks, 1]
-            zero = (
-                (half(2) + 8 * d)[..., None] if info.ggml_type == GGMLQuantizationType.Q4_1 else torch.zeros_like(scale)
-            )
+            offset = half(2)[..., None] if info.ggml_type == GGMLQuantizationType.Q4_1 else -8 * scale
             qs = raw[..., -16:]  # [r, blocks, 16]
             q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [r, blocks, 32]
         g0 = c0 // INT4_GROUP - b0 * block_elems // INT4_GROUP  # first wanted group among those read
         g1 = g0 + (c1 - c0) // INT4_GROUP
         groups = lambda t: t.reshape(r1 - r0, -1)[:, g0:g1]
         q = q.reshape(r1 - r0, -1)[:, g0 * INT4_GROUP : g1 * INT4_GROUP]  # [r, cols] in 0..15
-        return Int4Blocks(q.contiguous(), groups(scale).contiguous(), groups(zero).contiguous())
+        return Int4Blocks(q.contiguous(), groups(scale).contiguous(), groups(offset).contiguous())
+
+    def read_q8(self, name: str, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tensor[rows]`` of a 2-D Q8_0 tensor as its blocks: (int8 codes [r, cols], float16
+        scales [r, cols / 32]), the file's bytes (Q8_0: a float16 d, then 32 int8 codes)."""
+        info = self.info(name)
+        if info.ggml_type != GGMLQuantizationType.Q8_0 or len(info.shape) != 2:
+            raise GGUFError(f"{name!r} is {_type_name(info.ggml_type)} {list(info.shape)}; read_q8 reads 2-D Q8_0")
+        n_rows, n_cols = info.shape
+        r0, r1 = _span(rows, n_rows, "rows", name)
+        block_elems, block_bytes = info.block
+        table = self._data[info.offset : info.offset + info.nbytes].reshape(n_rows, n_cols // block_elems, block_bytes)
+        raw = torch.from_numpy(np.array(table[r0:r1]))  # [r, blocks, 34]
+        scales = raw[..., :2].contiguous().view(torch.float16)[..., 0]
+        codes = raw[..., 2:].contiguous().view(torch.int8).reshape(r1 - r0, n_cols)
+        return codes, scales.contiguous()
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -128,6 +128,15 @@ class GGUFSource:
             blocks = blocks.map_rows(lambda t: unpermute_qk(t, n))
         return blocks
 
+    def holds_q8(self, name: str) -> bool:
+        from gguf import GGMLQuantizationType
+
+        return self.has(name) and self.gguf.info(gguf_name(name)).ggml_type == GGMLQuantizationType.Q8_0
+
+    def read_q8(self, name: str, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_0 tensor's rows as (codes, scales) (the embedding / LM head: never permuted)."""
+        return self.gguf.read_q8(gguf_name(name), rows=rows)
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -223,7 +232,7 @@ def load_model(
         )
     if int4 is not None and torch.device(device).type != "cpu":
         raise ConfigError(
-            f"quantization={int4!r} runs torch's CPU int4 kernel, and this run is on {torch.device(device).type}; "
+            f"quantization={int4!r} runs shardlm's CPU int4 kernel (parallel/int4.py), and this run is on {torch.device(device).type}; "
             f"use quantization='int8' there (or none)"
         )
 

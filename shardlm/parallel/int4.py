@@ -1,114 +1,207 @@
-"""Weight-only int4 linear layers: group-wise asymmetric 4-bit weights in torch's packed CPU layout.
+"""Weight-only int4 linear layers: group-wise asymmetric 4-bit weights, multiplied as llama.cpp does.
 
 A weight ``W [out, in]`` is held as 4-bit codes ``q`` in 0..15 and, for every run of ``INT4_GROUP``
-(32) consecutive input columns of a row, a ``scale`` and a ``zero``; the weight it stands for is
+(32) consecutive input columns of a row, a ``scale`` and an ``offset``; the weight it stands for is
 
-    W[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]
+    W[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]
 
-which is the form of torch's int4 kernel (``aten._weight_int4pack_mm_for_cpu``, "tinygemm"). It is
-exactly llama.cpp's 4-bit blocks of 32 (``ggml-common.h``): Q4_1 stores ``w = d * q + m`` (scale
-``d``, zero ``m + 8 d``), Q4_0 ``w = d * (q - 8)`` (scale ``d``, zero 0), so a GGUF file's Q4_0 and
-Q4_1 blocks (and Q4_K's sub-blocks of 32) become packed weights without going through float (``models/gguf.py``,
-``GGUFFile.read_int4``). Float checkpoints are quantized by ``int4_groups``: each group's min and
-max (asymmetric), ``scale = (max - min) / 15``.
+which is llama.cpp's 4-bit blocks of 32 (``ggml-common.h``): Q4_1 stores ``w = d * q + m`` (scale
+``d``, offset ``m``), Q4_0 ``w = d * (q - 8)`` (offset ``-8 d``), so a GGUF file's Q4_0 and Q4_1
+blocks (and Q4_K's sub-blocks of 32) become packed weights without going through float
+(``models/gguf.py``, ``GGUFFile.read_int4``). Float checkpoints are quantized by ``int4_groups``:
+each group's min and max (asymmetric), ``scale = (max - min) / 15``.
 
-Held per layer: the codes two a byte (``_convert_weight_to_int4pack_for_cpu``'s layout, which
-depends on the CPU's vector width, so it is made on the rank that runs it) and ``scales_and_zeros
-[in / 32, out, 2]`` in bfloat16: torch's kernel is vectorised for bfloat16 activations only, and it
-reads scales of the activations' dtype (float32 and float16 run its scalar loop, far slower:
-docs/performance.md). Rounding d (a float16 in the file) to bfloat16 moves a weight by
-at most 2^-9 of its scale and zero: a sixty-fourth of a quantization step for a zero of 8 d.
+The embedding and LM head (a vocabulary table, read a row at a time and multiplied by every
+token) are held in 8 bits alongside: llama.cpp's Q8_0 (``q8_groups``: a float16 scale per 32
+columns, codes in -127..127), as SmolLM2's GGUF stores its tied embedding; the LM head then reads
+1.06 bytes a weight instead of 2 (``q8_linear``, the same kernel's 8-bit loop).
 
-Constraints of the kernel: a layer's rows (out-features on this rank) in multiples of 16 and its
-in-features in groups of 32; layers that do not fit are refused with the sizes (``pack_int4``),
-never silently left in float. On a GPU torch has the same kernel in another layout
-(``_weight_int4pack_mm``); it is not wired here (no GPU to test it), so int4 is refused off CPU.
+Held per layer (``pack_int4``): the codes two a byte as in a GGUF block (byte j of a group holds
+element j in its low nibble and j + 16 in its high one), ``[out, in / 2]`` uint8, and the scales
+and offsets ``[2, out, in / 32]`` float16, as the file stores d and m: 0.625 bytes a weight.
+Q4_0/Q4_1 are held exactly; Q4_K's scale d * sc_j (a float16 times a 6-bit integer) is rounded to
+float16, at most 2^-11 of itself.
+
+The kernel (``int4_cpu.cpp``, built once with torch's C++ extension builder, ~20 s, into
+``~/.cache/shardlm/kernels``): for a few rows (decode) it quantizes the activations to int8 per
+group of 32 and multiplies in integers (AVX2; llama.cpp's Q4_1 x Q8_1), for many rows
+(``GEMM_ROWS``, prefill) it dequantizes slices of the weight to float32 for torch's GEMM. It
+replaced torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``), which widens the codes to
+bfloat16 and ran at half this one's speed at one row (docs/performance.md, "Int4 weights and
+llama.cpp"); torch has no integer-dot int4 kernel for x86 (``_dyn_quant_matmul_4bit`` is a scalar
+reference loop there, 20x slower) and torchao's wheel has no x86 CPU kernels. Without a C++
+compiler the layer dequantizes its weight at every call (correct, slow) and says so once.
+
+The activations' int8 rounding (1/254 of each group's largest |x|) is the error this path adds
+over the dequantized weight: outputs within ~1% of the largest. int4 runs on CPU; on a GPU torch
+has a tinygemm kernel in another layout (``_weight_int4pack_mm``), not wired here (no GPU to test
+it), so int4 is refused off CPU (``models/loader.py``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from shardlm.errors import UsageError
 
+LOG = logging.getLogger("shardlm.int4")
+
 INT4_GROUP = 32
-"""Input columns per scale and zero: llama.cpp's Q4_0/Q4_1 block, and the smallest group torch's kernel takes."""
+"""Input columns per scale and offset: llama.cpp's Q4_0/Q4_1 block and its activations' Q8 block."""
+
+GEMM_ROWS = 32
+"""From this many activation rows on, the kernel multiplies dequantized weights by torch's float
+GEMM instead of in integers (one thread: the integer path wins 2x at 8 rows, loses past ~64)."""
 
 
 @dataclass(frozen=True)
 class Int4Blocks:
-    """Unpacked 4-bit weights: ``q`` uint8 [rows, cols] in 0..15, ``scale`` and ``zero`` float32
-    [rows, cols / INT4_GROUP]; the weight is (q - 8) * scale + zero, group by group."""
+    """Unpacked 4-bit weights: ``q`` uint8 [rows, cols] in 0..15, ``scale`` and ``offset`` float32
+    [rows, cols / INT4_GROUP]; the weight is q * scale + offset, group by group."""
 
     q: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    offset: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [rows, cols] (for tests and the reference path)."""
         expand = lambda t: t.repeat_interleave(INT4_GROUP, dim=1)
-        return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
+        return self.q.float() * expand(self.scale) + expand(self.offset)
 
     def map_rows(self, fn) -> Int4Blocks:
-        """The same blocks with ``fn`` applied to the rows of q, scale and zero (e.g. a row permutation)."""
-        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.zero))
+        """The same blocks with ``fn`` applied to the rows of q, scale and offset (e.g. a row permutation)."""
+        return Int4Blocks(fn(self.q), fn(self.scale), fn(self.offset))
 
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
         """Row blocks stacked (a merged QKV or gate/up projection)."""
-        return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+        return Int4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
 
 
 def int4_groups(w: torch.Tensor) -> Int4Blocks:
     """Group-wise asymmetric int4 of a float weight [rows, cols]: per group of INT4_GROUP columns,
-    min and max map to codes 0 and 15 (``cols`` must be a multiple of INT4_GROUP)."""
+    min and max map to codes 0 and 15 (``cols`` must be a multiple of INT4_GROUP). The scale and
+    offset are float16 values (what ``pack_int4`` holds; the scale at least 2^-14, float16's
+    smallest normal), and the codes are rounded against them."""
     rows, cols = w.shape
     g = w.detach().float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)  # [rows, groups]
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
-    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8).reshape(rows, cols)
-    return Int4Blocks(q, scale, lo + 8 * scale)
+    scale = ((hi - lo) / 15).clamp_min(2.0**-14).half().float()
+    offset = lo.half().float()
+    q = ((g - offset[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8).reshape(rows, cols)
+    return Int4Blocks(q, scale, offset)
 
 
-def check_int4_shape(what: str, rows: int, cols: int, col_offset: int = 0) -> None:
-    """Refuse a weight torch's int4 kernel cannot hold: rows not a multiple of 16, or in-features
-    (starting at ``col_offset`` of the whole row, for a row-parallel shard) not whole groups."""
+def check_int4_shape(what: str, cols: int, col_offset: int = 0) -> None:
+    """Refuse a weight whose in-features on this rank (starting at ``col_offset`` of the whole row,
+    for a row-parallel shard) are not whole groups."""
     if cols % INT4_GROUP or col_offset % INT4_GROUP:
         raise UsageError(
             f"int4 weights: {what} holds in-features [{col_offset}, {col_offset + cols}) on this rank, which do not "
             f"split into groups of {INT4_GROUP} (a group may not straddle the tensor-parallel split); use a tp that "
             f"splits them into multiples of {INT4_GROUP}, or quantization='int8'"
         )
-    if rows % 16:
-        raise UsageError(
-            f"int4 weights: {what} holds {rows} output rows on this rank, and torch's int4 kernel packs rows in "
-            f"multiples of 16; use a tp that splits them so, or quantization='int8'"
-        )
 
 
 def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes uint8 [rows, cols / 2] in torch's CPU layout, scales_and_zeros bfloat16
-    [cols / INT4_GROUP, rows, 2]) for ``int4_linear``. The int32 codes torch's packer takes live
-    only during the call."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 2)
-    sz = torch.stack([blocks.scale.t(), blocks.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, sz
+    """(codes uint8 [rows, cols / 2], two a byte as in a GGUF block; scales float16 [2, rows,
+    cols / INT4_GROUP]: the scales, then the offsets) for ``int4_linear``."""
+    native_kernel()  # built at load, not in the first forward (nor in a compiled graph)
+    rows, cols = blocks.q.shape
+    q = blocks.q.reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+    return codes, torch.stack([blocks.scale, blocks.offset]).half().contiguous()
 
 
-def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ W^T for a packed int4 ``weight`` (``pack_int4``); the result in x's dtype.
+def unpack_int4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [rows, cols] a packed layer stands for (``pack_int4``'s inverse)."""
+    rows = codes.shape[0]
+    by_group = codes.reshape(rows, -1, 1, INT4_GROUP // 2)
+    q = torch.cat([by_group & 0x0F, by_group >> 4], dim=2).reshape(rows, -1)
+    return Int4Blocks(q, scales[0].float(), scales[1].float()).dequantize()
 
-    Called as ``torch.ops.shardlm.int4_linear``, opaque to torch.compile (as int8_linear): rows go
-    through torch's kernel in bfloat16, the only activation dtype it vectorises on CPU."""
-    group = x.shape[-1] // scales_zeros.shape[0]
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, scales_zeros)
+
+NATIVE: bool | None = None
+"""Whether ``int4_cpu.cpp`` is loaded (``torch.ops.shardlm_int4``); None until ``native_kernel``
+first runs (at load: ``pack_int4`` and ``q8_groups`` call it, so a compiled graph only reads it)."""
+
+
+def native_kernel() -> bool:
+    """Build (first time only) and load ``int4_cpu.cpp``: into ~/.cache/shardlm/kernels/torch-<version>
+    (``SHARDLM_KERNEL_CACHE`` overrides), reused after; ranks starting together build it once
+    (torch's builder locks the folder). False, with a warning, where it cannot be built."""
+    global NATIVE
+    if NATIVE is not None:
+        return NATIVE
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("SHARDLM_KERNEL_CACHE", Path.home() / ".cache" / "shardlm" / "kernels"))
+    folder = root / f"torch-{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    source = Path(__file__).with_name("int4_cpu.cpp")
+    if not (folder / "shardlm_int4.so").exists():
+        LOG.warning("building shardlm's int4 CPU kernel into %s (once, ~20 s)", folder)
+    try:
+        cpp_extension.load(
+            name="shardlm_int4",
+            sources=[str(source)],
+            extra_cflags=["-O3"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler or no ninja: correct but slow
+        LOG.warning("int4 weights: could not build %s (%s); layers dequantize their weights at every call", source, e)
+        NATIVE = False
+        return NATIVE
+    for op in ("linear", "q8_linear"):  # shapes for torch.compile, which calls the ops in its graph
+        torch.library.register_fake(f"shardlm_int4::{op}")(
+            lambda x, codes, scales, gemm_rows, simd=True: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+        )
+    NATIVE = True
+    return NATIVE
+
+
+def q8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of a float table [rows, cols]: per group of INT4_GROUP columns a float16
+    scale max|w| / 127 and codes in -127..127: (int8 codes [rows, cols], float16 scales [rows,
+    cols / INT4_GROUP]), the form the embedding and LM head are held in with int4 weights."""
+    native_kernel()
+    rows, cols = w.shape
+    g = w.detach().float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp_min(2.0**-24).half()
+    q = (g / scale.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(rows, cols), scale
+
+
+def q8_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Q8_0 rows [..., cols] (an embedding lookup's) in ``dtype``."""
+    q = codes.unflatten(-1, (-1, INT4_GROUP)).float() * scales.float()[..., None]
+    return q.flatten(-2).to(dtype)
+
+
+def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W^T for Q8_0 blocks (``q8_groups``): the LM head with int4 weights."""
+    rows = x.reshape(-1, x.shape[-1])
+    if NATIVE:
+        y = torch.ops.shardlm_int4.q8_linear(rows, codes, scales, GEMM_ROWS)
+    else:
+        y = F.linear(rows.float(), q8_rows(codes, scales, torch.float32))
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-_LIB = torch.library.Library("shardlm", "FRAGMENT")
-_LIB.define("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros) -> Tensor")
-_LIB.impl("int4_linear", int4_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("shardlm::int4_linear")(lambda x, w, sz: x.new_empty(*x.shape[:-1], sz.shape[1]))
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W^T for a packed int4 weight (``pack_int4``); the result in x's dtype. Under
+    torch.compile the kernel is an opaque op of the graph and the casts around it are fused."""
+    rows = x.reshape(-1, x.shape[-1])
+    if NATIVE:
+        y = torch.ops.shardlm_int4.linear(rows, codes, scales, GEMM_ROWS)
+    else:
+        y = F.linear(rows.float(), unpack_int4(codes, scales))
+    return y.to(x.dtype).view(*x.shape[:-1], -1)

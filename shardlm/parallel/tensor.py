@@ -44,7 +44,17 @@ from shardlm.parallel.comm import (
     split_sizes,
 )
 from shardlm.parallel.dims import LayoutError
-from shardlm.parallel.int4 import Int4Blocks, check_int4_shape, int4_groups, int4_linear, pack_int4
+from shardlm.parallel.int4 import (
+    Int4Blocks,
+    check_int4_shape,
+    int4_groups,
+    int4_linear,
+    native_kernel,
+    pack_int4,
+    q8_groups,
+    q8_linear,
+    q8_rows,
+)
 
 
 class TensorSource(Protocol):
@@ -103,16 +113,12 @@ def linear(
     batch-1 decode torch's CPU GEMV reads bf16 weights faster than its GEMM path does at M=1,
     and under torch.compile inductor's own matrix-vector loop is faster still; for float32 the
     BLAS GEMM is at least as fast (benchmarks/decode.py; docs/performance.md, "Decode, batch 1").
-    With ``scale``, ``weight`` is int8 (see ``int8_rows``; ``scale`` [out]) or packed int4
-    (``parallel/int4.py``; ``scale`` is its scales_and_zeros [in / 32, out, 2])."""
+    With ``scale``, ``weight`` is int8 rows (see ``int8_rows``; ``scale`` [out]), packed int4
+    (``parallel/int4.py``; ``scale`` is its scales and offsets [2, out, in / 32]) or Q8_0 blocks
+    (int8 ``weight``, ``scale`` [out, in / 32]: the LM head with int4 weights)."""
     if scale is not None:
-        if scale.dim() == 3:  # eager: the function itself (the op's dispatch cost ~30 us a call, 1 in 5 of
-            # a decode step's int4 time); compiled: the opaque op (docs/performance.md, "Int4 weights")
-            y = (
-                torch.ops.shardlm.int4_linear(x, weight, scale)
-                if torch.compiler.is_compiling()
-                else int4_linear(x, weight, scale)
-            )
+        if scale.dim() >= 2:
+            y = (int4_linear if scale.dim() == 3 else q8_linear)(x, weight, scale)
         else:
             y = torch.ops.shardlm.int8_linear(x, weight, scale)
         return y if bias is None else y + bias
@@ -174,15 +180,14 @@ class Int8Weight:
         in_file = [holds(name) for name, _, _ in reads]
         if self.int4 == "gguf" and not all(in_file):
             return False
-        rows, cols = self.weight.shape
-        check_int4_shape(what, rows, cols, next((c.start or 0 for _, _, c in reads if c is not None), 0))
+        check_int4_shape(what, self.weight.shape[1], next((c.start or 0 for _, _, c in reads if c is not None), 0))
         parts = [
             src.read_int4(name, rows=r, cols=c) if held else int4_groups(src.read(name, rows=r, cols=c))  # type: ignore[attr-defined]
             for (name, r, c), held in zip(reads, in_file, strict=True)
         ]
-        packed, scales_zeros = pack_int4(Int4Blocks.cat(parts))
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.weight_scale = nn.Parameter(scales_zeros, requires_grad=False)
+        codes, scales = pack_int4(Int4Blocks.cat(parts))
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = nn.Parameter(scales, requires_grad=False)
         return True
 
     def quantize_int8(self) -> None:
@@ -206,11 +211,21 @@ def quantize_int8(model: nn.Module) -> None:
 
 def prepare_int4(model: nn.Module, mode: str) -> None:
     """Before loading: every column- and row-parallel linear layer of ``model`` loads its weight as
-    packed int4 (``mode``: 'int4' or 'gguf', see ``Int8Weight.int4``); the embedding, the LM head and
-    MoE experts keep the model's dtype."""
+    packed int4 (``mode``: 'int4' or 'gguf', see ``Int8Weight.int4``), and the embedding and LM head
+    as Q8_0 blocks (``VocabTable``: with 'gguf' only where the file holds Q8_0); MoE experts keep
+    the model's dtype."""
+    embed = None
     for m in model.modules():
         if isinstance(m, Int8Weight):
             m.int4 = mode
+        if isinstance(m, VocabTable):
+            m.q8 = mode
+            m.weight_scale = nn.Parameter(torch.empty(0, dtype=torch.float16), requires_grad=False)
+            embed = m if isinstance(m, VocabParallelEmbedding) else embed
+    for m in model.modules():
+        if isinstance(m, ParallelLMHead) and m.source is None:  # tied: the embedding's scales too
+            assert embed is not None
+            m.weight_scale = embed.weight_scale
 
 
 def _scaled(s: slice, k: int) -> slice:
@@ -330,7 +345,37 @@ class RowParallelLinear(Int8Weight, nn.Module):
         return y if self.bias is None else y + copy_to_region(self.bias, self.group)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabTable:
+    """The embedding and the LM head: a vocabulary table [rows, dim], in the model's dtype or, with
+    int4 weights (``prepare_int4``), as Q8_0 blocks: int8 ``weight`` and float16 ``weight_scale``
+    [rows, dim / 32]. Loading swaps the shared Parameters' data in place, so a tied head (holding
+    the embedding's Parameters) sees the blocks too."""
+
+    source: str | None
+    rows: slice
+    weight: nn.Parameter
+    weight_scale: nn.Parameter  # registered by prepare_int4 (a class default would hide the Parameter)
+    q8: str | None = None
+    """'int4': Q8_0 blocks, the file's where it holds Q8_0, else quantized from float; 'gguf': only
+    the file's Q8_0 blocks (other types stay float); None: float."""
+
+    def load_table(self, src: TensorSource) -> None:
+        name = f"{self.source}.weight"
+        held = getattr(src, "holds_q8", lambda name: False)(name)
+        if self.q8 is not None and (held or self.q8 == "int4"):
+            native_kernel()
+            codes, scales = src.read_q8(name, rows=self.rows) if held else q8_groups(src.read(name, rows=self.rows))  # type: ignore[attr-defined]
+            self.weight.data, self.weight_scale.data = codes, scales
+            return
+        with torch.no_grad():
+            self.weight.copy_(src.read(name, rows=self.rows))
+
+    def q8_scale(self) -> torch.Tensor | None:
+        """The Q8_0 scales when the table is held in 8 bits, else None."""
+        return self.weight_scale if self.weight.dtype == torch.int8 else None
+
+
+class VocabParallelEmbedding(VocabTable, nn.Module):
     """Each rank holds a run of vocabulary rows; ids outside it embed to zero, then all-reduce."""
 
     def __init__(
@@ -349,31 +394,35 @@ class VocabParallelEmbedding(nn.Module):
         self.source, self.group, self.sequence_parallel = source, group, sequence_parallel
         self.rows = shard_range(vocab_size, tp, tp_rank)
         self.vocab_sizes = split_sizes(vocab_size, tp)
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(self.rows.stop - self.rows.start, dim, dtype=dtype), requires_grad=False)
 
     def load(self, src: TensorSource) -> None:
-        with torch.no_grad():
-            self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
+        self.load_table(src)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = self.q8_scale()
+        if scale is None:
+            return F.embedding(ids, self.weight)
+        return q8_rows(F.embedding(ids, self.weight), F.embedding(ids, scale), self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if len(self.vocab_sizes) == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.rows.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [tokens, dim]
+        h = self.lookup(local.masked_fill(outside, 0))  # [tokens, dim]
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:  # each rank keeps the sum for its own tokens
             return reduce_scatter_region(h, self.group, dim=0)
         return reduce_from_region(h, self.group)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(VocabTable, nn.Module):
     """logits = h @ E^T with E split by vocabulary rows; the slices are gathered on every tp rank.
 
     With tied embeddings the weight is the embedding's own parameter (same rows).
     """
-
-    source: str | None  # the checkpoint tensor it reads (None: tied, loaded with the embedding)
 
     def __init__(
         self,
@@ -400,13 +449,12 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
     def load(self, src: TensorSource) -> None:
-        if self.source is not None:
-            with torch.no_grad():
-                self.weight.copy_(src.read(f"{self.source}.weight", rows=self.rows))
+        if self.source is not None:  # None: tied, loaded with the embedding
+            self.load_table(src)
 
     def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         h = all_gather_region(h, self.group, dim=0) if self.sequence_parallel else copy_to_region(h, self.group)
-        logits = linear(h, self.weight)  # [tokens, local vocab]
+        logits = linear(h, self.weight, None, self.q8_scale())  # [tokens, local vocab]
         if not gather:
             return logits
         return gather_from_region(logits, self.group, dim=-1, sizes=self.vocab_sizes)  # [tokens, vocab]

@@ -1,0 +1,380 @@
+// int4 weights x int8 activations on the CPU: llama.cpp's way of multiplying 4-bit blocks
+// (Q4_1 x Q8_1), written for torch. Why it exists, what it replaced and its speed:
+// shardlm/parallel/int4.py and docs/performance.md ("Int4 weights and llama.cpp").
+//
+// A weight row n is K / 32 blocks of 32 codes q in 0..15, two a byte (byte j of a block holds
+// element j in its low nibble and element j + 16 in its high one, as a GGUF file does), and a
+// float16 scale d and offset m per block: w = d * q + m. An activation row is quantized per block
+// of 32 to int8 (xq = round(x / dx), dx = max|x| / 127), so a block's dot product is
+//     d * dx * sum(q * xq) + m * dx * sum(xq)
+// with sum(q * xq) in integers (AVX2: _mm256_maddubs_epi16 multiplies unsigned by signed bytes).
+// Few rows (decode) take that path; many rows (prefill) are a float GEMM, so the weight is
+// dequantized a slice of rows at a time and multiplied by torch's BLAS. The same for 8-bit blocks
+// (Q8_0 x Q8_0), which hold the embedding / LM head.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SHARDLM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      uint32_t m = man;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The activations' blocks: xq int8 [M, K], dx and sx = dx * sum(xq) float [M, K / 32].
+// The activations' blocks: xq int8 [M, K], dx and sx = dx * sum(xq) float [M, K / 32], in the
+// calling thread's buffers (reused from call to call: no allocation in a decode step).
+struct QuantRows {
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+};
+
+QuantRows quantize_rows(const float* xp, int64_t M, int64_t K) {
+  const int64_t B = K / kGroup;
+  thread_local std::vector<int8_t> qs;
+  thread_local std::vector<float> ds, ss;
+  qs.resize(M * K);
+  ds.resize(M * B);
+  ss.resize(M * B);
+  int8_t* qp = qs.data();
+  float* dp = ds.data();
+  float* sp = ss.data();
+  at::parallel_for(0, M * B, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* v = xp + i * kGroup;  // block i of the flattened rows (K is whole blocks)
+      float amax = 0.f;
+      for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
+        qp[i * kGroup + j] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dp[i] = d;
+      sp[i] = d * static_cast<float>(sum);
+    }
+  });
+  return {qp, dp, sp};
+}
+
+// y[m, n] for rows [n0, n1) of the weight; the portable loop (any CPU).
+void dot_rows_scalar(const uint8_t* codes, const uint16_t* d, const uint16_t* mins, const QuantRows& a, float* y,
+                     int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t B = K / kGroup;
+  const int8_t* xq = a.xq;
+  const float* dx = a.dx;
+  const float* sx = a.sx;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* w = codes + n * (K / 2) + b * 16;
+        const int8_t* v = xq + m * K + b * kGroup;
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += (w[j] & 0xf) * v[j] + (w[j] >> 4) * v[j + 16];
+        acc += half_to_float(d[n * B + b]) * dx[m * B + b] * static_cast<float>(s) +
+               half_to_float(mins[n * B + b]) * sx[m * B + b];
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef SHARDLM_X86
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One block's 32 codes as bytes 0..15 in element order.
+__attribute__((target("avx2,fma,f16c"))) inline __m256i unpack(const uint8_t* w) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+// sum(q * xq) of one block as 8 int32 lanes, in float.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 block_dot(__m256i w, const int8_t* v) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+// sum_b mins[b] * sx[b]: the offsets' share of a row's dot product, 8 blocks at a time.
+__attribute__((target("avx2,fma,f16c"))) inline float offsets(const uint16_t* mins, const float* sx, int64_t B) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= B; b += 8) {
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + b)));
+    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + b), acc);
+  }
+  float s = hsum(acc);
+  for (; b < B; ++b) s += _cvtsh_ss(mins[b]) * sx[b];
+  return s;
+}
+
+// T activation rows at once share each unpacked weight block. The blocks' scales d * dx are
+// computed 8 at a time into ds (a chunk of kChunk blocks), so the inner loop only broadcasts them.
+constexpr int64_t kChunk = 64;
+
+template <int T>
+__attribute__((target("avx2,fma,f16c"))) void dot_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mins,
+                                                       const int8_t* xq, const float* dx, const float* sx, float* y,
+                                                       int64_t N, int64_t K) {
+  const int64_t B = K / kGroup;
+  __m256 acc[T], acc2[T];
+  for (int t = 0; t < T; ++t) acc[t] = acc2[t] = _mm256_setzero_ps();
+  alignas(32) float ds[T][kChunk];
+  for (int64_t c0 = 0; c0 < B; c0 += kChunk) {
+    const int64_t c1 = std::min(B, c0 + kChunk);
+    int64_t b = c0;
+    for (; b + 8 <= c1; b += 8) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+      for (int t = 0; t < T; ++t) _mm256_store_ps(&ds[t][b - c0], _mm256_mul_ps(dv, _mm256_loadu_ps(dx + t * B + b)));
+    }
+    for (; b < c1; ++b)
+      for (int t = 0; t < T; ++t) ds[t][b - c0] = _cvtsh_ss(d[b]) * dx[t * B + b];
+    for (b = c0; b + 2 <= c1; b += 2) {  // two blocks a turn: two independent accumulators per row
+      const __m256i w0 = unpack(w + b * 16), w1 = unpack(w + (b + 1) * 16);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* v = xq + t * K + b * kGroup;
+        acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b - c0]), block_dot(w0, v), acc[t]);
+        acc2[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b + 1 - c0]), block_dot(w1, v + kGroup), acc2[t]);
+      }
+    }
+    if (b < c1) {
+      const __m256i w0 = unpack(w + b * 16);
+      for (int t = 0; t < T; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b - c0]), block_dot(w0, xq + t * K + b * kGroup), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(_mm256_add_ps(acc[t], acc2[t])) + offsets(mins, sx + t * B, B);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void dot_rows_avx2(const uint8_t* codes, const uint16_t* d,
+                                                            const uint16_t* mins, const QuantRows& a, float* y,
+                                                            int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t B = K / kGroup;
+  const int8_t* xq = a.xq;
+  const float* dx = a.dx;
+  const float* sx = a.sx;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = codes + n * (K / 2);
+    const uint16_t* dn = d + n * B;
+    const uint16_t* mn = mins + n * B;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dot_tile<4>(w, dn, mn, xq + m * K, dx + m * B, sx + m * B, y + m * N + n, N, K);
+    for (; m < M; ++m) dot_tile<1>(w, dn, mn, xq + m * K, dx + m * B, sx + m * B, y + m * N + n, N, K);
+  }
+}
+#endif
+
+// 8-bit weights (Q8_0: w = d * q, q in -127..127, a float16 d per 32): the embedding / LM head.
+void q8_rows_scalar(const int8_t* codes, const uint16_t* d, const QuantRows& a, float* y, int64_t M, int64_t N,
+                    int64_t K, int64_t n0, int64_t n1) {
+  const int64_t B = K / kGroup;
+  const int8_t* xq = a.xq;
+  const float* dx = a.dx;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        const int8_t* w = codes + n * K + b * kGroup;
+        const int8_t* v = xq + m * K + b * kGroup;
+        int s = 0;
+        for (int j = 0; j < kGroup; ++j) s += w[j] * v[j];
+        acc += half_to_float(d[n * B + b]) * dx[m * B + b] * static_cast<float>(s);
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef SHARDLM_X86
+// maddubs multiplies unsigned by signed bytes: |w| times x with w's sign (|w| <= 127, so no overflow)
+__attribute__((target("avx2,fma,f16c"))) inline __m256 q8_block_dot(const int8_t* w, const int8_t* v) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void q8_rows_avx2(const int8_t* codes, const uint16_t* d,
+                                                           const QuantRows& a, float* y, int64_t M, int64_t N,
+                                                           int64_t K, int64_t n0, int64_t n1) {
+  const int64_t B = K / kGroup;
+  const int8_t* xq = a.xq;
+  const float* dx = a.dx;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = codes + n * K;
+    const uint16_t* dn = d + n * B;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* v = xq + m * K;
+      const float* dxm = dx + m * B;
+      __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 2 <= B; b += 2) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dn[b]) * dxm[b]), q8_block_dot(w + b * kGroup, v + b * kGroup),
+                              acc);
+        acc2 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dn[b + 1]) * dxm[b + 1]),
+                               q8_block_dot(w + (b + 1) * kGroup, v + (b + 1) * kGroup), acc2);
+      }
+      if (b < B)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(dn[b]) * dxm[b]), q8_block_dot(w + b * kGroup, v + b * kGroup),
+                              acc);
+      y[m * N + n] = hsum(_mm256_add_ps(acc, acc2));
+    }
+  }
+}
+#endif
+
+bool has_avx2() {
+#ifdef SHARDLM_X86
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The two weight formats: 4-bit (codes uint8 [N, K / 2], scales float16 [2, N, K / 32]: d, then
+// the offsets m) and 8-bit (codes int8 [N, K], scales float16 [N, K / 32]).
+struct Weight {
+  int64_t N, K;
+  bool four_bit;
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* mins;  // 4-bit only
+};
+
+Weight weight_of(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool four_bit) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quantized linear: x must be 2-D on the CPU, got ", x.sizes());
+  TORCH_CHECK(codes.scalar_type() == (four_bit ? at::kByte : at::kChar) && codes.dim() == 2 && codes.is_contiguous(),
+              four_bit ? "int4_linear: codes must be contiguous uint8 [out, in / 2]"
+                       : "q8_linear: codes must be contiguous int8 [out, in]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == (four_bit ? 3 : 2),
+              "quantized linear: scales must be contiguous float16, ", four_bit ? "[2, out, in / 32]" : "[out, in / 32]");
+  const int64_t N = codes.size(0), K = x.size(1);
+  const bool fits = K % kGroup == 0 && codes.size(1) * (four_bit ? 2 : 1) == K &&
+                    scales.size(-2) == N && scales.size(-1) * kGroup == K && (!four_bit || scales.size(0) == 2);
+  TORCH_CHECK(fits, "quantized linear: x ", x.sizes(), ", codes ", codes.sizes(), " and scales ", scales.sizes(),
+              " disagree");
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  return {N, K, four_bit, reinterpret_cast<const uint8_t*>(codes.data_ptr()), d,
+          four_bit ? d + N * (K / kGroup) : nullptr};
+}
+
+// The weight's rows [n0, n1) as float32 [n1 - n0, K].
+void dequantize_rows(const Weight& w, int64_t n0, int64_t n1, float* out) {
+  const int64_t K = w.K, B = K / kGroup;
+  at::parallel_for(n0, n1, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      float* o = out + (n - n0) * K;
+      for (int64_t b = 0; b < B; ++b) {
+        const float s = half_to_float(w.d[n * B + b]);
+        if (w.four_bit) {
+          const float z = half_to_float(w.mins[n * B + b]);
+          const uint8_t* c = w.codes + n * (K / 2) + b * 16;
+          for (int j = 0; j < 16; ++j) {
+            o[b * kGroup + j] = s * static_cast<float>(c[j] & 0xf) + z;
+            o[b * kGroup + j + 16] = s * static_cast<float>(c[j] >> 4) + z;
+          }
+        } else {
+          const int8_t* c = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kGroup;
+          for (int j = 0; j < kGroup; ++j) o[b * kGroup + j] = s * static_cast<float>(c[j]);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gemm_rows, bool simd) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = w.K, N = w.N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M >= gemm_rows) {  // compute-bound: float GEMM on slices of dequantized rows (~1 MiB each)
+    const int64_t step = std::max<int64_t>(16, (int64_t{1} << 18) / K);
+    at::Tensor rows = at::empty({std::min(step, N), K}, x.options());
+    for (int64_t n0 = 0; n0 < N; n0 += step) {
+      const int64_t n1 = std::min(N, n0 + step);
+      dequantize_rows(w, n0, n1, rows.data_ptr<float>());
+      y.narrow(1, n0, n1 - n0).copy_(at::mm(x, rows.narrow(0, 0, n1 - n0).t()));
+    }
+    return y;
+  }
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+  const bool avx2 = simd && has_avx2();
+  const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+#ifdef SHARDLM_X86
+    if (avx2 && w.four_bit) return dot_rows_avx2(w.codes, w.d, w.mins, a, yp, M, N, K, n0, n1);
+    if (avx2) return q8_rows_avx2(c8, w.d, a, yp, M, N, K, n0, n1);
+#endif
+    if (w.four_bit) return dot_rows_scalar(w.codes, w.d, w.mins, a, yp, M, N, K, n0, n1);
+    q8_rows_scalar(c8, w.d, a, yp, M, N, K, n0, n1);
+  });
+  (void)avx2;
+  return y;
+}
+
+at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t gemm_rows,
+                           bool simd) {
+  return quantized_linear(x, weight_of(x, codes, scales, true), gemm_rows, simd);
+}
+
+at::Tensor q8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t gemm_rows,
+                         bool simd) {
+  return quantized_linear(x, weight_of(x, codes, scales, false), gemm_rows, simd);
+}
+
+bool vectorised() { return has_avx2(); }
+
+}  // namespace
+
+// simd=False takes the portable loops on any CPU (for the test that compares the two)
+TORCH_LIBRARY(shardlm_int4, m) {
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, &int4_linear_cpu);
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");
+  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear_cpu);
+  m.def("vectorised() -> bool", &vectorised);
+}
