@@ -1,12 +1,13 @@
 """Training step time and memory of one layout.
 
-Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
-(2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
-TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
-the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine (once per node under node-limited
-routing: ``comm.moe_dispatch``), and the CP KV ring or Ulysses' all-to-alls
-(hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
-same communication again; recomputation adds a forward (full) or the attention core (selective).
+Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens (2 x tokens
+x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the TP collectives
+(two all-reduces per layer, or with SP an all-gather and a reduce-scatter of the same volume;
+Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
+(``comm.moe_boundary``: dispatch/combine, once per node under node-limited routing), and the CP KV
+ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
+forward FLOPs and the same communication again; recomputation adds a forward (full) or the
+attention core (selective).
 
 The pipeline turns stage times into a step with the schedule's closed form, exact for
 uniform stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B);
@@ -31,7 +32,7 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work, node_limit
+from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
 from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -169,7 +170,7 @@ def _stage(
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
     cfg, gpu = costs.cfg, cluster.gpu
-    tp_group, ep_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "ep", "cp"))
+    tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
@@ -191,10 +192,8 @@ def _stage(
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
-        if moe and lay.ep > 1:  # dispatch and combine; node-limited routing crosses IB once per node
-            limit = node_limit(cfg, lay.nodes_spanned("ep", cluster.gpus_per_node))
-            share = tokens / lay.tp * cfg.hidden_size * a
-            ep_c += n * 2 * comm.moe_dispatch(share, cfg.num_experts_per_tok, limit, ep_group, cluster)
+        if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
+            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)
