@@ -128,8 +128,9 @@ def search_inference(
 
 def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict) -> list[Layout]:
     """Training knobs for one mesh shape. Options the time and memory models say are dominated
-    are left out unless pinned: ZeRO-0 (ZeRO-1 has the same traffic and less memory), TP without
-    SP (same traffic, more memory) and GPipe (1F1B has the same bubble and less memory)."""
+    are left out unless pinned: ZeRO-0 (ZeRO-1 sends less: a float32 reduce-scatter and a 16-bit
+    all-gather against a float32 all-reduce; and holds less memory), TP without SP (same traffic,
+    more memory) and GPipe (1F1B has the same bubble and less memory)."""
     if wl.global_batch % lay.dp:
         return []
     per_replica = wl.global_batch // lay.dp
