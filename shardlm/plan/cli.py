@@ -286,8 +286,6 @@ def build_request(args):
             f"--request-rate {args.request_rate:g}: must be a positive number of requests/s (for as many as the "
             f"layout takes, leave it out: the plan is then at full batch)"
         )
-    if args.prefill_replicas is not None:
-        check_prefill_replicas(args)
     fixed = {
         k: getattr(args, k)
         for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
@@ -358,26 +356,6 @@ def build_request(args):
         cp_attention=args.cp_attention or "pass-q",
     )
     return PlanRequest(train=False, inference=wl, **common)
-
-
-def check_prefill_replicas(args) -> None:
-    """Refuse a prefill/decode split that cannot be made: no decode replica left, nothing to decode."""
-    n = args.prefill_replicas
-    if args.dp is not None and args.dp <= n:
-        raise PlanError(
-            f"--prefill-replicas {n} needs more than {n} dp replicas (at least one left to decode), and --dp is "
-            f"{args.dp}: raise --dp to {n + 1} or more, or lower --prefill-replicas"
-        )
-    if args.gpus <= n:
-        raise PlanError(
-            f"--prefill-replicas {n} needs more than {n} replicas, and --gpus {args.gpus} makes at most "
-            f"{args.gpus}: lower it or add GPUs"
-        )
-    if args.output_len is not None and args.output_len < 2:
-        raise PlanError(
-            f"--prefill-replicas {n} hands each request to a decode replica after its first token, and "
-            f"--output-len {args.output_len} leaves nothing to decode: drop --prefill-replicas"
-        )
 
 
 def run(args: argparse.Namespace) -> int:

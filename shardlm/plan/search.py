@@ -92,11 +92,9 @@ def search_inference(
     bad: list[inference.InferenceResult] = []
     n = 0
     layouts = shapes(costs.cfg, cluster, fixed)
-    if wl.prefill_replicas:  # a prefill/decode split needs a decode replica beside the prefill ones
-        split = [lay for lay in layouts if lay.dp > wl.prefill_replicas]
-        if layouts and not split:
-            check_split(wl.prefill_replicas, max(lay.dp for lay in layouts))
-        layouts = split
+    if wl.prefill_replicas and layouts:  # a prefill/decode split needs a decode replica beside the prefill ones
+        check_split(wl.prefill_replicas, max(lay.dp for lay in layouts), wl.output_len)
+        layouts = [lay for lay in layouts if lay.dp > wl.prefill_replicas]
     for lay in layouts:
         if wl.cp_attention == "ulysses" and not ulysses_fits(costs.cfg, lay.tp, lay.cp):
             continue  # the engine refuses it (engine/config.py)

@@ -110,10 +110,19 @@ def test_cli_reports_the_pools_and_the_colocated_layout(capsys):
     "extra, message",
     [
         (["--train"], "--prefill-replicas is an inference flag but --train plans training"),
-        (["--dp", "2", "--prefill-replicas", "2"], "--prefill-replicas 2 needs more than 2 dp replicas"),
-        (["--prefill-replicas", "4"], "--prefill-replicas 4 needs more than 4 replicas, and --gpus 4"),
-        (["--tp", "4", "--prefill-replicas", "1"], "--prefill-replicas 1 needs dp > 1"),
-        (["--output-len", "1", "--prefill-replicas", "1"], "--output-len 1 leaves nothing to decode"),
+        (
+            ["--dp", "2", "--prefill-replicas", "2"],
+            "--prefill-replicas 2 leaves no replica to decode: a split needs "
+            "dp > 2 (the 2 prefill replica(s) and at least one decode replica), and the largest dp that --gpus and the "
+            "pins allow is 2; lower --prefill-replicas below 2, or raise --dp / --gpus",
+        ),
+        (["--prefill-replicas", "4"], "--prefill-replicas 4 leaves no replica to decode: a split needs dp > 4"),
+        (["--prefill-replicas", "5"], "the largest dp that --gpus and the pins allow is 4; lower --prefill-replicas"),
+        (["--tp", "4", "--prefill-replicas", "1"], "the largest dp that --gpus and the pins allow is 1"),
+        (
+            ["--output-len", "1", "--prefill-replicas", "1"],
+            "--output-len 1 leaves nothing to decode: drop --prefill-replicas or raise --output-len to 2",
+        ),
         (["--prefill-replicas", "0"], "--prefill-replicas 0: must be a positive integer"),
     ],
 )
@@ -124,6 +133,20 @@ def test_refusals(extra, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("output_len, fixed", [(1, {}), (OUT, {"dp": 2})])
+def test_the_planner_refuses_a_split_it_cannot_make_not_only_the_cli(output_len, fixed):
+    """One refusal (``disagg.check``), where the search meets the split: a plan asked for
+    through the library is refused as the command line's is."""
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.planner import PlanRequest, plan
+
+    wl = InferenceWorkload(prompt_len=PROMPT, output_len=output_len, prefill_replicas=2)
+    req = PlanRequest(model="llama-3-8b", gpu="h100-sxm", gpus=4, inference=wl, fixed=fixed)
+    why = "leaves nothing to decode" if output_len == 1 else "the largest dp that --gpus and the pins allow is 2"
+    with pytest.raises(PlanError, match=why):
+        plan(req)
 
 
 def test_split_layouts_shardlm_cannot_run_are_marked():
