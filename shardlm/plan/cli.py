@@ -53,6 +53,16 @@ KV_DTYPES = DTYPES + ("int8",)
 ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
+def prefill_arg(value: str) -> int | str:
+    """--prefill-replicas: a number of replicas, or "auto" (searched)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of replicas or auto") from None
+
+
 def dtype_arg(value: str, allowed: tuple[str, ...] = DTYPES) -> str:
     """A dtype name; torch spellings (bfloat16, float32) are accepted too."""
     v = ALIASES.get(value.lower(), value.lower())
@@ -141,10 +151,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prefill-replicas",
-        type=int,
+        type=prefill_arg,
         metavar="N",
         help="as serve --prefill-replicas: N of the dp replicas only prefill, the others only decode (the KV cache "
-        "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it",
+        "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it; "
+        "auto: search every split of each layout, and none",
     )
     g.add_argument(
         "--attention-dp",
@@ -274,7 +285,7 @@ def build_request(args):
         "prefill_replicas",
     ):
         v = getattr(args, name, None)
-        if v is not None and v < (0 if name == "output_len" else 1):
+        if v is not None and v != "auto" and v < (0 if name == "output_len" else 1):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
     if args.max_concurrency is not None and args.request_rate is not None:
         raise PlanError(
@@ -352,7 +363,7 @@ def build_request(args):
         fused_attention=args.attention == "fused",
         concurrency=args.max_concurrency,
         request_rate=args.request_rate,
-        prefill_replicas=args.prefill_replicas or 0,
+        prefill_replicas=None if args.prefill_replicas == "auto" else args.prefill_replicas or 0,
         cp_attention=args.cp_attention or "pass-q",
     )
     return PlanRequest(train=False, inference=wl, **common)

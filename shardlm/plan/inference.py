@@ -68,9 +68,10 @@ class InferenceWorkload:
     cp_attention: str = "pass-q"
     """Under cp, how a prompt that arrives whole (its first chunk) is attended: "pass-q", "ring" or
     "ulysses" (``shardlm generate --cp-attention``); later chunks and decode steps are pass-Q."""
-    prefill_replicas: int = 0
+    prefill_replicas: int | None = 0
     """Of the dp replicas, these only prefill and the others only decode (``--prefill-replicas``,
-    ``disagg.py``); 0: every replica does both."""
+    ``disagg.py``); 0: every replica does both; None: searched, every split of each layout and none
+    (``--prefill-replicas auto``)."""
 
     @property
     def loaded(self) -> bool:
@@ -261,6 +262,8 @@ def pipeline_time(
 def evaluate(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWorkload, batch: int | None = None
 ) -> InferenceResult:
+    if wl.prefill_replicas is None:
+        raise ValueError("evaluate() costs one split: prefill_replicas None (auto) is for search_inference")
     w_bytes = C.DTYPE_BYTES[wl.dtype]
     a_bytes = max(2, w_bytes)  # fp8 weights still compute in 16-bit activations
     kv_bytes = kv_element_bytes(costs.cfg, wl.kv_dtype or wl.dtype)
@@ -329,7 +332,8 @@ def evaluate(
         decode_parts=parts,
     )
     if wl.prefill_replicas:
-        disaggregate(res, costs, cluster, wl, bytes_, prefill_slots=int(free // (per_seq / seq_len * wl.prompt_len)))
+        slots = int(free // (per_seq / seq_len * wl.prompt_len))
+        disaggregate(res, costs, cluster, wl, bytes_, wl.prefill_replicas, prefill_slots=slots)
     elif wl.loaded:
         serve_at_load(res, costs, cluster, wl, bytes_)
     res.meets_limits = (wl.max_ttft_s is None or res.ttft_s <= wl.max_ttft_s) and (
@@ -389,8 +393,10 @@ def serve_at_load(res: InferenceResult, costs, cluster, wl: InferenceWorkload, b
     res.latency_s = s.ttft_s + wl.output_len * s.tpot_s
 
 
-def disaggregate(res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_, *, prefill_slots: int) -> None:
-    """TTFT, TPOT and throughput with ``wl.prefill_replicas`` of the dp replicas prefilling and the
+def disaggregate(
+    res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_, prefill_replicas: int, *, prefill_slots: int
+) -> None:
+    """TTFT, TPOT and throughput with ``prefill_replicas`` of the dp replicas prefilling and the
     rest decoding (``disagg.py``): at the workload's load, or without one the pools' capacities
     (the slower sets the throughput), a lone prompt's TTFT and a full decode step's TPOT."""
     lay = res.layout
@@ -404,7 +410,7 @@ def disaggregate(res: InferenceResult, costs, cluster, wl: InferenceWorkload, by
         dec,
         lay=lay,
         cluster=cluster,
-        prefill_replicas=wl.prefill_replicas,
+        prefill_replicas=prefill_replicas,
         kv_bytes_per_token=kv_bytes_per_seq_token(costs, lay, bytes_[2]),
         concurrency=wl.concurrency,
         request_rate=wl.request_rate,
