@@ -53,6 +53,16 @@ KV_DTYPES = DTYPES + ("int8",)
 ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
+def prefill_arg(value: str) -> int | str:
+    """--prefill-replicas: a number of replicas, or "auto" (searched)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of replicas or auto") from None
+
+
 def dtype_arg(value: str, allowed: tuple[str, ...] = DTYPES) -> str:
     """A dtype name; torch spellings (bfloat16, float32) are accepted too."""
     v = ALIASES.get(value.lower(), value.lower())
@@ -141,10 +151,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prefill-replicas",
-        type=int,
+        type=prefill_arg,
         metavar="N",
         help="as serve --prefill-replicas: N of the dp replicas only prefill, the others only decode (the KV cache "
-        "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it",
+        "handed over after the first token); each pool's TTFT/TPOT/capacity, and the colocated pick beside it; "
+        "auto: search every split of each layout, and none",
     )
     g.add_argument(
         "--attention-dp",
@@ -274,7 +285,7 @@ def build_request(args):
         "prefill_replicas",
     ):
         v = getattr(args, name, None)
-        if v is not None and v < (0 if name == "output_len" else 1):
+        if v is not None and v != "auto" and v < (0 if name == "output_len" else 1):
             raise PlanError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
     if args.max_concurrency is not None and args.request_rate is not None:
         raise PlanError(
@@ -286,8 +297,6 @@ def build_request(args):
             f"--request-rate {args.request_rate:g}: must be a positive number of requests/s (for as many as the "
             f"layout takes, leave it out: the plan is then at full batch)"
         )
-    if args.prefill_replicas is not None:
-        check_prefill_replicas(args)
     fixed = {
         k: getattr(args, k)
         for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "schedule", "micro_batch", "recompute", "cp_attention")
@@ -354,30 +363,10 @@ def build_request(args):
         fused_attention=args.attention == "fused",
         concurrency=args.max_concurrency,
         request_rate=args.request_rate,
-        prefill_replicas=args.prefill_replicas or 0,
+        prefill_replicas=None if args.prefill_replicas == "auto" else args.prefill_replicas or 0,
         cp_attention=args.cp_attention or "pass-q",
     )
     return PlanRequest(train=False, inference=wl, **common)
-
-
-def check_prefill_replicas(args) -> None:
-    """Refuse a prefill/decode split that cannot be made: no decode replica left, nothing to decode."""
-    n = args.prefill_replicas
-    if args.dp is not None and args.dp <= n:
-        raise PlanError(
-            f"--prefill-replicas {n} needs more than {n} dp replicas (at least one left to decode), and --dp is "
-            f"{args.dp}: raise --dp to {n + 1} or more, or lower --prefill-replicas"
-        )
-    if args.gpus <= n:
-        raise PlanError(
-            f"--prefill-replicas {n} needs more than {n} replicas, and --gpus {args.gpus} makes at most "
-            f"{args.gpus}: lower it or add GPUs"
-        )
-    if args.output_len is not None and args.output_len < 2:
-        raise PlanError(
-            f"--prefill-replicas {n} hands each request to a decode replica after its first token, and "
-            f"--output-len {args.output_len} leaves nothing to decode: drop --prefill-replicas"
-        )
 
 
 def run(args: argparse.Namespace) -> int:

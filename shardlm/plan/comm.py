@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import math
 
+from shardlm.models.config import ModelConfig
+from shardlm.parallel.expert import experts_span_replicas
 from shardlm.plan.hardware import Cluster, Link
+from shardlm.plan.layout import Layout
+from shardlm.plan.roofline import node_limit
 
 
 def placement(ranks: list[int], cluster: Cluster) -> tuple[int, int]:
@@ -137,6 +141,33 @@ def moe_dispatch(token_bytes: float, top_k: int, max_nodes: int | None, ranks: l
     inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps
     intra = (k - 1) * g.intra.alpha_s + top_k * (k - 1) / k * token_bytes / g.intra.bandwidth_Bps
     return g.collective_launch_s + max(intra, inter)
+
+
+def moe_boundary(cfg: ModelConfig, cluster: Cluster, lay: Layout, tokens: float, a_bytes: float) -> float:
+    """One MoE layer's token trip (forward) on a rank holding ``tokens`` tokens of ``a_bytes``
+    elements, as ``parallel/expert.py``'s all_to_all path runs it at inference and in training:
+    each tp rank takes its 1/tp of the tokens, an expert's etp ranks all-gather theirs (and
+    reduce-scatter the partial sums after), every (token, choice) pair goes to its expert's ep rank
+    and back (dispatch and combine, ``moe_dispatch``: node-limited where the model's routing is),
+    and the tp group all-gathers its tokens again. When ep x etp divides tp the experts sit inside
+    the tp group, which holds every token already: no token moves (the block's all-reduce is the
+    layer's tp all-reduce). Each of these collectives' autograd dual moves the same bytes (split ->
+    all-gather, all-gather -> reduce-scatter, all-to-all -> the reverse all-to-all), so a training
+    backward costs this again."""
+    if not experts_span_replicas(lay.tp, lay.ep, lay.etp):
+        return 0.0
+    per_node = cluster.gpus_per_node
+    share = tokens / lay.tp * cfg.hidden_size * a_bytes  # bytes of one tp rank's tokens
+    t = 0.0
+    if lay.etp > 1:  # the all-gather in, the reduce-scatter out
+        t += 2 * all_gather(share * lay.etp, lay.slowest_group("etp", per_node), cluster)
+    if lay.ep > 1:
+        limit = node_limit(cfg, lay.nodes_spanned("ep", per_node))
+        ep_group = lay.slowest_group("ep", per_node)
+        t += 2 * moe_dispatch(share * lay.etp, cfg.num_experts_per_tok, limit, ep_group, cluster)
+    if lay.tp > 1:
+        t += all_gather(share * lay.tp, lay.slowest_group("tp", per_node), cluster)
+    return t
 
 
 def send_recv(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:

@@ -66,12 +66,23 @@ class Split:
         return "prefill" if self.prefill_capacity_requests_per_s < self.decode_capacity_requests_per_s else "decode"
 
 
-def check(prefill_replicas: int, dp: int) -> None:
-    """Refuse a split that leaves no decode replica (``EngineConfig``'s rule)."""
-    if not 0 < prefill_replicas < dp:
+def check(prefill_replicas: int | None, dp: int, output_len: int) -> None:
+    """Refuse a split the engine cannot make or that has nothing to do: no decode replica left
+    (``EngineConfig``'s rule), ``dp`` being the largest the pins and GPUs allow; no token left to
+    decode after the first, which the prefill replica samples. None: the split is searched (``auto``),
+    which needs a layout of two replicas at least."""
+    flag, n = ("auto", 1) if prefill_replicas is None else (prefill_replicas, prefill_replicas)
+    if output_len < 2:
         raise PlanError(
-            f"--prefill-replicas {prefill_replicas} needs dp > {prefill_replicas} (the prefill replicas plus at least "
-            f"one to decode), and the largest dp the pins and GPUs allow is {dp}: lower it or add GPUs"
+            f"--prefill-replicas {flag} hands each request to a decode replica after its first token, and "
+            f"--output-len {output_len} leaves nothing to decode: drop --prefill-replicas or raise --output-len to 2"
+        )
+    if not 0 < n < dp:
+        lower = "drop it" if prefill_replicas is None else f"lower --prefill-replicas below {dp}"
+        raise PlanError(
+            f"--prefill-replicas {flag} leaves no replica to decode: a split needs dp > {n} (the {n} prefill "
+            f"replica(s) and at least one decode replica), and the largest dp that --gpus and the pins allow is "
+            f"{dp}; {lower}, or raise --dp / --gpus"
         )
 
 

@@ -1,17 +1,17 @@
 """Inference time and capacity of one layout: TTFT, TPOT and throughput.
 
-Per stage, a step costs the roofline time of its layers (``roofline.py``) plus the
-collectives the runner issues: two all-reduces of the hidden state per layer under TP
-(Megatron-LM §3), dispatch + combine all-to-alls per MoE layer under EP (GShard, Lepikhin
-et al. 2020, https://arxiv.org/abs/2006.16668 §2.2), and under CP what the engine's striped
-KV cache costs (``parallel/context_paged.py``): each rank computes the tokens it holds (1/cp of a
-prefill chunk, of a decode batch), attends every query of the step to its 1/cp of the keys,
-all-gathers the queries and all-to-alls the float32 partial outputs to their owners per layer,
-and all-reduces the sampled rows' hidden states (pass-Q); a prompt's first chunk, which arrives
-whole, may instead pass its keys and values around the cp ring (``cp_attention="ring"``: cp - 1
-hops of a rank's K/V per layer, hidden behind the attention as far as it lasts) or all-to-all
-q, k, v and the output (Ulysses); the vocab-parallel LM head all-gathers logits; stages hand
-hidden states on with send/recv.
+Per stage, a step costs the roofline time of its layers (``roofline.py``) plus the collectives the
+runner issues: two all-reduces of the hidden state per layer under TP (Megatron-LM §3), dispatch +
+combine all-to-alls per MoE layer under EP (GShard, Lepikhin et al. 2020,
+https://arxiv.org/abs/2006.16668 §2.2; ``comm.moe_boundary``, shared with training), and under CP
+what the engine's striped KV cache costs (``parallel/context_paged.py``): each rank computes the
+tokens it holds (1/cp of a prefill chunk, of a decode batch), attends every query of the step to
+its 1/cp of the keys, all-gathers the queries and all-to-alls the float32 partial outputs to their
+owners per layer, and all-reduces the sampled rows' hidden states (pass-Q); a prompt's first chunk,
+which arrives whole, may instead pass its keys and values around the cp ring
+(``cp_attention="ring"``: cp - 1 hops of a rank's K/V per layer, hidden behind the attention as far
+as it lasts) or all-to-all q, k, v and the output (Ulysses); the vocab-parallel LM head all-gathers
+logits; stages hand hidden states on with send/recv.
 
 A replica serves a batch of B sequences as a round: prefill every prompt (in chunks of
 PREFILL_CHUNK_TOKENS), then ``output_len`` decode steps; throughput is the round's output
@@ -28,7 +28,6 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from shardlm.parallel.expert import experts_span_replicas
 from shardlm.plan import comm
 from shardlm.plan import constants as C
 from shardlm.plan.disagg import Split, served, split
@@ -69,9 +68,10 @@ class InferenceWorkload:
     cp_attention: str = "pass-q"
     """Under cp, how a prompt that arrives whole (its first chunk) is attended: "pass-q", "ring" or
     "ulysses" (``shardlm generate --cp-attention``); later chunks and decode steps are pass-Q."""
-    prefill_replicas: int = 0
+    prefill_replicas: int | None = 0
     """Of the dp replicas, these only prefill and the others only decode (``--prefill-replicas``,
-    ``disagg.py``); 0: every replica does both."""
+    ``disagg.py``); 0: every replica does both; None: searched, every split of each layout and none
+    (``--prefill-replicas auto``)."""
 
     @property
     def loaded(self) -> bool:
@@ -181,8 +181,8 @@ def stage_step(
         out.matmul += n * mm.time(gpu, dtype)
         out.attention += n * t_attn
         out.tp_comm += n * 2 * ar
-        if moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # the engine's all_to_all dispatch
-            out.ep_comm += n * moe_boundary(cfg, cluster, lay, tokens, a_bytes)
+        if moe:
+            out.ep_comm += n * comm.moe_boundary(cfg, cluster, lay, tokens, a_bytes)
         if lay.cp > 1 and not decode and cp_attention == "ring":  # K/V hops, overlapped with attention
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a_bytes  # this rank's tokens, heads not expanded
             out.cp_comm += n * max(0.0, (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster) - t_attn)
@@ -207,27 +207,6 @@ def stage_step(
         if lay.cp > 1:  # the sampled rows' hidden states to every cp rank (an all-reduce of owned rows)
             out.cp_comm += comm.all_reduce(last * cfg.hidden_size * a_bytes, cp_group, cluster)
     return out
-
-
-def moe_boundary(cfg, cluster: Cluster, lay: Layout, tokens: float, a_bytes: int) -> float:
-    """The tokens' trip through an MoE layer whose experts span dp replicas (attention-DP: each
-    replica its own sequences), as ``parallel/expert.py``'s all_to_all path runs it: each tp rank
-    takes its 1/tp of the tokens, an expert's etp ranks all-gather theirs (and reduce-scatter the
-    partial sums after), every (token, choice) pair goes to its expert's ep rank and back (two
-    all-to-alls), and the tp group all-gathers its tokens again. When ep x etp divides tp the
-    experts sit inside the tp group, which holds every token already: no token moves (the block's
-    all-reduce is the layer's tp all-reduce)."""
-    share = tokens / lay.tp * cfg.hidden_size * a_bytes  # bytes of one tp rank's tokens
-    t = 0.0
-    if lay.etp > 1:
-        etp_group = lay.slowest_group("etp", cluster.gpus_per_node)
-        t += 2 * comm.all_gather(share * lay.etp, etp_group, cluster)  # all-gather in, reduce-scatter out
-    if lay.ep > 1:
-        ep_group = lay.slowest_group("ep", cluster.gpus_per_node)
-        t += 2 * comm.all_to_all(share * lay.etp * cfg.num_experts_per_tok, ep_group, cluster)
-    if lay.tp > 1:
-        t += comm.all_gather(share * lay.tp, lay.slowest_group("tp", cluster.gpus_per_node), cluster)
-    return t
 
 
 def _sum(parts: list[StepTime]) -> StepTime:
@@ -283,6 +262,8 @@ def pipeline_time(
 def evaluate(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: InferenceWorkload, batch: int | None = None
 ) -> InferenceResult:
+    if wl.prefill_replicas is None:
+        raise ValueError("evaluate() costs one split: prefill_replicas None (auto) is for search_inference")
     w_bytes = C.DTYPE_BYTES[wl.dtype]
     a_bytes = max(2, w_bytes)  # fp8 weights still compute in 16-bit activations
     kv_bytes = kv_element_bytes(costs.cfg, wl.kv_dtype or wl.dtype)
@@ -351,7 +332,8 @@ def evaluate(
         decode_parts=parts,
     )
     if wl.prefill_replicas:
-        disaggregate(res, costs, cluster, wl, bytes_, prefill_slots=int(free // (per_seq / seq_len * wl.prompt_len)))
+        slots = int(free // (per_seq / seq_len * wl.prompt_len))
+        disaggregate(res, costs, cluster, wl, bytes_, wl.prefill_replicas, prefill_slots=slots)
     elif wl.loaded:
         serve_at_load(res, costs, cluster, wl, bytes_)
     res.meets_limits = (wl.max_ttft_s is None or res.ttft_s <= wl.max_ttft_s) and (
@@ -411,8 +393,10 @@ def serve_at_load(res: InferenceResult, costs, cluster, wl: InferenceWorkload, b
     res.latency_s = s.ttft_s + wl.output_len * s.tpot_s
 
 
-def disaggregate(res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_, *, prefill_slots: int) -> None:
-    """TTFT, TPOT and throughput with ``wl.prefill_replicas`` of the dp replicas prefilling and the
+def disaggregate(
+    res: InferenceResult, costs, cluster, wl: InferenceWorkload, bytes_, prefill_replicas: int, *, prefill_slots: int
+) -> None:
+    """TTFT, TPOT and throughput with ``prefill_replicas`` of the dp replicas prefilling and the
     rest decoding (``disagg.py``): at the workload's load, or without one the pools' capacities
     (the slower sets the throughput), a lone prompt's TTFT and a full decode step's TPOT."""
     lay = res.layout
@@ -426,7 +410,7 @@ def disaggregate(res: InferenceResult, costs, cluster, wl: InferenceWorkload, by
         dec,
         lay=lay,
         cluster=cluster,
-        prefill_replicas=wl.prefill_replicas,
+        prefill_replicas=prefill_replicas,
         kv_bytes_per_token=kv_bytes_per_seq_token(costs, lay, bytes_[2]),
         concurrency=wl.concurrency,
         request_rate=wl.request_rate,

@@ -83,7 +83,7 @@ class Plan:
         req = self.request
         work = req.training if req.train else req.inference
         assert work is not None  # a request carries the workload it plans
-        split = req.inference.prefill_replicas if req.inference is not None and not req.train else 0
+        split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
         return not_runnable(self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split)
 
     def runnable_note(self) -> list[str]:
@@ -149,7 +149,7 @@ def plan(req: PlanRequest) -> Plan:
         context=ctx,
     )
     out.explanation[:0] = out.runnable_note()
-    if not req.train and req.inference is not None and req.inference.prefill_replicas:
+    if not req.train and req.inference is not None and out.best.split is not None:
         out.explanation.append(colocated(costs, cluster, req.inference, out.best))
     if req.compare is not None:
         pins = {**req.fixed, **req.compare}

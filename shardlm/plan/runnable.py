@@ -35,8 +35,13 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
         return "context parallelism with latent attention (its cache is not striped yet)"
     if dtype == "fp8":  # engine/config.py DTYPES
         return "fp8 weights and GEMMs: shardlm computes in bf16, fp16 or fp32 (int8 weight-only)"
-    if prefill_replicas and lay.cp > 1:  # engine/config.py _check_cp
+    return split_refused(cfg, lay) if prefill_replicas else None
+
+
+def split_refused(cfg, lay: Layout) -> str | None:
+    """Why shardlm's engine will not split ``lay``'s replicas into prefill and decode pools (None: it will)."""
+    if lay.cp > 1:  # engine/config.py _check_cp
         return "prefill replicas with cp (a handoff would move a cache striped over cp ranks)"
-    if prefill_replicas and cfg.is_moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # engine/llm.py
+    if cfg.is_moe and experts_span_replicas(lay.tp, lay.ep, lay.etp):  # engine/llm.py
         return "prefill replicas with experts spanning replicas (those replicas step in lockstep)"
     return None

@@ -9,13 +9,16 @@ every pipeline schedule, SP on and off, ZeRO 0-3, and the least recomputation th
 Objectives: ``throughput`` (output tokens/s for inference, tokens/s for training), ``latency``
 (TTFT + output_len x TPOT at batch 1, or at the workload's concurrency or rate: ``serving.py``);
 with ``max_ttft_s`` / ``max_tpot_s`` the throughput objective keeps only layouts and batch sizes
-within the limits.
+within the limits. With ``--prefill-replicas auto`` each inference layout is tried colocated and
+with every split of its replicas into prefill and decode pools that the engine makes, and keeps the
+best.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from shardlm.parallel.context import check_ulysses
 from shardlm.parallel.dims import LayoutError, factorisations
@@ -25,6 +28,7 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import CP_ATTENTION, Layout
 from shardlm.plan.roofline import ModelCosts
+from shardlm.plan.runnable import split_refused
 
 OBJECTIVES = ("throughput", "latency")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -92,33 +96,24 @@ def search_inference(
     bad: list[inference.InferenceResult] = []
     n = 0
     layouts = shapes(costs.cfg, cluster, fixed)
-    if wl.prefill_replicas:  # a prefill/decode split needs a decode replica beside the prefill ones
-        split = [lay for lay in layouts if lay.dp > wl.prefill_replicas]
-        if layouts and not split:
-            check_split(wl.prefill_replicas, max(lay.dp for lay in layouts))
-        layouts = split
+    if wl.prefill_replicas != 0 and layouts:  # a prefill/decode split needs a decode replica beside the prefill ones
+        check_split(wl.prefill_replicas, max(lay.dp for lay in layouts), wl.output_len)
+        if wl.prefill_replicas is not None:
+            layouts = [lay for lay in layouts if lay.dp > wl.prefill_replicas]
     for lay in layouts:
         if wl.cp_attention == "ulysses" and not ulysses_fits(costs.cfg, lay.tp, lay.cp):
             continue  # the engine refuses it (engine/config.py)
-        if objective == "latency":
-            # at a load the replica runs as many as fit, as a server does; alone, one request
-            res = inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or (None if wl.loaded else 1))
-            n += 1
-        else:
-            res = inference.evaluate(costs, cluster, lay, wl)
-            n += 1
-            if res.fits and not res.meets_limits and wl.batch is None and wl.max_tpot_s is not None:
-                lo, hi = 1, res.batch  # TPOT grows with the batch: largest batch within the limit
-                best = None
-                while lo <= hi:
-                    mid = (lo + hi) // 2
-                    r = inference.evaluate(costs, cluster, lay, wl, batch=mid)
-                    n += 1
-                    if r.meets_limits:
-                        best, lo = r, mid + 1
-                    else:
-                        hi = mid - 1
-                res = best or inference.evaluate(costs, cluster, lay, wl, batch=1)
+        splits: Sequence[int]
+        if wl.prefill_replicas is not None:
+            splits = [wl.prefill_replicas]
+        else:  # auto: colocated, and every split of the replicas that the engine makes
+            splits = range(lay.dp if split_refused(costs.cfg, lay) is None else 1)
+        tried = []
+        for split in splits:
+            res, k = _evaluate_inference(costs, cluster, lay, replace(wl, prefill_replicas=split), objective)
+            n += k
+            tried.append(res)
+        res = min(tried, key=lambda r: (not (r.fits and r.meets_limits), -_score(r, objective), r.latency_s))
         (ok if res.fits and res.meets_limits else bad).append(res)
     # at a rate every layout that keeps up serves the same tokens/s: the lower latency goes first
     ok.sort(key=lambda r: (-_score(r, objective), r.latency_s))
@@ -126,10 +121,35 @@ def search_inference(
     return SearchResult(results=ok, rejected=bad, evaluated=n, seconds=time.perf_counter() - t0)
 
 
+def _evaluate_inference(
+    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: inference.InferenceWorkload, objective: str
+) -> tuple[inference.InferenceResult, int]:
+    """One layout's result for the objective, and the evaluations it took."""
+    if objective == "latency":
+        # at a load the replica runs as many as fit, as a server does; alone, one request
+        return inference.evaluate(costs, cluster, lay, wl, batch=wl.batch or (None if wl.loaded else 1)), 1
+    res = inference.evaluate(costs, cluster, lay, wl)
+    n = 1
+    if res.fits and not res.meets_limits and wl.batch is None and wl.max_tpot_s is not None:
+        lo, hi = 1, res.batch  # TPOT grows with the batch: largest batch within the limit
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            r = inference.evaluate(costs, cluster, lay, wl, batch=mid)
+            n += 1
+            if r.meets_limits:
+                best, lo = r, mid + 1
+            else:
+                hi = mid - 1
+        res = best or inference.evaluate(costs, cluster, lay, wl, batch=1)
+    return res, n
+
+
 def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict) -> list[Layout]:
     """Training knobs for one mesh shape. Options the time and memory models say are dominated
-    are left out unless pinned: ZeRO-0 (ZeRO-1 has the same traffic and less memory), TP without
-    SP (same traffic, more memory) and GPipe (1F1B has the same bubble and less memory)."""
+    are left out unless pinned: ZeRO-0 (ZeRO-1 sends less: a float32 reduce-scatter and a 16-bit
+    all-gather against a float32 all-reduce; and holds less memory), TP without SP (same traffic,
+    more memory) and GPipe (1F1B has the same bubble and less memory)."""
     if wl.global_batch % lay.dp:
         return []
     per_replica = wl.global_batch // lay.dp

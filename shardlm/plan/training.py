@@ -1,22 +1,26 @@
 """Training step time and memory of one layout.
 
-Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens
-(2 x tokens x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the
-TP collectives (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of
-the same volume; Korthikanti et al. 2022 §4.2.2), EP dispatch/combine (once per node under node-limited
-routing: ``comm.moe_dispatch``), and the CP KV ring or Ulysses' all-to-alls
-(hidden behind attention when it can be). Backward costs twice the forward FLOPs and the
-same communication again; recomputation adds a forward (full) or the attention core (selective).
+Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp tokens (2 x tokens
+x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the TP collectives
+(two all-reduces per layer, or with SP an all-gather and a reduce-scatter of the same volume;
+Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
+(``comm.moe_boundary``: dispatch/combine, once per node under node-limited routing), and the CP KV
+ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
+forward FLOPs and the same communication again; recomputation adds a forward (full) or the
+attention core (selective).
 
-The pipeline turns stage times into a step with the schedule's closed form, exact for
-uniform stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B);
-interleaved m(F+B) + (p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p.
-Data-parallel gradient sync (all-reduce for ZeRO-0/1; ZeRO-2 reduce-scatters every micro-batch's
-gradients because sharded gradients cannot accumulate whole; Rajbhandari et al. 2019 §7)
-overlaps with backward up to DP_OVERLAP_FRACTION. ZeRO-3 all-gathers each layer's parameters for
-every micro-batch's forward and backward and reduce-scatters its gradients: per layer, hidden only
-behind the compute of the layer its prefetch runs beside (``zero3_exposed``). The optimizer step
-streams its states once.
+The pipeline turns stage times into a step with the schedule's closed form, exact for uniform
+stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B); interleaved m(F+B) +
+(p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p. Data-parallel gradient sync, as
+shardlm's trainer sends it (``train/zero.py``): once a step, in float32
+(``zero.REDUCED_GRAD_BYTES``), an all-reduce for ZeRO-0, a reduce-scatter and the updated 16-bit
+weights' all-gather for ZeRO-1 and 2 (the trainer's ZeRO-2 keeps the whole gradients through
+gradient accumulation and reduces in the last backward, as its ZeRO-1 does; DeepSpeed's ZeRO-2
+reduce-scatters every micro-batch's instead, Rajbhandari et al. 2019 §7), overlapped with backward
+up to DP_OVERLAP_FRACTION. ZeRO-3 all-gathers each layer's parameters for every micro-batch's
+forward and backward and reduce-scatters its gradients: per layer, hidden only behind the compute
+of the layer its prefetch runs beside (``zero3_exposed``). The optimizer step streams its states
+once.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work, node_limit
-from shardlm.plan.zero import ADAM_STATE_BYTES, GRAD_BYTES, PARAM_BYTES
+from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
+from shardlm.plan.zero import ADAM_STATE_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
@@ -120,25 +124,27 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     else:
         pipe = (m + p - 1) * unit
     bubble = 1 - m * unit / pipe
-    # data-parallel gradient sync over dp x cp replicas of each weight
+    # data-parallel gradient sync over dp x cp replicas of each weight, in float32 as the trainer sends it
     params = weight_bytes(costs, lay, 1)
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
-    grad_bytes = params * GRAD_BYTES
+    grad_bytes = params * REDUCED_GRAD_BYTES
     dp_c = 0.0
-    if len(dp_group) > 1 and lay.zero <= 1:  # gradients accumulate locally; one all-reduce
+    if len(dp_group) > 1 and lay.zero == 0:  # gradients accumulate locally; one all-reduce
         dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
-    elif len(dp_group) > 1 and lay.zero == 2:  # sharded gradients cannot accumulate whole: a
-        # reduce-scatter per micro-batch, and the updated weights gathered once
-        dp_c = m * comm.reduce_scatter(grad_bytes, dp_group, cluster) + comm.all_gather(
+    elif len(dp_group) > 1 and lay.zero in (1, 2):  # each rank its shard of the sums, once a step (the
+        # trainer's ZeRO-2 keeps the whole gradients through accumulation too), then the updated
+        # 16-bit weights gathered
+        dp_c = comm.reduce_scatter(grad_bytes, dp_group, cluster) + comm.all_gather(
             params * PARAM_BYTES, dp_group, cluster
         )
     # ZeRO-3's gathers and reduce-scatters sit in every micro-batch's passes (zero3_exposed)
     dp_exposed = max(0.0, dp_c - C.DP_OVERLAP_FRACTION * m * bwd) if lay.zero < 3 else 0.0
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
-    opt = params / shard * (ADAM_STATE_BYTES + GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
+    opt = params / shard * (ADAM_STATE_BYTES + REDUCED_GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
     if lay.offload and gpu.host_Bps:  # the owned float32 gradients down and 16-bit weights up over
         # PCIe, and AdamW on the host, bound by its memory
-        opt = params / shard * ((4 + PARAM_BYTES) / gpu.host_Bps + C.CPU_ADAM_BYTES_PER_PARAM / C.HOST_MEM_BPS_PER_GPU)
+        host = (REDUCED_GRAD_BYTES + PARAM_BYTES) / gpu.host_Bps
+        opt = params / shard * (host + C.CPU_ADAM_BYTES_PER_PARAM / C.HOST_MEM_BPS_PER_GPU)
     step_s = pipe + dp_exposed + opt
     tokens_step = wl.global_batch * wl.seq_len
     tps = tokens_step / step_s
@@ -169,7 +175,7 @@ def _stage(
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
     cfg, gpu = costs.cfg, cluster.gpu
-    tp_group, ep_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "ep", "cp"))
+    tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
@@ -191,10 +197,8 @@ def _stage(
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
         tp_c += n * 2 * ar
-        if moe and lay.ep > 1:  # dispatch and combine; node-limited routing crosses IB once per node
-            limit = node_limit(cfg, lay.nodes_spanned("ep", cluster.gpus_per_node))
-            share = tokens / lay.tp * cfg.hidden_size * a
-            ep_c += n * 2 * comm.moe_dispatch(share, cfg.num_experts_per_tok, limit, ep_group, cluster)
+        if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
+            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)
@@ -244,7 +248,8 @@ def zero3_exposed(
     (the first gather has nothing to hide behind); deeper prefetch adds nothing once every layer
     is alike, since one link carries the gathers in turn. With ``prefetch`` 0 all of it waits:
     L G and L (G + R). G and R are one ring over the group (``comm.ring_gather``): the latency
-    grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU."""
+    grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU.
+    G moves the 16-bit weights, R the float32 gradients (``zero.REDUCED_GRAD_BYTES``): twice G's bytes."""
     cfg = costs.cfg
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     # the ranks holding the same expert slices: edp (x cp, whose ranks the planner's groups leave out)
@@ -254,24 +259,29 @@ def zero3_exposed(
     if layers == 0:
         return 0.0, 0.0
 
-    def unit(moe: bool) -> float:  # one layer's gather: dense parts over dp x cp, experts over their own copies
+    def unit(moe: bool, per_param: int) -> float:  # one layer's ring: dense parts over dp x cp, experts over
+        # their own copies
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
         experts = rl.experts * rl.expert_params
-        return comm.ring_gather((rl.total - experts) * PARAM_BYTES, dp_group, cluster) + comm.ring_gather(
-            experts * PARAM_BYTES, edp_group, cluster
+        return comm.ring_gather((rl.total - experts) * per_param, dp_group, cluster) + comm.ring_gather(
+            experts * per_param, edp_group, cluster
         )
 
-    g = (n_dense * unit(False) + n_moe * unit(True)) / layers  # the mean layer's G (= R: 16-bit gradients)
+    def mean_layer(per_param: int) -> float:
+        return (n_dense * unit(False, per_param) + n_moe * unit(True, per_param)) / layers
+
+    g, r = mean_layer(PARAM_BYTES), mean_layer(REDUCED_GRAD_BYTES)  # 16-bit weights, float32 gradients
     embed = costs.vocab_rows(lay.tp) * cfg.hidden_size
     rest = embed * ((stage == 0) + (stage == lay.pp - 1 and (not cfg.tie_word_embeddings or lay.pp > 1)))
     g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
+    r_rest = comm.ring_gather(rest * REDUCED_GRAD_BYTES, dp_group, cluster)
     f, b = fwd / layers, bwd / layers
     if prefetch >= 1:
         e_f = g + (layers - 1) * max(0.0, g - f)
-        e_b = g + (layers - 1) * max(0.0, g - b) + layers * g
+        e_b = g + (layers - 1) * max(0.0, g - b) + layers * r
     else:
-        e_f, e_b = layers * g, 2 * layers * g
-    return e_f + g_rest, e_b + 2 * g_rest
+        e_f, e_b = layers * g, layers * (g + r)
+    return e_f + g_rest, e_b + g_rest + r_rest
 
 
 def unfused_scores_bytes(cfg, seq_len: int, a: int) -> float:

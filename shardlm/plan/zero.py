@@ -14,7 +14,12 @@ from dataclasses import dataclass
 PARAM_BYTES = 2
 """16-bit weights (ZeRO §3: Psi parameters take 2 Psi bytes)."""
 GRAD_BYTES = 2
-"""16-bit gradients."""
+"""16-bit gradients (what backward writes into the parameters' ``.grad``)."""
+REDUCED_GRAD_BYTES = 4
+"""Gradients as shardlm's trainer reduces them over the dp ranks and steps on them: float32 at every
+stage (``train/unit.py`` ``Unit.full_grad`` sends the all-reduce or reduce-scatter of stages 0-2 in
+float32, ``train/zero.py`` ``_Gather.backward`` stage 3's reduce-scatter; the sums the optimizer
+reads are float32). ``shardlm train`` has no option to reduce in 16 bits, so the planner has none."""
 ADAM_STATE_BYTES = 12
 """K in the ZeRO paper: fp32 copy of the weights, momentum and variance, 4 bytes each."""
 

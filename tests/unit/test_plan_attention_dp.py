@@ -12,8 +12,9 @@ import pytest
 
 from shardlm.plan import cli
 from shardlm.plan.catalog import load_model
+from shardlm.plan.comm import moe_boundary
 from shardlm.plan.hardware import Cluster, load_gpu
-from shardlm.plan.inference import InferenceWorkload, evaluate, moe_boundary
+from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import kv_bytes_per_seq_token
 from shardlm.plan.roofline import ModelCosts

@@ -110,10 +110,19 @@ def test_cli_reports_the_pools_and_the_colocated_layout(capsys):
     "extra, message",
     [
         (["--train"], "--prefill-replicas is an inference flag but --train plans training"),
-        (["--dp", "2", "--prefill-replicas", "2"], "--prefill-replicas 2 needs more than 2 dp replicas"),
-        (["--prefill-replicas", "4"], "--prefill-replicas 4 needs more than 4 replicas, and --gpus 4"),
-        (["--tp", "4", "--prefill-replicas", "1"], "--prefill-replicas 1 needs dp > 1"),
-        (["--output-len", "1", "--prefill-replicas", "1"], "--output-len 1 leaves nothing to decode"),
+        (
+            ["--dp", "2", "--prefill-replicas", "2"],
+            "--prefill-replicas 2 leaves no replica to decode: a split needs "
+            "dp > 2 (the 2 prefill replica(s) and at least one decode replica), and the largest dp that --gpus and the "
+            "pins allow is 2; lower --prefill-replicas below 2, or raise --dp / --gpus",
+        ),
+        (["--prefill-replicas", "4"], "--prefill-replicas 4 leaves no replica to decode: a split needs dp > 4"),
+        (["--prefill-replicas", "5"], "the largest dp that --gpus and the pins allow is 4; lower --prefill-replicas"),
+        (["--tp", "4", "--prefill-replicas", "1"], "the largest dp that --gpus and the pins allow is 1"),
+        (
+            ["--output-len", "1", "--prefill-replicas", "1"],
+            "--output-len 1 leaves nothing to decode: drop --prefill-replicas or raise --output-len to 2",
+        ),
         (["--prefill-replicas", "0"], "--prefill-replicas 0: must be a positive integer"),
     ],
 )
@@ -126,6 +135,20 @@ def test_refusals(extra, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("output_len, fixed", [(1, {}), (OUT, {"dp": 2})])
+def test_the_planner_refuses_a_split_it_cannot_make_not_only_the_cli(output_len, fixed):
+    """One refusal (``disagg.check``), where the search meets the split: a plan asked for
+    through the library is refused as the command line's is."""
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.planner import PlanRequest, plan
+
+    wl = InferenceWorkload(prompt_len=PROMPT, output_len=output_len, prefill_replicas=2)
+    req = PlanRequest(model="llama-3-8b", gpu="h100-sxm", gpus=4, inference=wl, fixed=fixed)
+    why = "leaves nothing to decode" if output_len == 1 else "the largest dp that --gpus and the pins allow is 2"
+    with pytest.raises(PlanError, match=why):
+        plan(req)
+
+
 def test_split_layouts_shardlm_cannot_run_are_marked():
     from shardlm.plan.runnable import not_runnable
 
@@ -136,3 +159,48 @@ def test_split_layouts_shardlm_cannot_run_are_marked():
     lockstep = Layout(dp=4, tp=1, ep=4)  # experts over the replicas: they step together
     assert "lockstep" in not_runnable(moe, lockstep, train=False, dtype="bf16", prefill_replicas=1)
     assert not_runnable(moe, Layout(dp=2, tp=2, ep=2), train=False, dtype="bf16", prefill_replicas=1) is None
+
+
+def _auto(prompt: int, out: int, **load):
+    """The plan with the split searched (--prefill-replicas auto) on tp1 x dp4, and each split pinned."""
+    from shardlm.plan.planner import PlanRequest, plan
+
+    def best(split):
+        wl = InferenceWorkload(prompt_len=prompt, output_len=out, prefill_replicas=split, **load)
+        req = PlanRequest(model="llama-3-8b", gpu="h100-sxm", gpus=4, inference=wl, fixed={"tp": 1, "dp": 4})
+        return plan(req).best
+
+    return best(None), [best(n) for n in range(4)]
+
+
+def test_auto_picks_the_best_split_or_none():
+    """At 8 requests/s of 8K prompts (where prefills stall the decodes) every split serves the load,
+    so the lowest latency wins: the search's pick is the best of colocated and the three pinned
+    splits, and it is a split. 256 clients of 128-token prompts and 512-token answers: a prefill
+    pool would idle, and colocated serves the most tokens/s: the pick is not split."""
+    picked, pinned = _auto(PROMPT, OUT, request_rate=8.0)
+    latency = [r.latency_s for r in pinned]
+    assert picked.split is not None and picked.split.prefill_replicas == latency.index(min(latency))
+    assert picked.latency_s == pytest.approx(min(latency)) and min(latency) < latency[0]
+    picked, pinned = _auto(128, 512, concurrency=256)
+    tps = [r.throughput for r in pinned]
+    assert tps.index(max(tps)) == 0 and picked.split is None
+    assert picked.throughput == pytest.approx(tps[0])
+
+
+def test_auto_splits_only_what_the_engine_splits_and_says_so(capsys):
+    """cp > 1 layouts are tried colocated only (the engine refuses to split them); the command line
+    takes auto, reports the pick's pools, and refuses auto where no layout has two replicas."""
+    from shardlm.plan.planner import PlanRequest, plan
+
+    wl = InferenceWorkload(prompt_len=PROMPT, output_len=OUT, prefill_replicas=None, request_rate=8.0)
+    req = PlanRequest(model="llama-3-8b", gpu="h100-sxm", gpus=4, inference=wl, fixed={"tp": 1, "cp": 2}, top=5)
+    assert all(r.split is None for r in plan(req).ranked)
+    argv = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "4", "--tp", "1", "--dp", "4"]
+    argv += ["--prompt-len", str(PROMPT), "--output-len", str(OUT), "--request-rate", "8", "--prefill-replicas", "auto"]
+    assert cli.main([*argv, "--json", "--top", "1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["workload"]["prefill_replicas"] is None and d["layouts"][0]["disaggregated"]["decode_replicas"] >= 1
+    assert cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "4", "--tp", "4", "--prefill-replicas",
+                     "auto"]) == 2  # fmt: skip
+    assert "--prefill-replicas auto leaves no replica to decode" in capsys.readouterr().err

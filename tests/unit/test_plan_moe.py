@@ -1,5 +1,6 @@
 """Planner MoE costs: routing imbalance, grouped expert GEMMs at tokens-per-expert, node-limited
-all-to-all (roofline.routing_imbalance, roofline.layer_work, roofline.node_limit, comm.moe_dispatch)."""
+all-to-all, one MoE boundary for training and inference (roofline.routing_imbalance,
+roofline.layer_work, roofline.node_limit, comm.moe_dispatch, comm.moe_boundary)."""
 
 import math
 from dataclasses import replace
@@ -7,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from shardlm.plan import comm, training
+from shardlm.plan import comm, inference, training
 from shardlm.plan.catalog import load_model
 from shardlm.plan.hardware import Cluster, load_gpu
+from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts, Step, expected_max_normal, layer_work, node_limit, routing_imbalance
 from shardlm.plan.training import TrainWorkload
@@ -113,3 +115,38 @@ def test_training_costs_deepseek_v3s_all_to_all_node_limited():
     assert limited.fits and greedy.fits
     assert limited.comm_s["ep"] < 0.5 * greedy.comm_s["ep"]
     assert limited.step_s < greedy.step_s
+
+
+def test_training_and_inference_cost_the_moe_boundary_alike():
+    """One function (``comm.moe_boundary``) for both: DeepSeek-V3's layers (four of them) at
+    tp2 x dp8 x ep16 over two nodes of 8, 64 tokens a rank. Training's forward + backward is twice
+    inference's trip (each collective's dual moves the same bytes), with the same node-limited
+    dispatch (2 of 2 nodes: a token crosses IB once, not once per (token, choice) pair) and the tp
+    group's re-gather; with the experts inside the tp group (tp8 ep8: the replicated dispatch) neither
+    moves a token."""
+    full, _ = load_model("deepseek-v3")
+    cfg = replace(full, num_layers=4)
+    costs = ModelCosts(cfg)
+    cluster = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=16, gpus_per_node=8)
+    lay = Layout(tp=2, dp=8, ep=16)
+    wl_inf = InferenceWorkload(prompt_len=1024, output_len=128)
+    inf = inference.evaluate(costs, cluster, lay, wl_inf, batch=64)  # a decode step: 64 tokens
+    wl_train = TrainWorkload(global_batch=8, seq_len=64)
+    train = training.evaluate(costs, cluster, lay.with_(micro_batch=1, num_micro=1, zero=1), wl_train)
+    assert inf.fits and train.fits
+    n_moe = cfg.num_layers - cfg.first_k_dense
+    trip = comm.moe_boundary(cfg, cluster, lay, 64, 2)
+    assert inf.decode_parts.ep_comm == pytest.approx(n_moe * trip) and trip > 0
+    assert train.comm_s["ep"] == pytest.approx(2 * inf.decode_parts.ep_comm)
+    # the trip: the node-limited dispatch and combine, then the tp group's all-gather
+    share = 64 / 2 * cfg.hidden_size * 2
+    ep_group, tp_group = lay.slowest_group("ep", 8), lay.slowest_group("tp", 8)
+    limited = comm.moe_dispatch(share, cfg.num_experts_per_tok, node_limit(cfg, 2), ep_group, cluster)
+    assert trip == pytest.approx(2 * limited + comm.all_gather(share * 2, tp_group, cluster))
+    greedy = ModelCosts(replace(cfg, topk_method="greedy", n_group=1, topk_group=1))
+    assert (
+        inference.evaluate(greedy, cluster, lay, wl_inf, batch=64).decode_parts.ep_comm > 1.5 * inf.decode_parts.ep_comm
+    )
+    inside = Layout(tp=8, dp=2, ep=8)
+    assert inference.evaluate(costs, cluster, inside, wl_inf, batch=64).decode_parts.ep_comm == 0
+    assert training.evaluate(costs, cluster, inside.with_(zero=1), wl_train).comm_s["ep"] == 0

@@ -94,3 +94,25 @@ def test_fp8_training_keeps_the_attention_core_and_lm_head_at_bf16(monkeypatch):
     every = fwd("fp8")
     assert every < kept < bf16
     assert kept - every > 0.1 * kept  # at 8K tokens the attention core is a large share
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_gradient_sync_is_what_the_trainer_sends(zero, two_nodes, monkeypatch):
+    """shardlm's trainer reduces gradients in float32 (train/unit.py Unit.full_grad), once a step
+    whatever the micro-batches (the last backward): ZeRO-0 all-reduces them, ZeRO-1 and 2
+    reduce-scatter them and all-gather the updated 16-bit weights after the step. With nothing hidden
+    behind backward, the step's dp traffic is exactly that, at 1 and 4 micro-batches a step."""
+    from shardlm.plan import constants, training
+    from shardlm.plan.memory import weight_bytes
+
+    monkeypatch.setattr(constants, "DP_OVERLAP_FRACTION", 0.0)
+    costs = ModelCosts(load_model("smollm2-135m")[0])
+    for m in (1, 4):
+        lay = Layout(dp=16, zero=zero, micro_batch=1, num_micro=m)
+        res = training.evaluate(costs, two_nodes, lay, training.TrainWorkload(global_batch=16 * m, seq_len=2048))
+        params, dp = weight_bytes(costs, lay, 1), lay.slowest_group("dp_cp", 8)
+        if zero == 0:
+            want = comm.all_reduce(4 * params, dp, two_nodes)
+        else:
+            want = comm.reduce_scatter(4 * params, dp, two_nodes) + comm.all_gather(2 * params, dp, two_nodes)
+        assert res.fits and res.comm_s["dp"] == pytest.approx(want)

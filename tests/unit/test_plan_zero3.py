@@ -43,18 +43,22 @@ def test_zero3_exposed_per_layer():
     """Narayanan et al. 2021's Table 2 run at 1,536 GPUs: each layer's gather (~170 ms over one
     200 Gb/s NIC) against layers of f = G/2 forward, b = 2G backward: the forward waits
     G + (L - 1)(G - f), the backward only its first gather and the reduce-scatters, G + L R; with
-    no prefetch, all of it. The embedding and LM head are one more unit, never prefetched."""
+    no prefetch, all of it. R moves the float32 gradients the trainer reduces (train/zero.py
+    _Gather.backward), twice G's 16-bit weights. The embedding and LM head are one more unit, never
+    prefetched."""
     costs, cluster, lay, res = _gpt3(1536, 1)
     cfg, layers, dp = costs.cfg, costs.cfg.num_layers, list(range(1536))
-    g = comm.ring_gather(costs.rank_layer(False, 1).total * PARAM_BYTES, dp, cluster)
+    layer, embed = costs.rank_layer(False, 1).total, costs.vocab_rows(1) * cfg.hidden_size
+    g = comm.ring_gather(layer * PARAM_BYTES, dp, cluster)
+    r = comm.ring_gather(layer * 4, dp, cluster)
     assert cfg.tie_word_embeddings  # GPT's LM head is its embedding: one unit's gather
-    rest = comm.ring_gather(costs.vocab_rows(1) * cfg.hidden_size * PARAM_BYTES, dp, cluster)
+    g_rest, r_rest = (comm.ring_gather(embed * n, dp, cluster) for n in (PARAM_BYTES, 4))
     f, b = g / 2, 2 * g
     e_f, e_b = training.zero3_exposed(costs, cluster, lay, 0, layers * f, layers * b, prefetch=1)
-    assert e_f == pytest.approx(g + (layers - 1) * (g - f) + rest)
-    assert e_b == pytest.approx(g + layers * g + 2 * rest)
+    assert e_f == pytest.approx(g + (layers - 1) * (g - f) + g_rest)
+    assert e_b == pytest.approx(g + layers * r + g_rest + r_rest)
     e_f, e_b = training.zero3_exposed(costs, cluster, lay, 0, layers * f, layers * b, prefetch=0)
-    assert (e_f, e_b) == pytest.approx((layers * g + rest, 2 * layers * g + 2 * rest))
+    assert (e_f, e_b) == pytest.approx((layers * g + g_rest, layers * (g + r) + g_rest + r_rest))
     assert res.comm_s["dp"] > 0.5 * res.step_s  # communication-bound, as published (44 TFLOP/s/GPU)
 
 
