@@ -64,15 +64,17 @@ class EngineConfig:
     once the weights are loaded (``kv_budget``; instead of kv_cache_memory); the rest stays free
     for activations and workspace. Refused on CPU."""
     quantization: str | None = None
-    """Weight-only quantization of the column- and row-parallel linear layers; the embedding, LM head
-    and MoE experts keep ``dtype``. None: the checkpoint's weights in ``dtype`` (a GGUF file's
+    """Weight-only quantization of the column- and row-parallel linear layers; MoE experts keep
+    ``dtype``, and the embedding and LM head too but with int4 / gguf (then Q8_0 blocks). None: the checkpoint's weights in ``dtype`` (a GGUF file's
     blocks dequantized, as HF transformers loads it). 'int8': each output row with its own scale
     (absmax / 127 of the whole row, so every layout holds the same int8 weights), computed by each
     rank on its shard after loading. 'int4': group-wise asymmetric int4 (a scale and offset per 32
-    input columns, multiplied in integers on the CPU as llama.cpp does): a GGUF file's Q4_0/Q4_1/Q4_K blocks are taken as they are,
-    other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's Q4_0/Q4_1/Q4_K
-    layers kept as int4, every other type dequantized to ``dtype`` (no kernel takes Q8_0's or the
-    other k-quants' per-block scales as they are). int4 and gguf run on CPU (``parallel/int4.py``)."""
+    input columns, multiplied in integers on the CPU as llama.cpp does; the embedding and LM head as
+    Q8_0 blocks): a GGUF file's Q4_0/Q4_1/Q4_K (and Q8_0 embedding) blocks are taken as they are,
+    other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's
+    Q4_0/Q4_1/Q4_K layers kept as int4 and a Q8_0 embedding / LM head as Q8_0, every other type
+    dequantized to ``dtype`` (no kernel takes the other k-quants' blocks, nor Q8_0's per-block scales
+    in a linear layer). int4 and gguf run on CPU (``parallel/int4.py``)."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,

@@ -135,7 +135,7 @@ class Drafter:
         """Float32 logits [len(feeds), vocab] at the last token of each (block table, first position,
         tokens); feeds of several tokens come first (prefill rows), then single tokens (decode rows)."""
         bs, dev = self.runner.block_size, self.runner.device
-        meta = AttentionMetadata(slot_mapping=None, block_size=bs)
+        meta = AttentionMetadata(slot_mapping=None, block_size=bs, cpu_ops=self.runner.cpu_ops)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

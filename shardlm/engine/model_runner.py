@@ -35,6 +35,7 @@ from shardlm.engine.scheduler import Batch
 from shardlm.launch import busy
 from shardlm.models.attention import AttentionMetadata, PrefillSeq, kv_row
 from shardlm.parallel import comm
+from shardlm.parallel import int4 as native
 from shardlm.parallel.context_paged import ContextShards, owner
 
 PROGRESS_EVERY_S = 30.0
@@ -69,6 +70,10 @@ class ModelRunner:
                 dynamic=True,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
             )
+        # int4 weights load the C++ CPU ops (parallel/int4_cpu.cpp); decode attention takes them too
+        self.cpu_ops = torch.device(device).type == "cpu" and bool(native.NATIVE) and any(
+            getattr(m, "int4", None) for m in model.modules()
+        )
         self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
         self.announce = announce  # say on stderr when a shape class compiles
         self.block_size = block_size
@@ -156,7 +161,7 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[int] = []
         bs = self.block_size
-        meta = AttentionMetadata(slot_mapping=None, block_size=bs)
+        meta = AttentionMetadata(slot_mapping=None, block_size=bs, cpu_ops=self.cpu_ops)
         dev = self.device
         decodes: list[tuple[list[int], int]] = []  # (block table, context length) of each decode row
         for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.counts, batch.samples())):
@@ -199,7 +204,7 @@ class ModelRunner:
         step's tokens (the all-gathered queries); the rows whose logits are wanted are this rank's
         own (``ContextShards.gather_rows`` brings them all to every cp rank)."""
         bs, cp, dev = self.block_size, self.cp, self.device
-        meta = AttentionMetadata(slot_mapping=None, block_size=bs)
+        meta = AttentionMetadata(slot_mapping=None, block_size=bs, cpu_ops=self.cpu_ops)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

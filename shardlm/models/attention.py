@@ -60,6 +60,9 @@ class AttentionMetadata:
     decode_padded: bool = False
     """Decode tables, ``decode_max_context`` and the batch are padded past what the sequences use
     (a CUDA graph's fixed shapes, ``engine/cuda_graphs.py``): every key slot beyond a context is masked."""
+    cpu_ops: bool = False
+    """Write the cache and attend decode rows with the C++ ops (``native_cache``): the runner sets it
+    for a model with int4 weights on the CPU, which loads them (``parallel/int4_cpu.cpp``)."""
     context: ContextShards | None = None
     """Context parallelism (``parallel/context_paged.py``): this rank holds only its stripe of the
     step's tokens (``slot_mapping`` places them), and ``prefills`` lists every sequence of the step,
@@ -124,6 +127,23 @@ _LIB = torch.library.Library("shardlm", "FRAGMENT")
 _LIB.define("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots) -> ()")
 _LIB.impl("write_kv", write_kv, "CompositeExplicitAutograd")
 torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None)
+
+
+def native_cache(cache: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether the step takes the C++ ops (``meta.cpu_ops``) and they take this cache: a [2, blocks,
+    block_size, kv_heads, d] cache in the keys' own dtype. They do what ``write_kv`` and
+    ``decode_attention`` do, without a Python op's ~25 us a call each (docs/performance.md)."""
+    return meta.cpu_ops and cache.dtype == x.dtype and cache.shape[0] == 2
+
+
+def store_kv(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """``write_kv``, through the C++ op where it takes the cache."""
+    if native_cache(cache, k, meta):
+        torch.ops.shardlm_int4.write_kv(cache, k, v, slots)
+    else:
+        torch.ops.shardlm.write_kv(cache, k, v, slots)
 
 
 def kv_row(head_dim: int, dtype: torch.dtype) -> int:
@@ -220,7 +240,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))
     if cache is not None:
-        torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
+        store_kv(cache, k, v, meta.slot_mapping, meta)
     outputs = []
     for s in meta.prefills:
         qs = heads.group_q(q[s.start : s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
@@ -263,7 +283,7 @@ def _striped(
     ``ContextShards.prefill`` says so. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
     shards = meta.context
     assert shards is not None
-    torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
+    store_kv(cache, k, v, meta.slot_mapping, meta)
     width, d = heads.num_kv * heads.group, q.shape[-1]
     whole = shards.prefill != "pass-q"  # fresh prompts by Ulysses or the ring
     fresh = [s for s in meta.prefills if whole and s.context_len == s.length]
@@ -350,6 +370,11 @@ def _decode(
 ) -> torch.Tensor:
     n, d = q.shape[0], q.shape[-1]
     qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
+    if native_cache(cache, q, meta) and cache.shape[-1] == d:
+        o = torch.ops.shardlm_int4.decode_attention(
+            qg, cache, meta.decode_block_tables, meta.decode_context_lens, scale, window or 0
+        )
+        return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))
     o = torch.ops.shardlm.decode_attention(
         qg,
         cache,

@@ -10,11 +10,14 @@
 // with sum(q * xq) in integers (AVX2: _mm256_maddubs_epi16 multiplies unsigned by signed bytes).
 // Few rows (decode) take that path; many rows (prefill) are a float GEMM, so the weight is
 // dequantized a slice of rows at a time and multiplied by torch's BLAS. The same for 8-bit blocks
-// (Q8_0 x Q8_0), which hold the embedding / LM head.
+// (Q8_0 x Q8_0), which hold the embedding / LM head. And, for the same decode steps, the paged KV
+// cache's write and one-token attention in the model's dtype (Python ops cost ~50 us a layer).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -344,7 +347,10 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gem
   float* yp = y.data_ptr<float>();
   const bool avx2 = simd && has_avx2();
   const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  // a small layer stays on one thread (at two threads, making the layers under 2^19 multiply-adds
+  // parallel or making more of them serial both ran slower: docs/performance.md)
+  const int64_t grain = M * N * K < (int64_t{1} << 19) ? N : 16;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef SHARDLM_X86
     if (avx2 && w.four_bit) return dot_rows_avx2(w.codes, w.d, w.mins, a, yp, M, N, K, n0, n1);
     if (avx2) return q8_rows_avx2(c8, w.d, a, yp, M, N, K, n0, n1);
@@ -366,6 +372,86 @@ at::Tensor q8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at:
   return quantized_linear(x, weight_of(x, codes, scales, false), gemm_rows, simd);
 }
 
+// Paged KV cache [2, blocks, block_size, kv_heads, d] of the model's dtype (models/attention.py):
+// store the new tokens' keys and values at their slots (block * block_size + offset).
+void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && k.scalar_type() == cache.scalar_type() &&
+                  v.scalar_type() == cache.scalar_type(),
+              "write_kv: a contiguous [2, blocks, block_size, heads, d] cache of the keys' dtype");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sl = slots.to(at::kLong).contiguous();
+  const int64_t row = cache.size(3) * cache.size(4), plane = cache.numel() / 2, n = sl.numel();
+  TORCH_CHECK(kc.numel() == n * row && vc.numel() == n * row, "write_kv: keys ", k.sizes(), " for ", n, " slots");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t bytes = row * cache.element_size();
+  char* base = static_cast<char*>(cache.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] * row < plane, "write_kv: slot ", sp[i], " outside the cache");
+    std::memcpy(base + sp[i] * bytes, static_cast<const char*>(kc.data_ptr()) + i * bytes, bytes);
+    std::memcpy(base + (plane / row + sp[i]) * bytes, static_cast<const char*>(vc.data_ptr()) + i * bytes, bytes);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                           const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t bs = cache.size(2), plane = cache.numel() / 2, max_blocks = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = cache.data_ptr<T>();
+  const T* vp = kp + plane;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores, acc(D), qf(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / H, h = task % H, len = lp[b];
+      const int64_t start = window > 0 && len > window ? len - window : 0;
+      TORCH_CHECK(len <= max_blocks * bs, "decode_attention: context ", len, " beyond the block table");
+      scores.resize(len - start);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qv = qp + ((b * H + h) * G + g) * D;
+        for (int64_t j = 0; j < D; ++j) qf[j] = static_cast<float>(qv[j]) * static_cast<float>(scale);
+        float mx = -INFINITY;
+        for (int64_t p = start; p < len; ++p) {
+          const T* kv = kp + ((tp[b * max_blocks + p / bs] * bs + p % bs) * H + h) * D;
+          float s = 0.f;
+          for (int64_t j = 0; j < D; ++j) s += qf[j] * static_cast<float>(kv[j]);
+          scores[p - start] = s;
+          mx = std::max(mx, s);
+        }
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = start; p < len; ++p) {
+          const float w = std::exp(scores[p - start] - mx);
+          total += w;
+          const T* vv = vp + ((tp[b * max_blocks + p / bs] * bs + p % bs) * H + h) * D;
+          for (int64_t j = 0; j < D; ++j) acc[j] += w * static_cast<float>(vv[j]);
+        }
+        T* o = op + ((b * H + h) * G + g) * D;
+        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(total > 0.f ? acc[j] / total : 0.f);
+      }
+    }
+  });
+}
+
+// One new token per sequence: q [B, kv_heads, group, d] against the first lens[b] cached positions
+// (the last ``window`` of them when window > 0) of a [2, blocks, block_size, kv_heads, d] cache.
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& cache, const at::Tensor& tables_in,
+                            const at::Tensor& lens_in, double scale, int64_t window) {
+  TORCH_CHECK(q_in.dim() == 4 && cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                  cache.scalar_type() == q_in.scalar_type() && cache.size(3) == q_in.size(1) &&
+                  cache.size(4) == q_in.size(3),
+              "decode_attention: q ", q_in.sizes(), " against a cache ", cache.sizes());
+  const at::Tensor q = q_in.contiguous(), tables = tables_in.to(at::kLong).contiguous(),
+                   lens = lens_in.to(at::kLong).contiguous();
+  at::Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, cache, tables, lens, scale, window, out);
+  });
+  return out;
+}
+
 bool vectorised() { return has_avx2(); }
 
 }  // namespace
@@ -377,4 +463,8 @@ TORCH_LIBRARY(shardlm_int4, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear_cpu);
   m.def("vectorised() -> bool", &vectorised);
+  m.def("write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor tables, Tensor lens, float scale, int window) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
 }

@@ -171,3 +171,31 @@ def test_int4_off_cpu_is_refused():
         UsageError, match="quantization='gguf' runs shardlm's CPU int4 kernel.*, and this run is on cuda"
     ):
         load_model(ckpt, ParallelDims(), device="cuda", int4="gguf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_native_kv_write_and_decode_attention_equal_the_python_ops(dtype, window):
+    """The C++ cache write and one-token attention (taken with int4 weights) against the Python
+    ops on the same paged cache: three sequences of 9, 1 and 14 tokens over scattered blocks of 4."""
+    from shardlm.models.attention import decode_attention, write_kv
+
+    if not native_kernel():
+        pytest.skip("no C++ compiler here: the Python ops run instead")
+    g = torch.Generator().manual_seed(2)
+    blocks, bs, kv, group, d = 12, 4, 2, 3, 32
+    tables = torch.tensor([[7, 2, 9, 0], [5, 0, 0, 0], [1, 11, 3, 8]])
+    lens = torch.tensor([9, 1, 14])
+    slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(lens.tolist())])
+    k, v = (torch.randn(len(slots), kv, d, generator=g).to(dtype) for _ in range(2))
+    python, cpp = (torch.zeros(2, blocks, bs, kv, d, dtype=dtype) for _ in range(2))
+    write_kv(python, k, v, slots)
+    torch.ops.shardlm_int4.write_kv(cpp, k, v, slots)
+    assert torch.equal(python, cpp)
+    q = torch.randn(3, kv, group, d, generator=g).to(dtype)
+    want = decode_attention(q, python, tables, lens, int(lens.max()), 0.125, window, padded=True)
+    got = torch.ops.shardlm_int4.decode_attention(q, cpp, tables, lens, 0.125, window or 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # float32 sums either way; bfloat16 outputs rounded
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    other = torch.ops.shardlm_int4.decode_attention(q, cpp, tables, lens, 0.125, 3 if window is None else 0)
+    assert (other - want).abs().max() > 10 * tol  # a different window is caught
