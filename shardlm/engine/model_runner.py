@@ -71,8 +71,10 @@ class ModelRunner:
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
             )
         # int4 weights load the C++ CPU ops (parallel/int4_cpu.cpp); decode attention takes them too
-        self.cpu_ops = torch.device(device).type == "cpu" and bool(native.NATIVE) and any(
-            getattr(m, "int4", None) for m in model.modules()
+        self.cpu_ops = (
+            torch.device(device).type == "cpu"
+            and bool(native.NATIVE)
+            and any(getattr(m, "int4", None) for m in model.modules())
         )
         self.compiled_classes: set[bool] = set()  # shape classes compiled so far: several sequences or one
         self.announce = announce  # say on stderr when a shape class compiles

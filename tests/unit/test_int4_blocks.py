@@ -186,7 +186,9 @@ def test_native_kv_write_and_decode_attention_equal_the_python_ops(dtype, window
     blocks, bs, kv, group, d = 12, 4, 2, 3, 32
     tables = torch.tensor([[7, 2, 9, 0], [5, 0, 0, 0], [1, 11, 3, 8]])
     lens = torch.tensor([9, 1, 14])
-    slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(lens.tolist())])
+    slots = torch.cat(
+        [tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(lens.tolist())]
+    )
     k, v = (torch.randn(len(slots), kv, d, generator=g).to(dtype) for _ in range(2))
     python, cpp = (torch.zeros(2, blocks, bs, kv, d, dtype=dtype) for _ in range(2))
     write_kv(python, k, v, slots)
