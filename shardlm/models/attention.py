@@ -136,14 +136,13 @@ def native_cache(cache: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) 
     return meta.cpu_ops and cache.dtype == x.dtype and cache.shape[0] == 2
 
 
-def store_kv(
-    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    """``write_kv``, through the C++ op where it takes the cache."""
+def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """``write_kv`` at the step's slots, through the C++ op where it takes the cache."""
+    assert meta.slot_mapping is not None  # a step with a cache places its tokens
     if native_cache(cache, k, meta):
-        torch.ops.shardlm_int4.write_kv(cache, k, v, slots)
+        torch.ops.shardlm_int4.write_kv(cache, k, v, meta.slot_mapping)
     else:
-        torch.ops.shardlm.write_kv(cache, k, v, slots)
+        torch.ops.shardlm.write_kv(cache, k, v, meta.slot_mapping)
 
 
 def kv_row(head_dim: int, dtype: torch.dtype) -> int:
@@ -240,7 +239,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))
     if cache is not None:
-        store_kv(cache, k, v, meta.slot_mapping, meta)
+        store_kv(cache, k, v, meta)
     outputs = []
     for s in meta.prefills:
         qs = heads.group_q(q[s.start : s.start + s.length]).transpose(0, 1)  # [kv*group, L, d]
@@ -283,7 +282,7 @@ def _striped(
     ``ContextShards.prefill`` says so. Returns this rank's tokens' outputs [own tokens, q_heads, d]."""
     shards = meta.context
     assert shards is not None
-    store_kv(cache, k, v, meta.slot_mapping, meta)
+    store_kv(cache, k, v, meta)
     width, d = heads.num_kv * heads.group, q.shape[-1]
     whole = shards.prefill != "pass-q"  # fresh prompts by Ulysses or the ring
     fresh = [s for s in meta.prefills if whole and s.context_len == s.length]
