@@ -101,19 +101,16 @@ QuantRows quantize_rows(const float* xp, int64_t M, int64_t K) {
 void dot_rows_scalar(const uint8_t* codes, const uint16_t* d, const uint16_t* mins, const QuantRows& a, float* y,
                      int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t B = K / kGroup;
-  const int8_t* xq = a.xq;
-  const float* dx = a.dx;
-  const float* sx = a.sx;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* w = codes + n * (K / 2) + b * 16;
-        const int8_t* v = xq + m * K + b * kGroup;
+        const int8_t* v = a.xq + m * K + b * kGroup;
         int s = 0;
         for (int j = 0; j < 16; ++j) s += (w[j] & 0xf) * v[j] + (w[j] >> 4) * v[j + 16];
-        acc += half_to_float(d[n * B + b]) * dx[m * B + b] * static_cast<float>(s) +
-               half_to_float(mins[n * B + b]) * sx[m * B + b];
+        acc += half_to_float(d[n * B + b]) * a.dx[m * B + b] * static_cast<float>(s) +
+               half_to_float(mins[n * B + b]) * a.sx[m * B + b];
       }
       y[m * N + n] = acc;
     }
@@ -195,16 +192,13 @@ __attribute__((target("avx2,fma,f16c"))) void dot_rows_avx2(const uint8_t* codes
                                                             const uint16_t* mins, const QuantRows& a, float* y,
                                                             int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t B = K / kGroup;
-  const int8_t* xq = a.xq;
-  const float* dx = a.dx;
-  const float* sx = a.sx;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = codes + n * (K / 2);
-    const uint16_t* dn = d + n * B;
-    const uint16_t* mn = mins + n * B;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_tile<4>(w, dn, mn, xq + m * K, dx + m * B, sx + m * B, y + m * N + n, N, K);
-    for (; m < M; ++m) dot_tile<1>(w, dn, mn, xq + m * K, dx + m * B, sx + m * B, y + m * N + n, N, K);
+    for (; m + 4 <= M; m += 4)
+      dot_tile<4>(w, d + n * B, mins + n * B, a.xq + m * K, a.dx + m * B, a.sx + m * B, y + m * N + n, N, K);
+    for (; m < M; ++m)
+      dot_tile<1>(w, d + n * B, mins + n * B, a.xq + m * K, a.dx + m * B, a.sx + m * B, y + m * N + n, N, K);
   }
 }
 #endif

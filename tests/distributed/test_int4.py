@@ -47,8 +47,6 @@ def held_vs_file(model: str, tp: int):
     from shardlm.parallel.tensor import ColumnParallelLinear, Int8Weight
 
     worker = make_worker(model, tp, quantization="gguf")
-    assert worker.runner.cpu_ops  # int4 weights: the cache write and decode attention in C++ too
-    assert not make_worker(model, tp).runner.cpu_ops  # float weights: the Python ops
     src = GGUFSource(worker.checkpoint.source().gguf, worker.checkpoint.config)
     same, held, expected, layers = True, 0, 0, 0
     for m in worker.model.modules():
@@ -118,6 +116,8 @@ def int4_layers(model: str, tp: int):
     from shardlm.parallel.tensor import ColumnParallelLinear, Int8Weight, RowParallelLinear, linear
 
     worker = make_worker(model, tp, quantization="int4")
+    assert worker.runner.cpu_ops  # int4 weights: the cache write and decode attention in C++ too
+    assert not make_worker(model, tp).runner.cpu_ops  # float weights: the Python ops
     src = worker.checkpoint.source()
     errors, down = [], None
     g = torch.Generator().manual_seed(0)
