@@ -143,11 +143,11 @@ def native_kernel() -> bool:
 
     root = Path(os.environ.get("SHARDLM_KERNEL_CACHE", Path.home() / ".cache" / "shardlm" / "kernels"))
     folder = root / f"torch-{torch.__version__}"
-    folder.mkdir(parents=True, exist_ok=True)
     source = Path(__file__).with_name("int4_cpu.cpp")
     if not (folder / "shardlm_int4.so").exists():
         LOG.warning("building shardlm's int4 CPU kernel into %s (once, ~20 s)", folder)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="shardlm_int4",
             sources=[str(source)],
@@ -156,7 +156,7 @@ def native_kernel() -> bool:
             is_python_module=False,
             verbose=False,
         )
-    except Exception as e:  # no compiler or no ninja: correct but slow
+    except Exception as e:  # no compiler, no ninja, no writable folder: correct but slow
         LOG.warning("int4 weights: could not build %s (%s); layers dequantize their weights at every call", source, e)
         NATIVE = False
         return NATIVE
