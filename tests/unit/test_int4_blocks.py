@@ -27,6 +27,7 @@ from shardlm.parallel.int4 import (
     int4_groups,
     native_kernel,
     pack_int4,
+    q8_groups,
     unpack_int4,
 )
 from shardlm.parallel.tensor import linear
@@ -201,3 +202,18 @@ def test_native_kv_write_and_decode_attention_equal_the_python_ops(dtype, window
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     other = torch.ops.shardlm_int4.decode_attention(q, cpp, tables, lens, 0.125, 3 if window is None else 0)
     assert (other - want).abs().max() > 10 * tol  # a different window is caught
+
+
+def test_without_the_kernel_layers_widen_their_weights(monkeypatch):
+    """No C++ compiler: int4 and Q8_0 layers multiply their widened weights in float (exactly)."""
+    from shardlm.parallel import int4
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(24, 64, generator=g), torch.randn(2, 64, generator=g)
+    blocks = int4_groups(w)
+    codes, scales = pack_int4(blocks)
+    q8, d8 = q8_groups(w)
+    monkeypatch.setattr(int4, "NATIVE", False)
+    torch.testing.assert_close(linear(x, codes, None, scales), x @ blocks.dequantize().T)
+    widened = (q8.float().view(24, 2, 32) * d8.float()[..., None]).view(24, 64)
+    torch.testing.assert_close(linear(x, q8, None, d8), x @ widened.T)
