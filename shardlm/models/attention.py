@@ -132,7 +132,7 @@ torch.library.register_fake("shardlm::write_kv")(lambda cache, k, v, slots: None
 def native_cache(cache: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether the step takes the C++ ops (``meta.cpu_ops``) and they take this cache: a [2, blocks,
     block_size, kv_heads, d] cache in the keys' own dtype. They do what ``write_kv`` and
-    ``decode_attention`` do, without a Python op's ~25 us a call each (docs/performance.md)."""
+    ``decode_attention`` do, without a Python op's call overhead (docs/performance.md)."""
     return meta.cpu_ops and cache.dtype == x.dtype and cache.shape[0] == 2
 
 

@@ -22,14 +22,14 @@ and offsets ``[2, out, in / 32]`` float16, as the file stores d and m: 0.625 byt
 Q4_0/Q4_1 are held exactly; Q4_K's scale d * sc_j (a float16 times a 6-bit integer) is rounded to
 float16, at most 2^-11 of itself.
 
-The kernel (``int4_cpu.cpp``, built once with torch's C++ extension builder, ~20 s, into
+The kernel (``int4_cpu.cpp``, built once with torch's C++ extension builder into
 ``~/.cache/shardlm/kernels``): for a few rows (decode) it quantizes the activations to int8 per
 group of 32 and multiplies in integers (AVX2; llama.cpp's Q4_1 x Q8_1), for many rows
 (``GEMM_ROWS``, prefill) it dequantizes slices of the weight to float32 for torch's GEMM. It
 replaced torch's own int4 kernel (``_weight_int4pack_mm_for_cpu``), which widens the codes to
-bfloat16 and ran at half this one's speed at one row (docs/performance.md, "Int4 weights and
-llama.cpp"); torch has no integer-dot int4 kernel for x86 (``_dyn_quant_matmul_4bit`` is a scalar
-reference loop there, 20x slower) and torchao's wheel has no x86 CPU kernels. Without a C++
+bfloat16, and it is faster than the alternatives measured: torch has no integer-dot int4 kernel
+for x86 (``_dyn_quant_matmul_4bit`` is a scalar reference loop there) and torchao's wheel has no
+x86 CPU kernels (figures: docs/performance.md, "Int4 weights and llama.cpp"). Without a C++
 compiler the layer dequantizes its weight at every call (correct, slow) and says so once.
 
 The activations' int8 rounding (1/254 of each group's largest |x|) is the error this path adds
@@ -57,7 +57,7 @@ INT4_GROUP = 32
 
 GEMM_ROWS = 32
 """From this many activation rows on, the kernel multiplies dequantized weights by torch's float
-GEMM instead of in integers (one thread: the integer path wins 2x at 8 rows, loses past ~64)."""
+GEMM instead of in integers: where the two cost about the same on one thread (docs/performance.md)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def native_kernel() -> bool:
     folder = root / f"torch-{torch.__version__}"
     source = Path(__file__).with_name("int4_cpu.cpp")
     if not (folder / "shardlm_int4.so").exists():
-        LOG.warning("building shardlm's int4 CPU kernel into %s (once, ~20 s)", folder)
+        LOG.warning("building shardlm's int4 CPU kernel into %s (once, under a minute)", folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
