@@ -65,7 +65,8 @@ class ModelRunner:
         self.compiled: Callable | None = None
         if compile:
             comm.prepare_compile({m.group for m in model.modules() if getattr(m, "group", None) is not None})
-            # no guards on the model's modules (their checks cost ~a millisecond a step): nothing
+            # no guards on the model's modules (checking them took a sizeable share of a CPU decode
+            # step: docs/performance.md): nothing
             # changes a module's attributes after loading (MoE, whose placement could, is refused
             # with compile in LLM)
             self.compiled = torch.compile(
