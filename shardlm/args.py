@@ -238,6 +238,14 @@ def add_layout_args(p: argparse.ArgumentParser, offered: tuple[str, ...]) -> Non
         "(vLLM's flag; instead of --kv-cache-memory)",
     )
     p.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0,
+        metavar="GIB",
+        help="on a GPU: keep this many GiB of each rank's layer weights in CPU memory, copied in a layer "
+        "ahead of use (vLLM's flag; for a model larger than the GPU; the run is eager)",
+    )
+    p.add_argument(
         "--chat-template",
         type=chat_template,
         default=None,
@@ -289,6 +297,7 @@ def layout_options(args) -> dict:
         dtype=args.dtype,
         enable_expert_parallel=args.enable_expert_parallel,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_offload_gb=args.cpu_offload_gb,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cp_attention=args.cp_attention,

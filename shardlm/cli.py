@@ -84,9 +84,8 @@ def run_generate(args) -> int:
             else:
                 llm.encode(p)
         if speaker:
-            mib = ", ".join(f"{b / 2**20:.1f}" for b in llm.param_bytes)
             log(
-                f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {mib}; KV cache: {llm.kv_blocks} blocks "
+                f"loaded in {llm.load_s:.1f} s; parameters per rank (MiB): {llm.param_mib()}; KV cache: {llm.kv_blocks} blocks "
                 f"of {llm.config.block_size} tokens{' on each cp rank' if llm.dims.cp > 1 else ''} = "
                 f"{llm.kv_tokens} tokens per replica"
             )
@@ -133,6 +132,7 @@ def run_generate(args) -> int:
             "ep": args.ep,
             "dtype": llm.config.dtype,
             "param_bytes_per_rank": llm.param_bytes,
+            "offloaded_bytes_per_rank": llm.offloaded_bytes,
         }
         if s.expert_load is not None:  # MoE: tokens per expert / ep rank and max/mean imbalance per layer
             timing["expert_load"] = s.expert_load

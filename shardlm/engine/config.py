@@ -63,6 +63,10 @@ class EngineConfig:
     """vLLM's flag, on a GPU: the KV cache takes what is left of this fraction of the GPU's memory
     once the weights are loaded (``kv_budget``; instead of kv_cache_memory); the rest stays free
     for activations and workspace. Refused on CPU."""
+    cpu_offload_gb: float = 0
+    """vLLM's flag, on a GPU: this many GiB of each rank's decoder-layer weights stay in pinned CPU
+    memory and are copied in a layer ahead of use on a side stream (``engine/offload.py``), for a
+    model larger than the GPU; such a run is eager (no CUDA graphs; ``compile`` refused). Refused on CPU."""
     quantization: str | None = None
     """Weight-only quantization of the column- and row-parallel linear layers; MoE experts keep
     ``dtype``, and the embedding and LM head too but with int4 / gguf (then Q8_0 blocks). None: the checkpoint's weights in ``dtype`` (a GGUF file's
@@ -97,7 +101,7 @@ class EngineConfig:
     class (one sequence, several) compiles on its first step: tens of seconds on a small CPU,
     then cached on disk. Dense models only."""
     enforce_eager: bool = False
-    """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU, steps of dense models at tp=1 of up
+    """Never use CUDA graphs (vLLM's flag). Otherwise, on a GPU without ``cpu_offload_gb``, steps of dense models at tp=1 of up
     to max_num_seqs tokens (decodes, and prompt tokens as decode rows) replay a CUDA graph per shape
     class (tokens padded to 1, 2, 4, 8, 16, 24, ...; tables to a power of two of blocks), captured
     on the class's first step. CPU runs are eager."""
@@ -171,6 +175,7 @@ class EngineConfig:
             )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))  # frozen
         self._check_cp()
+        self._check_offload()
         if not self.timeout_s > 0:
             raise UsageError(f"timeout_s={self.timeout_s!r} must be positive, e.g. 300")
 
@@ -207,6 +212,11 @@ class EngineConfig:
                 f"gpu_memory_utilization={self.gpu_memory_utilization} sizes the KV cache from GPU memory, but "
                 f"this run is on {device_type}; give kv_cache_memory (--kv-cache-memory) instead"
             )
+        if self.cpu_offload_gb and device_type != "cuda":
+            raise UsageError(
+                f"cpu_offload_gb={self.cpu_offload_gb} keeps GPU weights in CPU memory, and this run is on "
+                f"{device_type}, whose weights are in CPU memory already; drop it"
+            )
         if model.is_mla and self.parallel.cp > 1:
             raise UsageError(
                 f"cp={self.parallel.cp} stripes K/V heads over ranks, and DeepSeek's latent attention cache is not "
@@ -236,6 +246,22 @@ class EngineConfig:
                 )
             parallel = ParallelDims.take({**parallel.sizes(), "ep": n, "etp": 1})
         return dataclasses.replace(self, dtype=dtype, parallel=parallel)
+
+    def _check_offload(self) -> None:
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 <= gb < float("inf"):
+            raise UsageError(f"cpu_offload_gb={gb!r} must be a number of GiB >= 0, e.g. 4 (0 offloads nothing)")
+        if not gb:
+            return
+        refused = {
+            "compile": "each step copies the offloaded weights into new GPU memory, which a compiled graph would trace through hooks",
+            "quantization": "int4 and gguf weights run on the CPU only; int8 works",
+            "eplb_interval": "re-placing experts rewrites weights that may be on the host",
+        }
+        for name, why in refused.items():
+            value = getattr(self, name)
+            if value and not (name == "quantization" and value == "int8"):
+                raise UsageError(f"{name}={value!r} does not work with cpu_offload_gb={gb}: {why}; drop one")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -211,8 +211,16 @@ class EngineFront:
         self._ranks = ranks
         return infos
 
+    def param_mib(self) -> str:
+        """Each rank's parameters in MiB, for the load line (and those in CPU memory, if any)."""
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in self.param_bytes)
+        if any(self.offloaded_bytes):
+            mib += " (in CPU memory: " + ", ".join(f"{b / 2**20:.1f}" for b in self.offloaded_bytes) + ")"
+        return mib
+
     def _took_ready(self, infos: list[dict]) -> None:
         self.param_bytes = [i["param_bytes"] for i in infos]
+        self.offloaded_bytes = [i["offloaded_bytes"] for i in infos]  # of param_bytes, in CPU memory (cpu_offload_gb)
         self.kv_blocks = infos[0]["kv_blocks"]  # a block under cp is one on each of the replica's cp ranks
         self.kv_tokens = self.kv_blocks * self.config.block_size * self.dims.cp
         """Tokens one replica's KV cache holds (its cp ranks together)."""

@@ -12,6 +12,7 @@ from shardlm.engine.config import EngineConfig, kv_budget
 from shardlm.engine.draft import Drafter, load_draft
 from shardlm.engine.engine import Engine, Request, RunStats
 from shardlm.engine.model_runner import ModelRunner
+from shardlm.engine.offload import GIB, WeightOffload
 from shardlm.engine.sampling import SamplingParams, TokenLogprob
 from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
@@ -74,17 +75,20 @@ class Worker:
         self.max_model_len = max_model_len(config, ckpt.config.max_position_embeddings)
         self.layers = stage_layers(ckpt.config, self.dims.pp, config.pp_layers)[self.dims.pp_rank]
         start = time.perf_counter()
+        offload = int(config.cpu_offload_gb * GIB)  # for_model refused it off a GPU
         self.model = load_model(
             ckpt,
             self.dims,
             dtype=config.torch_dtype,
-            device=self.device,
+            device="cpu" if offload else self.device,  # the offloaded layers never pass through the GPU whole
             max_positions=self.max_model_len,
             layers=self.layers,
             int4=config.quantization if config.quantization in ("int4", "gguf") else None,
         )
-        if config.quantization == "int8":
-            quantize_int8(self.model)
+        prepare = quantize_int8 if config.quantization == "int8" else None
+        self.offload = WeightOffload(self.model, self.device, offload, prepare) if offload else None
+        if prepare is not None and self.offload is None:
+            prepare(self.model)
         self.load_s = time.perf_counter() - start
         bs, cp = config.block_size, self.dims.cp
         self.kv_block_bytes = per_block = ModelRunner.kv_bytes_per_block(self.model, bs, config.kv_torch_dtype)
@@ -96,7 +100,13 @@ class Worker:
         self.num_blocks = max(1, min(budget // max(per_block, 1), needed))
         self.moe = bool(moe_blocks(self.model))
         # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)
-        graphs = device_type == "cuda" and not config.enforce_eager and self.dims.tp == cp == 1 and not self.moe
+        graphs = (
+            device_type == "cuda"
+            and not config.enforce_eager
+            and self.dims.tp == cp == 1
+            and not self.moe
+            and not offload
+        )
         self.runner = ModelRunner(
             self.model,
             num_blocks=self.num_blocks,
@@ -186,6 +196,7 @@ class Worker:
     def ready_info(self) -> dict:
         return {
             "param_bytes": self.model.param_bytes(),
+            "offloaded_bytes": self.offload.bytes if self.offload else 0,
             "load_s": self.load_s,
             "kv_blocks": self.num_blocks,
             "kv_block_bytes": self.kv_block_bytes,

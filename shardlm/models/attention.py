@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from shardlm.parallel.context_paged import ContextShards, local_key_positions, partial_attention
 
@@ -81,22 +82,26 @@ def causal_metadata(lengths: list[int]) -> AttentionMetadata:
     )
 
 
-class GroupedHeads:
-    """Reorders local query heads into [kv_heads, group] with padding, and back."""
+class GroupedHeads(nn.Module):
+    """Reorders local query heads into [kv_heads, per_kv] with padding, and back. A module, so that
+    its index tensors move with the layer that holds it (``engine/offload.py`` builds on the CPU)."""
+
+    to_grouped: torch.Tensor
+    from_grouped: torch.Tensor
 
     def __init__(self, local_kv_of_q: list[int]):
+        super().__init__()
         num_q = len(local_kv_of_q)
         num_kv = max(local_kv_of_q) + 1
         groups = [[q for q in range(num_q) if local_kv_of_q[q] == j] for j in range(num_kv)]
         self.num_kv = num_kv
-        self.group = max(len(g) for g in groups)
-        self.uniform = all(len(g) == self.group for g in groups)
+        self.per_kv = max(len(g) for g in groups)
+        self.uniform = all(len(g) == self.per_kv for g in groups)
         # index num_q points at an all-zero padding head
-        padded = [g + [num_q] * (self.group - len(g)) for g in groups]
-        self.to_grouped = torch.tensor([q for g in padded for q in g])
-        self.from_grouped = torch.tensor(
-            [j * self.group + g.index(q) for q in range(num_q) for j, g in enumerate(groups) if q in g]
-        )
+        padded = [g + [num_q] * (self.per_kv - len(g)) for g in groups]
+        self.register_buffer("to_grouped", torch.tensor([q for g in padded for q in g]), persistent=False)
+        from_grouped = [j * self.per_kv + g.index(q) for q in range(num_q) for j, g in enumerate(groups) if q in g]
+        self.register_buffer("from_grouped", torch.tensor(from_grouped), persistent=False)
 
     def group_q(self, q: torch.Tensor) -> torch.Tensor:
         """[..., num_q, d] -> [..., num_kv * group, d]."""
@@ -231,7 +236,7 @@ def paged_attention(
     """
     if meta.context is not None:
         return _striped(q, k, v, cache, meta, heads, scale, window)
-    gqa = heads.group > 1
+    gqa = heads.per_kv > 1
     if cache is None and window is None and _same_length(meta.prefills):  # a training batch: one call
         b, n, d = len(meta.prefills), meta.prefills[0].length, q.shape[-1]
         qs = heads.group_q(q).view(b, n, -1, d).transpose(1, 2)  # [b, kv * group, n, d]
@@ -283,7 +288,7 @@ def _striped(
     shards = meta.context
     assert shards is not None
     store_kv(cache, k, v, meta)
-    width, d = heads.num_kv * heads.group, q.shape[-1]
+    width, d = heads.num_kv * heads.per_kv, q.shape[-1]
     whole = shards.prefill != "pass-q"  # fresh prompts by Ulysses or the ring
     fresh = [s for s in meta.prefills if whole and s.context_len == s.length]
     cached = [s for s in meta.prefills if not (whole and s.context_len == s.length)]
@@ -300,7 +305,7 @@ def _striped(
             k_pos = local_key_positions(blocks, bs, cp, shards.rank, q.device)
             q_pos = torch.arange(s.context_len - s.length, s.context_len, device=q.device)
             rows = slice(s.start, s.start + s.length)
-            qs = heads.group_q(everyone[rows]).view(s.length, heads.num_kv, heads.group, d).permute(1, 2, 0, 3)
+            qs = heads.group_q(everyone[rows]).view(s.length, heads.num_kv, heads.per_kv, d).permute(1, 2, 0, 3)
             o, o_lse = partial_attention(qs, ks, vs, q_pos, k_pos, scale, window)  # [kv, group, L, d], [kv, group, L]
             out[rows] = o.permute(2, 0, 1, 3).reshape(s.length, -1, d)
             lse[rows] = o_lse.permute(2, 0, 1).reshape(s.length, -1)
@@ -368,12 +373,12 @@ def _decode(
     q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, heads: GroupedHeads, scale: float, window: int | None
 ) -> torch.Tensor:
     n, d = q.shape[0], q.shape[-1]
-    qg = heads.group_q(q).view(n, heads.num_kv, heads.group, d)  # [B, kv, group, d]
+    qg = heads.group_q(q).view(n, heads.num_kv, heads.per_kv, d)  # [B, kv, group, d]
     if native_cache(cache, q, meta) and cache.shape[-1] == d:
         o = torch.ops.shardlm_int4.decode_attention(
             qg, cache, meta.decode_block_tables, meta.decode_context_lens, scale, window or 0
         )
-        return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))
+        return heads.ungroup(o.reshape(n, heads.num_kv * heads.per_kv, d))
     o = torch.ops.shardlm.decode_attention(
         qg,
         cache,
@@ -384,4 +389,4 @@ def _decode(
         window,
         meta.decode_padded,
     )
-    return heads.ungroup(o.reshape(n, heads.num_kv * heads.group, d))  # [B, q_heads, d]
+    return heads.ungroup(o.reshape(n, heads.num_kv * heads.per_kv, d))  # [B, q_heads, d]

@@ -86,8 +86,8 @@ def ulysses_units(q: Tensor, k: Tensor, v: Tensor, heads, cp: int) -> Tensor:
     [tokens, units, per + 2, d], a unit being one KV head (or a copy of it) with its share ``per``
     of the query group, then its key and value; ``units`` splits evenly over ``cp``."""
     t, d = q.shape[0], q.shape[-1]
-    r = ulysses_copies(heads.num_kv, heads.group, cp)
-    units, per = heads.num_kv * r, heads.group // r
+    r = ulysses_copies(heads.num_kv, heads.per_kv, cp)
+    units, per = heads.num_kv * r, heads.per_kv // r
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [tokens, units, d]
     return torch.cat([heads.group_q(q).view(t, units, per, d), k[:, :, None], v[:, :, None]], dim=2)
@@ -146,7 +146,7 @@ def context_attention(
     if meta.algorithm == "ulysses":
         return _ulysses(q, k, v, meta, heads, scale, window)
     if meta.algorithm == "ring":
-        qs = heads.group_q(q).view(b, n, heads.num_kv, heads.group, d).permute(0, 2, 3, 1, 4)  # [b, kv, g, n, d]
+        qs = heads.group_q(q).view(b, n, heads.num_kv, heads.per_kv, d).permute(0, 2, 3, 1, 4)  # [b, kv, g, n, d]
         ks, vs = (t.view(b, n, -1, d).transpose(1, 2) for t in (k, v))  # [b, kv, n, d]
         o = _RingAttention.apply(qs, ks, vs, meta, scale, window)  # [b, kv, g, n, d]
         return heads.ungroup(o.permute(0, 3, 1, 2, 4).reshape(b * n, -1, d))
@@ -158,7 +158,7 @@ def context_attention(
     mask = k_pos[None, :] <= q_pos[:, None]  # [n, seq_len]
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=heads.group > 1)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=heads.per_kv > 1)
     return heads.ungroup(o.transpose(1, 2).reshape(b * n, -1, d))  # [tokens, q_heads, d]
 
 

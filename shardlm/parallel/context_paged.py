@@ -149,7 +149,7 @@ class ContextShards:
         mine, sent, _ = self._fresh_layout(tuple(fresh))
         spans = self._ring_layout(tuple(fresh))
         m, d, kv = len(mine), q.shape[-1], heads.num_kv
-        qs = heads.group_q(q[mine]).view(m, kv, heads.group, d).permute(1, 2, 0, 3)  # [kv, group, m, d]
+        qs = heads.group_q(q[mine]).view(m, kv, heads.per_kv, d).permute(1, 2, 0, 3)  # [kv, group, m, d]
         out = torch.zeros(qs.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qs.shape[:-1], float("-inf"), device=q.device)  # [kv, group, m]
         blocks = [(2, n, kv, d) for n in sent]  # rank r's block: its fresh tokens' k and v
@@ -164,7 +164,7 @@ class ContextShards:
                     torch.stack([out[:, :, rows], o]), torch.stack([lse[..., rows], o_lse])
                 )
                 lse[..., rows] = torch.logaddexp(lse[..., rows], o_lse)
-        return mine, out.permute(2, 0, 1, 3).reshape(m, kv * heads.group, d)
+        return mine, out.permute(2, 0, 1, 3).reshape(m, kv * heads.per_kv, d)
 
     def _fresh_layout(self, fresh: tuple[tuple[int, int], ...]) -> tuple[Tensor, list[int], Tensor]:
         """Where the fresh prompts' tokens are, once per step (every layer asks): this rank's

@@ -177,8 +177,8 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
     if "zero" in fixed:
         zeros = (fixed["zero"],)
     out = []
-    for mb in MICRO_BATCHES:
-        if per_replica % mb or ("micro_batch" in fixed and fixed["micro_batch"] != mb):
+    for mb in (fixed["micro_batch"],) if "micro_batch" in fixed else MICRO_BATCHES:  # a pin may be any size
+        if per_replica % mb:
             continue
         m = per_replica // mb
         for sched, v in schedules:

@@ -15,6 +15,13 @@
     cli.py          ``shardlm serve``
 """
 
-from shardlm.server.app import build_app
-
 __all__ = ["build_app"]
+
+
+def __getattr__(name: str):
+    """``build_app`` on first use: other commands (``shardlm train``) parse their flags without FastAPI."""
+    if name == "build_app":
+        from shardlm.server.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'shardlm.server' has no attribute {name!r}")

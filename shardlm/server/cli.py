@@ -199,8 +199,7 @@ def _start_engine(args):
         if args.gpu_memory_utilization is not None
         else f"--kv-cache-memory {engine.config.kv_cache_memory / 2**30:.2f} GiB per rank"
     )
-    mib = ", ".join(f"{b / 2**20:.1f}" for b in engine.param_bytes)
-    log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {mib}")
+    log(f"loaded in {engine.load_s:.1f} s; parameters per rank (MiB): {engine.param_mib()}")
     log(
         f"KV cache: {engine.kv_blocks} blocks of {bs} tokens{per_cp} = {engine.kv_tokens} tokens per replica "
         f"({sizing}, {engine.config.kv_torch_dtype} elements)"

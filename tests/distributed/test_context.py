@@ -59,9 +59,9 @@ CASES = [  # (cp, kv head of each query head, sliding window)
 @pytest.mark.parametrize("cp,kv_of_q,window", CASES, ids=[f"cp{c}-q{len(h)}kv{max(h) + 1}-w{w}" for c, h, w in CASES])
 def test_context_attention_matches_full(algorithm, tile, cp, kv_of_q, window):
     heads = GroupedHeads(kv_of_q)
-    if algorithm == "ulysses" and heads.num_kv % cp and (cp % heads.num_kv or heads.group % (cp // heads.num_kv)):
+    if algorithm == "ulysses" and heads.num_kv % cp and (cp % heads.num_kv or heads.per_kv % (cp // heads.num_kv)):
         with pytest.raises(LayoutError, match=f"cp={cp}: Ulysses splits attention heads"):
-            ulysses_copies(heads.num_kv, heads.group, cp)
+            ulysses_copies(heads.num_kv, heads.per_kv, cp)
         return
     g = torch.Generator().manual_seed(cp)
     b, seq, d = 2, 4 * cp * 2, 8

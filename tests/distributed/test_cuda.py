@@ -9,6 +9,8 @@ matmuls, no TF32: torch's default), which moves logits by ~1e-5 at these sizes.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -64,6 +66,49 @@ def test_llm_without_process_group_runs_on_cuda(tiny):
         assert llm.worker.device.type == "cuda"
         out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [o.token_ids for o in out] == ref.tokens
+
+
+@needs_cuda
+def test_cpu_offload_keeps_layers_in_host_memory_and_gives_hfs_tokens(tiny):
+    """--cpu-offload-gb (engine/offload.py): the first layers' weights in pinned host memory, copied in a
+    layer ahead of use; HF's tokens, and the GPU holds the offloaded bytes less (to the allocator's
+    512-byte rounding per tensor). int8 weights offload too, with the resident run's tokens."""
+    ref = tiny("llama")
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+    def loaded(**options):  # an LLM, and the GPU memory its load took
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        llm = LLM(str(ref.path), dtype="float32", kv_cache_memory=1 << 20, **options)
+        return llm, torch.cuda.memory_allocated() - before
+
+    llm, resident = loaded()
+    with llm:
+        layers = len(llm.worker.model.layers)
+    del llm
+    for gib, offloaded in [(1e-9, 1), (100, layers)]:  # one byte: the first layer; more than the model: all
+        llm, took = loaded(cpu_offload_gb=gib)
+        with llm:
+            model, offload = llm.worker.model, llm.worker.offload
+            assert len(offload.layers) == offloaded and offload.layers[0] is model.layers[0]
+            hosted = [p for layer in offload.layers for p in layer.parameters()]
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in hosted)
+            assert offload.bytes == sum(p.numel() * p.element_size() for p in hosted) > 0
+            assert offload.resident_bytes(model) + offload.bytes == model.param_bytes()
+            assert abs(resident - took - offload.bytes) <= 512 * len(hosted), (resident - took, offload.bytes)
+            assert llm.worker.runner.graphs is None  # eager: a graph cannot replay new copies
+            out = llm.generate(PROMPTS, greedy)
+            assert [o.token_ids for o in out] == ref.tokens
+            assert all(p.device.type == "cpu" for p in hosted)  # back on the host after each layer
+            assert list(offload.in_flight) == [0]  # the last layer started the first one's copy for the next step
+        del llm, model, offload, hosted
+    runs = []
+    for gib in (0, 100):
+        llm, _ = loaded(quantization="int8", cpu_offload_gb=gib)
+        with llm:
+            runs.append([o.token_ids for o in llm.generate(PROMPTS, greedy)])
+        del llm
+    assert runs[0] == runs[1]
 
 
 def test_auto_device_gives_each_rank_a_gpu_or_uses_cpu():

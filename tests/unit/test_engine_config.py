@@ -75,3 +75,23 @@ def test_int4_kv_cache_needs_head_dim_in_groups():
     odd = ModelConfig.from_hf({**BASE, "hidden_size": 192, "num_attention_heads": 4})  # head_dim 48
     with pytest.raises(UsageError, match="head_dim=48 does not split into them; use kv_cache_dtype='int8'"):
         EngineConfig(kv_cache_dtype="int4").for_model(odd, "cpu")
+
+
+def test_cpu_offload_gb_is_refused_where_it_cannot_work():
+    """--cpu-offload-gb (engine/offload.py) moves GPU weights to the host: refused on CPU ranks,
+    with compile, CPU-only int4 weights and expert re-placement, each with its reason."""
+    dense = ModelConfig.from_hf(BASE)
+    assert EngineConfig(cpu_offload_gb=2).for_model(dense, "cuda").cpu_offload_gb == 2
+    assert EngineConfig(cpu_offload_gb=2, quantization="int8").for_model(dense, "cuda").quantization == "int8"
+    with pytest.raises(UsageError, match="this run is on cpu, whose weights are in CPU memory already"):
+        EngineConfig(cpu_offload_gb=2).for_model(dense, "cpu")
+    for bad in (-1, "4", True, float("nan")):
+        with pytest.raises(UsageError, match="must be a number of GiB >= 0"):
+            EngineConfig(cpu_offload_gb=bad)
+    for option, why in [
+        (dict(compile=True), "trace through hooks"),
+        (dict(quantization="int4"), "run on the CPU only"),
+        (dict(eplb_interval=10), "re-placing experts"),
+    ]:
+        with pytest.raises(UsageError, match=f"does not work with cpu_offload_gb=2: .*{why}"):
+            EngineConfig(cpu_offload_gb=2, **option)

@@ -119,7 +119,7 @@ def _check_grouping(local_kv_of_q: list[int], lead=(3,), d=4):
     heads = GroupedHeads(local_kv_of_q)
     num_kv = max(local_kv_of_q) + 1
     group = max(local_kv_of_q.count(j) for j in range(num_kv))
-    assert (heads.num_kv, heads.group) == (num_kv, group)
+    assert (heads.num_kv, heads.per_kv) == (num_kv, group)
     # distinct non-zero values per head, so a misplaced head or a non-zero pad is visible
     q = torch.arange(1, 1 + num_q * d * int(torch.tensor(lead).prod()), dtype=torch.float32)
     q = q.reshape(*lead, num_q, d)
@@ -148,7 +148,7 @@ def test_grouped_heads_roundtrip_irregular(local):
 def test_grouped_heads_pads_with_zero_known_layout():
     # can-fail guard: [0,0,0,1,1] must produce exactly one padding slot, at the end
     heads = GroupedHeads([0, 0, 0, 1, 1])
-    assert not heads.uniform and heads.group == 3
+    assert not heads.uniform and heads.per_kv == 3
     q = torch.ones(2, 5, 4)
     g = heads.group_q(q)
     assert g.shape == (2, 6, 4)

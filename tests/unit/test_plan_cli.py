@@ -196,6 +196,12 @@ def test_etp_and_vpp_pin_what_they_name(capsys):
     assert code == 0, err
     layouts = json.loads(out)["layouts"]
     assert layouts and all((d["layout"]["schedule"], d["layout"]["virtual"]) == ("interleaved", 4) for d in layouts)
+    # a pinned micro-batch of any size is searched, not only the sizes the search tries by itself
+    small = ["--model", "smollm2-135m", "--gpu", "h100-sxm", "--gpus", "1", "--train", "--global-batch", "16", "--json"]
+    code, out, err = run(small + ["--micro-batch", "16"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all((d["layout"]["micro_batch"], d["layout"]["num_micro"]) == (16, 1) for d in layouts)
 
 
 @pytest.mark.parametrize(
