@@ -7,6 +7,7 @@ Map (one idea per file):
   activations.py  training activations (Korthikanti et al. 2022); zero.py ZeRO model states
   memory.py       the per-GPU memory breakdown
   roofline.py     per-layer FLOPs and bytes; comm.py alpha-beta collectives
+  traffic.py      training's memory-bound operators (norms, activations, loss, Adam): their bytes
   inference.py    TTFT / TPOT / throughput; serving.py the same at a concurrency or arrival rate
   training.py     step time, MFU
   schedule.py     GPipe / 1F1B / interleaved / ZB-H1 timelines

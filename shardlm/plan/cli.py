@@ -22,6 +22,7 @@ from shardlm.plan.hardware import THIS_MACHINE, gpu_names
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
+from shardlm.plan.traffic import KERNELS
 from shardlm.plan.training import TrainWorkload
 
 TRAIN_ONLY = (
@@ -35,6 +36,7 @@ TRAIN_ONLY = (
     "vpp",
     "offload",
     "prefetch",
+    "kernels",
 )
 INFER_ONLY = (
     "prompt_len",
@@ -199,6 +201,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default 1; 0: each gathered when needed)",
     )
     t.add_argument("--sp", choices=("on", "off"), help="pin sequence parallelism (default: on whenever tp > 1)")
+    t.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        help="whose memory-bound kernels (norms, activations, loss, Adam) move the bytes: shardlm (its eager "
+        "trainer's, counted; default) or fused (one read and one write per fused kernel, as Megatron-LM)",
+    )
     p.add_argument(
         "--cp-attention",
         choices=("pass-q", *CP_ATTENTION),
@@ -346,6 +354,7 @@ def build_request(args):
             dtype=dtype,
             fused_attention=args.attention == "fused",
             prefetch=1 if args.prefetch is None else args.prefetch,
+            kernels=args.kernels or "shardlm",
         )
         return PlanRequest(train=True, training=wl, **common)
 

@@ -7,7 +7,7 @@ of the in-flight micro-batches (``activations.py``), buffers and the reserve.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from shardlm.plan import constants as C
 from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
@@ -168,6 +168,20 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_at
     return total * flight
 
 
+LOSS_BYTES_PER_LOGIT = C.BF16_BYTES + 2 * C.FP32_BYTES
+"""Bytes per logit at the loss's peak, as shardlm's vocab-parallel cross-entropy holds them
+(``train/loss.py``): the 16-bit logits, their float32 copy and its exponentials in the forward (the
+float32 softmax, kept for backward, then its gradient and the 16-bit copy the LM head's backward
+takes: as many). On an H100 this closed the gap between the planner's count and the measured peak
+of two runs (SmolLM2's shape, 8,192 tokens x 49,152 logits: 3.2 GiB unaccounted, this counts
+3.75; a 1.1B Llama, 8,192 x 32,000: 2.6 GiB, this 2.44; docs/plan.md)."""
+
+
+def loss_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:
+    """The last stage's working set for one micro-batch's logits and loss (the rank's vocab rows)."""
+    return lay.micro_batch * seq / lay.cp * costs.vocab_rows(lay.tp) * LOSS_BYTES_PER_LOGIT
+
+
 def training_memory(
     costs: ModelCosts, lay: Layout, reserve: float, *, seq: int, fused_attention: bool = True
 ) -> MemoryBreakdown:
@@ -190,7 +204,20 @@ def training_memory(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,
         optimizer=0.0 if lay.offload else dense_states.optimizer + expert_states.optimizer,  # offload: on the host
-        activations=training_activation_bytes(costs, lay, seq, fused_attention),
+        activations=_peak_activations(costs, lay, seq, fused_attention),
         comm_buffers=comm,
         reserve=reserve,
     )
+
+
+def _peak_activations(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool) -> float:
+    """The larger of the first stage's activations at its peak and the last stage's: one
+    micro-batch in flight there (the first of its backwards follows its forward at once) and the
+    loss's working set."""
+    first = training_activation_bytes(costs, lay, seq, fused_attention)
+    if lay.pp == 1:
+        return first + loss_bytes(costs, lay, seq)
+    one = replace(lay, pp=1, num_micro=1)
+    per_layer = training_activation_bytes(costs, one, seq, fused_attention) / costs.cfg.num_layers
+    last_layers = sum(costs.stage_kinds(lay.pp)[-1])
+    return max(first, per_layer * last_layers + loss_bytes(costs, lay, seq))

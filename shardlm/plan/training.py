@@ -19,8 +19,9 @@ gradient accumulation and reduces in the last backward, as its ZeRO-1 does; Deep
 reduce-scatters every micro-batch's instead, Rajbhandari et al. 2019 §7), overlapped with backward
 up to DP_OVERLAP_FRACTION. ZeRO-3 all-gathers each layer's parameters for every micro-batch's
 forward and backward and reduce-scatters its gradients: per layer, hidden only behind the compute
-of the layer its prefetch runs beside (``zero3_exposed``). The optimizer step streams its states
-once.
+of the layer its prefetch runs beside (``zero3_exposed``). The memory-bound operators (norms,
+activations, residuals, casts, the loss, the optimizer step) move the bytes shardlm's trainer was
+counted to move (``traffic``), at the device's streaming rate.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from shardlm.plan import comm
+from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
 from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
-from shardlm.plan.zero import ADAM_STATE_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES
+from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
@@ -59,6 +60,9 @@ class TrainWorkload:
     """Compute dtype (mixed precision; master weights and Adam states in fp32)."""
     fused_attention: bool = True
     """Flash/SDPA attention (a log-sum-exp per head and token); False keeps the a x s x s scores."""
+    kernels: str = "shardlm"
+    """Whose memory-bound kernels move the activations (``traffic.KERNELS``): shardlm's eager
+    trainer's counted bytes, or a fused implementation's (Megatron-LM)."""
     prefetch: int = 1
     """ZeRO-3: decoder layers whose all-gathers are in flight while one computes (``shardlm train
     --prefetch``, default 1 on a GPU); 0 gathers each layer when it is needed."""
@@ -140,7 +144,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     # ZeRO-3's gathers and reduce-scatters sit in every micro-batch's passes (zero3_exposed)
     dp_exposed = max(0.0, dp_c - C.DP_OVERLAP_FRACTION * m * bwd) if lay.zero < 3 else 0.0
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
-    opt = params / shard * (ADAM_STATE_BYTES + REDUCED_GRAD_BYTES + PARAM_BYTES) * 2 / gpu.mem_Bps
+    opt = params / shard * traffic.profile(wl.kernels, wl.dtype).per_param / gpu.mem_Bps
     if lay.offload and gpu.host_Bps:  # the owned float32 gradients down and 16-bit weights up over
         # PCIe, and AdamW on the host, bound by its memory
         host = (REDUCED_GRAD_BYTES + PARAM_BYTES) / gpu.host_Bps
@@ -179,6 +183,8 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
+    moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
         if not n:
@@ -196,6 +202,9 @@ def _stage(
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
+        widths = _traffic_widths(cfg, rl, lay, moe)
+        f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
+        b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         tp_c += n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a)
@@ -209,13 +218,29 @@ def _stage(
     if stage == lay.pp - 1:  # LM head and loss over every token
         vocab = costs.vocab_rows(lay.tp)
         f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
-    fwd = f_comp + f_attn + tp_c + ep_c + cp_c
-    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + tp_c + ep_c + 2 * cp_c
+        ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
+        share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
+        f_mem, b_mem = f_mem + share * ends, b_mem + (1 - share) * ends
+    fwd = f_comp + f_attn + f_mem + tp_c + ep_c + cp_c
+    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + b_mem + tp_c + ep_c + 2 * cp_c
     if lay.recompute == "full":
         bwd += fwd
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_c, ep_c, cp_c
+
+
+def _traffic_widths(cfg, rl, lay: Layout, moe: bool) -> tuple[float, float, float, float]:
+    """(hidden, intermediate, query, KV) widths one rank's share of a layer's traffic scales with:
+    the hidden states whole on every tp rank (1/tp of the tokens with SP), the rest split; an MoE
+    layer's intermediate is its shared experts' plus its routed experts' per token, over etp."""
+    h = cfg.hidden_size
+    hidden = h / lay.tp if lay.sp else h
+    per_row = 3 if cfg.gated_mlp else 2  # a gated MLP's gate, up and down projections; else up and down
+    inter = rl.dense / (per_row * h)
+    if moe:
+        inter += cfg.num_experts_per_tok * cfg.moe_intermediate_size / lay.etp
+    return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
 
 
 def _with_zero3(

@@ -298,10 +298,16 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
     Without the marks the JSON has no reasons and the text no asterisks."""
     from shardlm.plan import planner
 
-    code, out, err = run(["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--train"], capsys)
-    assert code == 0, err
-    assert "tp2 pp2 dp2 cp2 ep4 sp zero1 zb-h1 mb1x256 *" in out and "tp1 pp2 dp4 cp2 ep4 zero1 zb-h1 mb1x128 " in out
+    mixtral = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--train"]
+    code, out, err = run(mixtral, capsys)
+    assert code == 0 and "1  tp1 pp2 dp4 cp2 ep4 zero1 zb-h1 mb1x128 " in out, err  # the pick runs: no mark
+    code, out, err = run([*mixtral, "--tp", "2"], capsys)  # tp > 1 searches sp: every layout marked
+    assert code == 0 and "1  tp2 pp2 dp2 cp2 ep4 sp zero1 zb-h1 mb1x256 *" in out, err
     assert "* not runnable by shardlm yet: sequence parallelism with MoE or latent-attention layers" in out
+    assert (
+        "The pick is not runnable by shardlm yet (sequence parallelism with MoE or latent-attention layers); none ranked runs"
+        in out
+    )
     train = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train"]
     code, out, err = run([*train, "--json"], capsys)
     assert code == 0 and not any(d["not_runnable"] for d in json.loads(out)["layouts"]), err

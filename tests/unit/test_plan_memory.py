@@ -284,9 +284,10 @@ def test_optimizer_offload_leaves_the_model_states_but_adam_on_the_device():
     """ZeRO-Offload (train --offload optimizer): the float32 masters and moments, 12 bytes per owned
     parameter (what the trainer reports as optimizer_offloaded: test_train's CUDA offload test), leave
     the device; weights and gradients stay. The step then moves 4 + 2 bytes per owned parameter over
-    PCIe and streams 28 through the host's memory, slower than the device's step (which streams the
-    12 bytes of state, the float32 gradient sums and the 16-bit weights, 18 bytes, twice)."""
+    PCIe and streams 28 through the host's memory, slower than the device's step (the bytes per
+    parameter counted from the trainer's own step: ``plan.traffic``)."""
     from shardlm.plan import constants as C
+    from shardlm.plan import traffic
     from shardlm.plan.hardware import Cluster, load_gpu
     from shardlm.plan.layout import Layout
     from shardlm.plan.memory import training_memory
@@ -302,7 +303,8 @@ def test_optimizer_offload_leaves_the_model_states_but_adam_on_the_device():
     on, off = (evaluate(costs, cluster, lay.with_(offload=o), wl) for o in (True, False))
     owned = total_params(costs.cfg) / 8
     want = owned * (6 / (128e9 / 2) + 28 / C.HOST_MEM_BPS_PER_GPU)
-    assert on.step_s - off.step_s == pytest.approx(want - owned * 36 / gpu.mem_Bps, rel=1e-6)
+    device = owned * traffic.profile("shardlm", "bf16").per_param / gpu.mem_Bps
+    assert on.step_s - off.step_s == pytest.approx(want - device, rel=1e-6)
     assert on.step_s > off.step_s and "offload" in lay.with_(offload=True).label(training=True)
 
 

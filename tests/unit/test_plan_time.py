@@ -1,5 +1,7 @@
 """Planner time model: alpha-beta collectives, roofline decode, limits."""
 
+import json
+
 import pytest
 
 from shardlm.plan import comm
@@ -93,7 +95,9 @@ def test_fp8_training_keeps_the_attention_core_and_lm_head_at_bf16(monkeypatch):
     monkeypatch.setattr(training, "FP8_KEEPS_AT", {})
     every = fwd("fp8")
     assert every < kept < bf16
-    assert kept - every > 0.1 * kept  # at 8K tokens the attention core is a large share
+    # at 8K tokens the attention core is a sizeable share (beside it the memory-bound operators
+    # take theirs at every dtype: plan/traffic.py)
+    assert kept - every > 0.05 * kept
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -116,3 +120,29 @@ def test_gradient_sync_is_what_the_trainer_sends(zero, two_nodes, monkeypatch):
         else:
             want = comm.reduce_scatter(4 * params, dp, two_nodes) + comm.all_gather(2 * params, dp, two_nodes)
         assert res.fits and res.comm_s["dp"] == pytest.approx(want)
+
+
+def test_memory_bound_operators_cost_what_their_kernels_move(capsys):
+    """plan/traffic.py: a small model's step is mostly its norms, activations, loss and Adam; fused
+    kernels (--kernels fused, Megatron's) move fewer bytes than shardlm's eager trainer, and the
+    difference is the traffic alone (same FLOPs, same layout)."""
+    from shardlm.plan import cli, traffic
+    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import evaluate as train
+
+    cfg, _ = load_model("smollm2-135m")
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=1)
+    lay = Layout(micro_batch=16, num_micro=1)
+    eager, fused = (
+        train(costs, cluster, lay, TrainWorkload(global_batch=16, seq_len=512, kernels=k)) for k in traffic.KERNELS
+    )
+    assert fused.step_s < eager.step_s and eager.mfu < 0.2  # measured on an H100: 10.7% (docs/performance.md)
+    shardlm, megatron = traffic.profile("shardlm", "bf16"), traffic.profile("fused", "bf16")
+    assert shardlm.forward.hidden > megatron.forward.hidden and shardlm.per_param > megatron.per_param
+    argv = ["--model", "smollm2-135m", "--gpu", "h100-sxm", "--gpus", "1", "--train", "--global-batch", "16"]
+    argv += ["--seq-len", "512", "--micro-batch", "16", "--json"]
+    rates = {}
+    for k in traffic.KERNELS:
+        assert cli.main([*argv, "--kernels", k]) == 0
+        rates[k] = json.loads(capsys.readouterr().out)["layouts"][0]["tokens_per_s"]
+    assert rates["fused"] > rates["shardlm"]
