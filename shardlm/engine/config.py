@@ -78,7 +78,8 @@ class EngineConfig:
     other weights quantized from float. 'gguf' (vLLM's name; GGUF files only): the file's
     Q4_0/Q4_1/Q4_K layers kept as int4 and a Q8_0 embedding / LM head as Q8_0, every other type
     dequantized to ``dtype`` (no kernel takes the other k-quants' blocks, nor Q8_0's per-block scales
-    in a linear layer). int4 and gguf run on CPU (``parallel/int4.py``)."""
+    in a linear layer). int4 and gguf run on CPU (shardlm's kernel) and on CUDA (torch's tinygemm
+    kernel, bfloat16 activations): ``parallel/int4.py``."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type: 'auto' (the model's dtype); 'int8' (one byte an element plus a
     float32 scale per token and head: absmax / 127); or 'fp8' = 'fp8_e4m3', 'fp8_e5m2' (one byte,
@@ -255,7 +256,7 @@ class EngineConfig:
             return
         refused = {
             "compile": "each step copies the offloaded weights into new GPU memory, which a compiled graph would trace through hooks",
-            "quantization": "int4 and gguf weights run on the CPU only; int8 works",
+            "quantization": "int4 and gguf weights are packed for their device as they load; int8 works",
             "eplb_interval": "re-placing experts rewrites weights that may be on the host",
         }
         for name, why in refused.items():

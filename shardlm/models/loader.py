@@ -230,10 +230,10 @@ def load_model(
             f"quantization='gguf' keeps a GGUF file's 4-bit blocks, and {str(ckpt.path)!r} is a HF directory; "
             f"use quantization='int4' (group-wise int4 from its float weights) or 'int8'"
         )
-    if int4 is not None and torch.device(device).type != "cpu":
+    if int4 is not None and torch.device(device).type not in ("cpu", "cuda"):
         raise ConfigError(
-            f"quantization={int4!r} runs shardlm's CPU int4 kernel (parallel/int4.py), and this run is on {torch.device(device).type}; "
-            f"use quantization='int8' there (or none)"
+            f"quantization={int4!r} runs shardlm's CPU int4 kernel or torch's CUDA one (parallel/int4.py), and "
+            f"this run is on {torch.device(device).type}; use quantization='int8' there (or none)"
         )
 
     with torch.device(device):

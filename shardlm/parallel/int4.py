@@ -33,9 +33,14 @@ x86 CPU kernels (figures: docs/performance.md, "Int4 weights and llama.cpp"). Wi
 compiler the layer dequantizes its weight at every call (correct, slow) and says so once.
 
 The activations' int8 rounding (1/254 of each group's largest |x|) is the error this path adds
-over the dequantized weight: outputs within ~1% of the largest. int4 runs on CPU; on a GPU torch
-has a tinygemm kernel in another layout (``_weight_int4pack_mm``), not wired here (no GPU to test
-it), so int4 is refused off CPU (``models/loader.py``).
+over the dequantized weight: outputs within ~1% of the largest.
+
+On a GPU the same blocks go to torch's tinygemm kernel (``_weight_int4pack_mm``, bfloat16
+activations, float32 accumulation): ``pack_int4`` repacks the codes at load into its tiled layout
+(``_convert_weight_to_int4pack``, the same 0.5 bytes a weight) and the scales and offsets into its
+``[in / 32, out, 2]`` bfloat16 scales and zeros, whose weight is ``(q - 8) * scale + zero``, so
+zero = offset + 8 * scale. The embedding and LM head's Q8_0 blocks are widened to the activations'
+dtype a call at a time there (no 8-bit kernel takes Q8_0's per-32 scales on a GPU).
 """
 
 from __future__ import annotations
@@ -109,14 +114,39 @@ def check_int4_shape(what: str, cols: int, col_offset: int = 0) -> None:
         )
 
 
-def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(blocks: Int4Blocks, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [rows, cols / 2], two a byte as in a GGUF block; scales float16 [2, rows,
-    cols / INT4_GROUP]: the scales, then the offsets) for ``int4_linear``."""
+    cols / INT4_GROUP]: the scales, then the offsets) for ``int4_linear``; on a CUDA ``device``,
+    tinygemm's layout instead (``pack_int4_cuda``)."""
+    if torch.device(device).type == "cuda":
+        return pack_int4_cuda(blocks, torch.device(device))
     native_kernel()  # built at load, not in the first forward (nor in a compiled graph)
     rows, cols = blocks.q.shape
     q = blocks.q.reshape(rows, cols // INT4_GROUP, 2, INT4_GROUP // 2)
     codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
     return codes, torch.stack([blocks.scale, blocks.offset]).half().contiguous()
+
+
+def inner_k_tiles(cols: int) -> int:
+    """tinygemm's inner K tiles for ``cols`` input columns: the most of 8, 4, 2 whose 16-column
+    tiles divide them (more is faster; 2 always fits whole groups of 32)."""
+    return next(t for t in (8, 4, 2) if cols % (16 * t) == 0)
+
+
+def pack_int4_cuda(blocks: Int4Blocks, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tinygemm's packed int32 codes, bfloat16 scales and zeros [cols / 32, rows, 2]) on ``device``."""
+    rows, cols = blocks.q.shape
+    if rows % 8:
+        raise UsageError(
+            f"int4 weights on a GPU: a layer of {rows} out-features on this rank, and torch's int4 kernel takes "
+            "them in tiles of 8; use a tp that gives each rank a multiple of 8, or quantization='int8'"
+        )
+    q = blocks.q.to(device, torch.uint8)
+    pairs = (q[:, 0::2] << 4 | q[:, 1::2]).contiguous()  # [rows, cols / 2], the even column in the high nibble
+    codes = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(cols))
+    zeros = blocks.offset + 8 * blocks.scale  # (q - 8) * scale + zero = q * scale + offset
+    scales = torch.stack([blocks.scale, zeros], dim=-1).transpose(0, 1).contiguous()  # [groups, rows, 2]
+    return codes, scales.to(device, torch.bfloat16)
 
 
 def unpack_int4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -191,7 +221,9 @@ def q8_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W^T for Q8_0 blocks (``q8_groups``): the LM head with int4 weights."""
     rows = x.reshape(-1, x.shape[-1])
-    if NATIVE:
+    if codes.is_cuda:  # widened to the activations' dtype a call at a time
+        y = F.linear(rows, q8_rows(codes, scales, rows.dtype))
+    elif NATIVE:
         y = torch.ops.shardlm_int4.q8_linear(rows, codes, scales, GEMM_ROWS)
     else:
         y = F.linear(rows.float(), q8_rows(codes, scales, torch.float32))
@@ -202,7 +234,9 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     """x [..., in] @ W^T for a packed int4 weight (``pack_int4``); the result in x's dtype. Under
     torch.compile the kernel is an opaque op of the graph and the casts around it are fused."""
     rows = x.reshape(-1, x.shape[-1])
-    if NATIVE:
+    if codes.is_cuda:  # tinygemm (pack_int4_cuda): bfloat16 in and out
+        y = torch.ops.aten._weight_int4pack_mm(rows.to(torch.bfloat16), codes, INT4_GROUP, scales)
+    elif NATIVE:
         y = torch.ops.shardlm_int4.linear(rows, codes, scales, GEMM_ROWS)
     else:
         y = F.linear(rows.float(), unpack_int4(codes, scales))

@@ -185,7 +185,7 @@ class Int8Weight:
             src.read_int4(name, rows=r, cols=c) if held else int4_groups(src.read(name, rows=r, cols=c))  # type: ignore[attr-defined]
             for (name, r, c), held in zip(reads, in_file, strict=True)
         ]
-        codes, scales = pack_int4(Int4Blocks.cat(parts))
+        codes, scales = pack_int4(Int4Blocks.cat(parts), self.weight.device)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = nn.Parameter(scales, requires_grad=False)
         return True
@@ -365,7 +365,8 @@ class VocabTable:
         if self.q8 is not None and (held or self.q8 == "int4"):
             native_kernel()
             codes, scales = src.read_q8(name, rows=self.rows) if held else q8_groups(src.read(name, rows=self.rows))  # type: ignore[attr-defined]
-            self.weight.data, self.weight_scale.data = codes, scales
+            device = self.weight.device
+            self.weight.data, self.weight_scale.data = codes.to(device), scales.to(device)
             return
         with torch.no_grad():
             self.weight.copy_(src.read(name, rows=self.rows))

@@ -90,7 +90,7 @@ def test_cpu_offload_gb_is_refused_where_it_cannot_work():
             EngineConfig(cpu_offload_gb=bad)
     for option, why in [
         (dict(compile=True), "trace through hooks"),
-        (dict(quantization="int4"), "run on the CPU only"),
+        (dict(quantization="int4"), "packed for their device"),
         (dict(eplb_interval=10), "re-placing experts"),
     ]:
         with pytest.raises(UsageError, match=f"does not work with cpu_offload_gb=2: .*{why}"):

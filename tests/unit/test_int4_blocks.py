@@ -163,15 +163,28 @@ def test_int4_shapes_the_kernel_cannot_hold_are_refused():
         check_int4_shape("down", 48, col_offset=48)
 
 
-def test_int4_off_cpu_is_refused():
+def test_int4_off_cpu_and_cuda_is_refused():
     from shardlm.models.loader import load_model, open_checkpoint
     from shardlm.parallel.dims import ParallelDims
 
     ckpt = open_checkpoint(smollm2_gguf_path())
-    with pytest.raises(
-        UsageError, match="quantization='gguf' runs shardlm's CPU int4 kernel.*, and this run is on cuda"
-    ):
-        load_model(ckpt, ParallelDims(), device="cuda", int4="gguf")
+    with pytest.raises(UsageError, match="quantization='gguf' runs shardlm's CPU int4 kernel or torch's CUDA one"):
+        load_model(ckpt, ParallelDims(), device="meta", int4="gguf")
+
+
+def test_tinygemm_packing_keeps_the_weight():
+    """pack_int4_cuda's arithmetic, checked on the CPU: the even column in the high nibble, and the
+    zero tinygemm adds to (q - 8) x scale restores q x scale + offset."""
+    from shardlm.parallel.int4 import inner_k_tiles
+
+    blocks = int4_groups(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)))
+    q = blocks.q
+    pairs = q[:, 0::2] << 4 | q[:, 1::2]
+    assert torch.equal(torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(q.shape), q)
+    zero = blocks.offset + 8 * blocks.scale
+    tiny = (q.float() - 8) * blocks.scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+    torch.testing.assert_close(tiny, blocks.dequantize())
+    assert [inner_k_tiles(k) for k in (32, 64, 96, 128, 576, 1536)] == [2, 4, 2, 8, 4, 8]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
