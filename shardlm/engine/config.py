@@ -263,6 +263,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value and not (name == "quantization" and value == "int8"):
                 raise UsageError(f"{name}={value!r} does not work with cpu_offload_gb={gb}: {why}; drop one")
+        spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig) and spec.method == "layer_skip":
+            raise UsageError(
+                f"speculative method 'layer_skip' does not work with cpu_offload_gb={gb}: it drafts with the "
+                "model's first layers, which stay on the host, so every draft token would copy them in again; "
+                "use an ngram or draft_model speculative_config, or drop one"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

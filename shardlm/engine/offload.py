@@ -55,6 +55,9 @@ class WeightOffload:
                 prepare(layer)
             if self.bytes < budget:
                 self._host(layer)
+        torch.cuda.empty_cache()  # the offloaded layers' passage through the GPU (int8) leaves nothing cached
+        self.largest_layer = max((sum(h.nbytes for _, h in params) for params in self.hosted), default=0)
+        """Bytes of the largest offloaded layer: a step holds two at once (one computing, one copying)."""
         self.stream = torch.cuda.Stream(device)
         self.in_flight: dict[int, tuple[torch.cuda.Event, list[torch.Tensor]]] = {}
         for k, layer in enumerate(self.layers):
@@ -95,8 +98,3 @@ class WeightOffload:
     def _leave(self, k: int, module, args, output) -> None:
         for p, host in self.hosted[k]:
             p.data = host
-
-    def resident_bytes(self, model: nn.Module) -> int:
-        """Bytes of ``model``'s parameters on the GPU between steps (the offloaded ones are not)."""
-        hosted = {id(p) for params in self.hosted for p, _ in params}
-        return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in hosted)

@@ -97,6 +97,8 @@ class Worker:
         budget = config.kv_cache_memory
         if config.gpu_memory_utilization is not None:  # for_model refused it off a GPU
             budget = kv_budget(config.gpu_memory_utilization, *torch.cuda.mem_get_info(self.device))
+            if self.offload is not None:  # two offloaded layers are on the GPU at once during a step
+                budget -= 2 * self.offload.largest_layer
         self.num_blocks = max(1, min(budget // max(per_block, 1), needed))
         self.moe = bool(moe_blocks(self.model))
         # graphs on a GPU; tp > 1 stays eager: capturing NCCL calls never ran here (one GPU lent)

@@ -39,8 +39,8 @@ On a GPU the same blocks go to torch's tinygemm kernel (``_weight_int4pack_mm``,
 activations, float32 accumulation): ``pack_int4`` repacks the codes at load into its tiled layout
 (``_convert_weight_to_int4pack``, the same 0.5 bytes a weight) and the scales and offsets into its
 ``[in / 32, out, 2]`` bfloat16 scales and zeros, whose weight is ``(q - 8) * scale + zero``, so
-zero = offset + 8 * scale. The embedding and LM head's Q8_0 blocks are widened to the activations'
-dtype a call at a time there (no 8-bit kernel takes Q8_0's per-32 scales on a GPU).
+zero = offset + 8 * scale. The embedding and LM head keep the model's dtype there (no GPU kernel
+takes Q8_0's scale per 32 values). tinygemm needs an Ampere or newer GPU.
 """
 
 from __future__ import annotations
@@ -136,6 +136,12 @@ def inner_k_tiles(cols: int) -> int:
 def pack_int4_cuda(blocks: Int4Blocks, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tinygemm's packed int32 codes, bfloat16 scales and zeros [cols / 32, rows, 2]) on ``device``."""
     rows, cols = blocks.q.shape
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        raise UsageError(
+            f"int4 weights on a GPU run torch's tinygemm kernel, which needs compute capability 8.0 (Ampere) or "
+            f"newer, and {torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+            "use quantization='int8' there"
+        )
     if rows % 8:
         raise UsageError(
             f"int4 weights on a GPU: a layer of {rows} out-features on this rank, and torch's int4 kernel takes "
@@ -221,9 +227,7 @@ def q8_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W^T for Q8_0 blocks (``q8_groups``): the LM head with int4 weights."""
     rows = x.reshape(-1, x.shape[-1])
-    if codes.is_cuda:  # widened to the activations' dtype a call at a time
-        y = F.linear(rows, q8_rows(codes, scales, rows.dtype))
-    elif NATIVE:
+    if NATIVE:
         y = torch.ops.shardlm_int4.q8_linear(rows, codes, scales, GEMM_ROWS)
     else:
         y = F.linear(rows.float(), q8_rows(codes, scales, torch.float32))

@@ -212,18 +212,20 @@ def quantize_int8(model: nn.Module) -> None:
 def prepare_int4(model: nn.Module, mode: str) -> None:
     """Before loading: every column- and row-parallel linear layer of ``model`` loads its weight as
     packed int4 (``mode``: 'int4' or 'gguf', see ``Int8Weight.int4``), and the embedding and LM head
-    as Q8_0 blocks (``VocabTable``: with 'gguf' only where the file holds Q8_0); MoE experts keep
-    the model's dtype."""
+    as Q8_0 blocks (``VocabTable``: with 'gguf' only where the file holds Q8_0; on the CPU only: no
+    GPU kernel takes Q8_0's scale per 32 values, so on a GPU they keep the model's dtype); MoE
+    experts keep the model's dtype."""
     embed = None
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     for m in model.modules():
         if isinstance(m, Int8Weight):
             m.int4 = mode
-        if isinstance(m, VocabTable):
+        if isinstance(m, VocabTable) and on_cpu:
             m.q8 = mode
             m.weight_scale = nn.Parameter(torch.empty(0, dtype=torch.float16), requires_grad=False)
             embed = m if isinstance(m, VocabParallelEmbedding) else embed
     for m in model.modules():
-        if isinstance(m, ParallelLMHead) and m.source is None:  # tied: the embedding's scales too
+        if isinstance(m, ParallelLMHead) and m.source is None and on_cpu:  # tied: the embedding's scales too
             assert embed is not None
             m.weight_scale = embed.weight_scale
 

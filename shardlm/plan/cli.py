@@ -263,6 +263,12 @@ def build_request(args):
         )
     if not args.train and given(TRAIN_ONLY):
         raise PlanError(f"--{given(TRAIN_ONLY)[0].replace('_', '-')} is a training flag; add --train or drop it")
+    batch = args.global_batch or DEFAULTS["global_batch"]
+    if args.train and args.micro_batch and batch % args.micro_batch:
+        raise PlanError(
+            f"--micro-batch {args.micro_batch} does not divide --global-batch {batch} (each dp replica's share "
+            f"is a whole number of micro-batches); pick a divisor of {batch}"
+        )
     if args.train and args.cp_attention == "pass-q":
         raise PlanError("--cp-attention pass-q is an inference attention; with --train pin ring or ulysses")
     if args.objective == "latency" and (args.max_ttft_ms is not None or args.max_tpot_ms is not None):

@@ -211,13 +211,18 @@ def training_memory(
 
 
 def _peak_activations(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool) -> float:
-    """The larger of the first stage's activations at its peak and the last stage's: one
-    micro-batch in flight there (the first of its backwards follows its forward at once) and the
-    loss's working set."""
+    """The larger of the first stage's activations at its peak and the last stage's: its layers'
+    activations for the micro-batches in flight there (1F1B and ZB-H1: one, its backward follows
+    its forward at once; GPipe: all; interleaved: ((v - 1) p + 1) / v stage-equivalents), the
+    float32 softmax each of those keeps for the loss's backward, and one loss's working set."""
     first = training_activation_bytes(costs, lay, seq, fused_attention)
     if lay.pp == 1:
         return first + loss_bytes(costs, lay, seq)
+    p, v = lay.pp, lay.virtual
+    flight = {"gpipe": lay.num_micro, "interleaved": ((v - 1) * p + 1) / v}.get(lay.schedule, 1)
     one = replace(lay, pp=1, num_micro=1)
     per_layer = training_activation_bytes(costs, one, seq, fused_attention) / costs.cfg.num_layers
     last_layers = sum(costs.stage_kinds(lay.pp)[-1])
-    return max(first, per_layer * last_layers + loss_bytes(costs, lay, seq))
+    loss = loss_bytes(costs, lay, seq)
+    softmax = loss * C.FP32_BYTES / LOSS_BYTES_PER_LOGIT  # kept per micro-batch until its backward
+    return max(first, flight * (per_layer * last_layers + softmax) + loss - softmax)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardlm.plan.errors import PlanError
+
 
 @dataclass(frozen=True)
 class LayerTraffic:
@@ -40,7 +42,7 @@ class LayerTraffic:
 _NONE = {"bf16": LayerTraffic(328, 36, 60, 76, 248), "fp32": LayerTraffic(280, 72, 120, 152, 376)}
 _FULL = {"bf16": LayerTraffic(450, 46, 78, 98, 400), "fp32": LayerTraffic(372, 92, 156, 196, 592)}
 _ENDS = {"bf16": (68, 156, 722.5), "fp32": (56, 124, 530.5)}
-_PER_PARAM = {"bf16": 112, "fp32": 108}
+_PER_PARAM = {"bf16": 110, "fp32": 108}
 
 KERNELS = ("shardlm", "fused")
 """Whose memory-bound kernels a plan assumes. shardlm: the bytes counted from shardlm's eager
@@ -75,6 +77,8 @@ class Profile:
 def profile(kernels: str, dtype: str, gated: bool = True) -> Profile:
     """The traffic of ``kernels`` (``KERNELS``) at the planner's ``dtype``: fp16 and fp8 (whose
     activations and elementwise work stay 16-bit) as bf16."""
+    if kernels not in KERNELS:
+        raise PlanError(f"kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     t = "fp32" if dtype == "fp32" else "bf16"
     if kernels == "fused":
         a = 4 if t == "fp32" else 2

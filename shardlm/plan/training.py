@@ -132,17 +132,18 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     params = weight_bytes(costs, lay, 1)
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     grad_bytes = params * REDUCED_GRAD_BYTES
-    dp_c = 0.0
+    dp_c = gathered = 0.0
     if len(dp_group) > 1 and lay.zero == 0:  # gradients accumulate locally; one all-reduce
         dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
     elif len(dp_group) > 1 and lay.zero in (1, 2):  # each rank its shard of the sums, once a step (the
-        # trainer's ZeRO-2 keeps the whole gradients through accumulation too), then the updated
-        # 16-bit weights gathered
-        dp_c = comm.reduce_scatter(grad_bytes, dp_group, cluster) + comm.all_gather(
-            params * PARAM_BYTES, dp_group, cluster
-        )
-    # ZeRO-3's gathers and reduce-scatters sit in every micro-batch's passes (zero3_exposed)
-    dp_exposed = max(0.0, dp_c - C.DP_OVERLAP_FRACTION * m * bwd) if lay.zero < 3 else 0.0
+        # trainer's ZeRO-2 keeps the whole gradients through accumulation too)
+        dp_c = comm.reduce_scatter(grad_bytes, dp_group, cluster)
+        # then the updated 16-bit weights gathered after the optimizer step, before the next
+        # forward can start: nothing runs beside it (train/unit.py after_step)
+        gathered = comm.all_gather(params * PARAM_BYTES, dp_group, cluster)
+    # the reductions hide behind backward up to DP_OVERLAP_FRACTION; ZeRO-3's gathers and
+    # reduce-scatters sit in every micro-batch's passes (zero3_exposed)
+    dp_exposed = max(0.0, dp_c - C.DP_OVERLAP_FRACTION * m * bwd) + gathered if lay.zero < 3 else 0.0
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     opt = params / shard * traffic.profile(wl.kernels, wl.dtype).per_param / gpu.mem_Bps
     if lay.offload and gpu.host_Bps:  # the owned float32 gradients down and 16-bit weights up over
@@ -202,7 +203,7 @@ def _stage(
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
-        widths = _traffic_widths(cfg, rl, lay, moe)
+        widths = _traffic_widths(cfg, rl, lay, moe_tokens / tokens if moe else 0.0)
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         tp_c += n * 2 * ar
@@ -215,31 +216,35 @@ def _stage(
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
             ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
             cp_c += n * max(0.0, ring - t_attn)
-    if stage == lay.pp - 1:  # LM head and loss over every token
+    head_f = head_b = 0.0  # the LM head and loss (never recomputed)
+    if stage == lay.pp - 1:  # over every token
         vocab = costs.vocab_rows(lay.tp)
-        f_comp += Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
+        head = Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
         ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
-        f_mem, b_mem = f_mem + share * ends, b_mem + (1 - share) * ends
-    fwd = f_comp + f_attn + f_mem + tp_c + ep_c + cp_c
-    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + b_mem + tp_c + ep_c + 2 * cp_c
-    if lay.recompute == "full":
-        bwd += fwd
+        head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
+    layers = f_comp + f_attn + f_mem + tp_c + ep_c + cp_c  # the decoder layers' forward
+    fwd = layers + head_f
+    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + b_mem + head_b + tp_c + ep_c + 2 * cp_c
+    if lay.recompute == "full":  # the layers' forward again
+        bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_c, ep_c, cp_c
 
 
-def _traffic_widths(cfg, rl, lay: Layout, moe: bool) -> tuple[float, float, float, float]:
+def _traffic_widths(cfg, rl, lay: Layout, moe_share: float) -> tuple[float, float, float, float]:
     """(hidden, intermediate, query, KV) widths one rank's share of a layer's traffic scales with:
     the hidden states whole on every tp rank (1/tp of the tokens with SP), the rest split; an MoE
-    layer's intermediate is its shared experts' plus its routed experts' per token, over etp."""
+    layer (``moe_share``: the tokens its experts see per token of the rank, 0 for a dense layer)
+    adds its routed experts' rows per token: the top-k pairs spread over ep ranks, each expert's
+    rows over etp (as ``layer_work`` prices their GEMMs, balanced)."""
     h = cfg.hidden_size
     hidden = h / lay.tp if lay.sp else h
     per_row = 3 if cfg.gated_mlp else 2  # a gated MLP's gate, up and down projections; else up and down
     inter = rl.dense / (per_row * h)
-    if moe:
-        inter += cfg.num_experts_per_tok * cfg.moe_intermediate_size / lay.etp
+    if moe_share:
+        inter += moe_share * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (lay.ep * lay.etp)
     return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
 
 

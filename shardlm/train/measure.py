@@ -89,9 +89,15 @@ PRICED_BY_FLOPS = frozenset({
 """Matrix products and the attention core: the planner times them by FLOPs (``plan.roofline``)."""
 
 
+WRITE_ONLY = frozenset({"copy_", "fill_", "zero_"})
+"""In-place operators that overwrite their tensor without reading it."""
+
+
 class TrafficCounter(TorchDispatchMode):
     """Bytes read and written by the memory-bound operators run inside it (``bytes``), by
-    operator name (``by_op``): each operator's tensor inputs and outputs, once each."""
+    operator name (``by_op``): each tensor argument read once; one the operator mutates (its
+    schema says so: in-place ops, foreach ops, ``out=``) read and written, or only written where
+    it is overwritten (``WRITE_ONLY``, ``out=``); each output that is new memory written once."""
 
     def __init__(self):
         super().__init__()
@@ -102,11 +108,25 @@ class TrafficCounter(TorchDispatchMode):
         return sum(self.by_op.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
-        if name not in MOVES_NOTHING and name not in PRICED_BY_FLOPS:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.by_op[name] = self.by_op.get(name, 0) + sum(t.numel() * t.element_size() for t in tensors)
+        if name in MOVES_NOTHING or name in PRICED_BY_FLOPS:
+            return out
+        moved, inputs = 0, set()
+        schema = func._schema.arguments
+        bound = list(zip(schema, args)) + [(a, kwargs[a.name]) for a in schema if a.name in kwargs]
+        for arg, value in bound:
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            passes = (1 if name in WRITE_ONLY or arg.name == "out" else 2) if written else 1
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    inputs.add(t.untyped_storage().data_ptr())
+                    moved += passes * t.numel() * t.element_size()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                moved += t.numel() * t.element_size()
+        self.by_op[name] = self.by_op.get(name, 0) + moved
         return out
 
 

@@ -94,7 +94,7 @@ def test_cpu_offload_keeps_layers_in_host_memory_and_gives_hfs_tokens(tiny):
             hosted = [p for layer in offload.layers for p in layer.parameters()]
             assert all(p.device.type == "cpu" and p.is_pinned() for p in hosted)
             assert offload.bytes == sum(p.numel() * p.element_size() for p in hosted) > 0
-            assert offload.resident_bytes(model) + offload.bytes == model.param_bytes()
+            assert offload.largest_layer == max(sum(p.nbytes for p in layer.parameters()) for layer in offload.layers)
             assert abs(resident - took - offload.bytes) <= 512 * len(hosted), (resident - took, offload.bytes)
             assert llm.worker.runner.graphs is None  # eager: a graph cannot replay new copies
             out = llm.generate(PROMPTS, greedy)

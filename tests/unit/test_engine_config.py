@@ -79,7 +79,8 @@ def test_int4_kv_cache_needs_head_dim_in_groups():
 
 def test_cpu_offload_gb_is_refused_where_it_cannot_work():
     """--cpu-offload-gb (engine/offload.py) moves GPU weights to the host: refused on CPU ranks,
-    with compile, CPU-only int4 weights and expert re-placement, each with its reason."""
+    with compile, int4 weights (packed for their device at load), expert re-placement and a
+    layer_skip draft (the offloaded first layers), each with its reason."""
     dense = ModelConfig.from_hf(BASE)
     assert EngineConfig(cpu_offload_gb=2).for_model(dense, "cuda").cpu_offload_gb == 2
     assert EngineConfig(cpu_offload_gb=2, quantization="int8").for_model(dense, "cuda").quantization == "int8"
@@ -92,6 +93,7 @@ def test_cpu_offload_gb_is_refused_where_it_cannot_work():
         (dict(compile=True), "trace through hooks"),
         (dict(quantization="int4"), "packed for their device"),
         (dict(eplb_interval=10), "re-placing experts"),
+        (dict(speculative_config={"method": "layer_skip", "num_layers": 1}), "every draft token would copy"),
     ]:
         with pytest.raises(UsageError, match=f"does not work with cpu_offload_gb=2: .*{why}"):
             EngineConfig(cpu_offload_gb=2, **option)

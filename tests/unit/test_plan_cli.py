@@ -202,6 +202,8 @@ def test_etp_and_vpp_pin_what_they_name(capsys):
     assert code == 0, err
     layouts = json.loads(out)["layouts"]
     assert layouts and all((d["layout"]["micro_batch"], d["layout"]["num_micro"]) == (16, 1) for d in layouts)
+    code, _, err = run(small + ["--micro-batch", "3"], capsys)
+    assert code == 2 and "--micro-batch 3 does not divide --global-batch 16" in err, err
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,8 @@ def test_gradient_sync_is_what_the_trainer_sends(zero, two_nodes, monkeypatch):
     """shardlm's trainer reduces gradients in float32 (train/unit.py Unit.full_grad), once a step
     whatever the micro-batches (the last backward): ZeRO-0 all-reduces them, ZeRO-1 and 2
     reduce-scatter them and all-gather the updated 16-bit weights after the step. With nothing hidden
-    behind backward, the step's dp traffic is exactly that, at 1 and 4 micro-batches a step."""
+    behind backward, the step's dp traffic is exactly that, at 1 and 4 micro-batches a step; with
+    backward hiding all it can, the all-gather is left (the trainer runs nothing beside it)."""
     from shardlm.plan import constants, training
     from shardlm.plan.memory import weight_bytes
 
@@ -120,6 +121,12 @@ def test_gradient_sync_is_what_the_trainer_sends(zero, two_nodes, monkeypatch):
         else:
             want = comm.reduce_scatter(4 * params, dp, two_nodes) + comm.all_gather(2 * params, dp, two_nodes)
         assert res.fits and res.comm_s["dp"] == pytest.approx(want)
+        if zero:  # with backward hiding the reductions, the all-gather after the step still waits
+            monkeypatch.setattr(constants, "DP_OVERLAP_FRACTION", 1.0)
+            wl = training.TrainWorkload(global_batch=16 * m, seq_len=2048)
+            hidden = training.evaluate(costs, two_nodes, lay, wl).comm_s["dp"]
+            monkeypatch.setattr(constants, "DP_OVERLAP_FRACTION", 0.0)
+            assert hidden == pytest.approx(comm.all_gather(2 * params, dp, two_nodes))
 
 
 def test_memory_bound_operators_cost_what_their_kernels_move(capsys):
