@@ -16,7 +16,7 @@ from harness.rankfns import greedy_and_logits, shard_read_elements
 from harness.reference import NEW_TOKENS
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, *(pytest.param(tp, marks=pytest.mark.slow) for tp in (2, 3, 4))])
 def test_smollm2_matches_hf(smollm2, tp):
     path, prompts, ref, total = smollm2
     results = run_ranks(tp, greedy_and_logits, path, tp, prompts, NEW_TOKENS)

@@ -31,6 +31,7 @@ for output in outputs:
 """
 
 
+@pytest.mark.slow  # ~17 s: SmolLM2 loaded in a fresh interpreter (make test's budget)
 def test_vllms_offline_quickstart_runs_unchanged():
     """vLLM's quickstart (docs.vllm.ai, "Offline Batched Inference"), `from vllm` -> `from shardlm`
     and the model name swapped."""
