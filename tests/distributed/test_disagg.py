@@ -56,7 +56,7 @@ def serve(path: str, params: list[SamplingParams], cancelled: int = 0, **layout)
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(dp=2), dict(dp=2, tp=2), pytest.param(dict(dp=3), marks=pytest.mark.slow)],
+    [dict(dp=2), *(pytest.param(lay, marks=pytest.mark.slow) for lay in (dict(dp=2, tp=2), dict(dp=3)))],
     ids=["dp2", "dp2-tp2", "dp3"],
 )
 def test_disaggregated_serving_matches_hf(tiny, layout):

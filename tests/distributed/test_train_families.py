@@ -83,7 +83,10 @@ def _all_moe_cases():
         layouts = [lay for lay in MOE_LAYOUTS if not (deepseek and "cp" in lay[4])]
         layouts += [(1, 4, 4, 1, {})] if deepseek else []
         for lay in layouts:
-            yield pytest.param(name, not deepseek, *lay, id=f"{name}-{_moe_id(lay)}")
+            # make test's budget: Qwen2-MoE (the shared expert) at one rank and at ep4, the rest slow
+            slow = name == "qwen2_moe" and lay not in (MOE_LAYOUTS[0], MOE_LAYOUTS[6])
+            marks = pytest.mark.slow if slow else ()
+            yield pytest.param(name, not deepseek, *lay, id=f"{name}-{_moe_id(lay)}", marks=marks)
         for lay in PIPELINED:  # 5-13 s each: one model's in make test, the others' in the slow tier
             marks = () if name == "deepseek_v3" else pytest.mark.slow
             yield pytest.param(name, False, *lay, id=f"{name}-{_moe_id(lay)}", marks=marks)

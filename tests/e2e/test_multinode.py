@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness.hosts import ADDRESSES, TwoHosts, both
+from harness.hosts import ADDRESSES, TwoHosts, both, report
 from harness.reference import PROMPTS, Reference, build_tiny, word_tokenizer
 from shardlm import LLM, SamplingParams
 
@@ -75,7 +75,7 @@ def test_generate_tp2_pp2_across_hosts_gives_hfs_tokens(hosts, tiny):
     each host's tp group uses shared memory (the pp stages talk point to point)."""
     args = ["generate", "--model", str(tiny.path), "--tp", "2", "--pp", "2", "--no-chat", "--json", "--threads", "1"]
     out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
-    assert all(code == 0 for code, _, _ in out.values()), out
+    assert all(code == 0 for code, _, _ in out.values()), report(out)
     printed = [json.loads(line) for _, stdout, _ in out.values() for line in stdout.splitlines()]
     assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens and "timing" in printed[-1]  # global rank 0 prints
     logs = "".join(err for _, _, err in out.values())
@@ -88,7 +88,7 @@ def test_generate_dp2_with_a_replica_per_host_gives_hfs_tokens(hosts, tiny):
     generating for two of the four prompts, and HF's greedy tokens for every prompt."""
     args = ["generate", "--model", str(tiny.path), "--dp", "2", "--tp", "2", "--no-chat", "--json", "--threads", "1"]
     out = on_both(hosts, 2, [*args, "--max-new-tokens", "32", "--log-level", "debug", *TEXTS])
-    assert all(code == 0 for code, _, _ in out.values()), out
+    assert all(code == 0 for code, _, _ in out.values()), report(out)
     printed = [json.loads(line) for _, stdout, _ in out.values() for line in stdout.splitlines()]
     assert [p["token_ids"] for p in printed[:-1]] == tiny.tokens
     assert printed[-1]["timing"]["generated_tokens_per_replica"] == [2 * 32, 2 * 32]  # both replicas worked
@@ -106,7 +106,7 @@ def test_train_dp2_tp3_zero3_across_hosts_takes_one_hosts_steps(hosts, tiny, tmp
     args += ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--json"]
     want = one_process_losses(str(tiny.path), data.read_text(), 2)
     out = on_both(hosts, 3, [*args, "--log-level", "debug"])
-    assert all(code == 0 for code, _, _ in out.values()), out
+    assert all(code == 0 for code, _, _ in out.values()), report(out)
     losses = [json.loads(x)["loss"] for _, stdout, _ in out.values() for x in stdout.splitlines()]
     assert losses == pytest.approx(want, rel=1e-5)
     logs = "".join(err for _, _, err in out.values())
@@ -140,7 +140,7 @@ def test_moe_generate_with_ep_across_hosts_gives_hfs_tokens(hosts, tmp_path, tmp
     port = next(_ports)
     procs = {h: hosts.torchrun(h, 2, args, port=port, entry=(str(script),)) for h in ("A", "B")}
     out = both(procs, timeout=240)
-    assert all(code == 0 for code, _, _ in out.values()), out
+    assert all(code == 0 for code, _, _ in out.values()), report(out)
     printed = [line for _, stdout, _ in out.values() for line in stdout.splitlines()]
     assert len(printed) == 1 and json.loads(printed[0]) == ref.tokens
 
@@ -154,7 +154,7 @@ def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tin
     args += ["--pp-schedule", "zb-h1", "--grad-accum", "2", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
     want = one_process_losses(str(tiny.path), data.read_text(), 2)
     out = on_both(hosts, 3, [*args, "--threads", "1", "--json"])
-    assert all(code == 0 for code, _, _ in out.values()), out
+    assert all(code == 0 for code, _, _ in out.values()), report(out)
     losses = [json.loads(x)["loss"] for _, stdout, _ in out.values() for x in stdout.splitlines()]
     assert losses == pytest.approx(want, rel=1e-5)
 

@@ -41,6 +41,7 @@ def test_vllms_offline_quickstart_runs_unchanged():
     assert len(lines) == 4 and all(line.startswith("Prompt: ") and "Generated text: " in line for line in lines)
 
 
+@pytest.mark.slow  # ~9 s: a server process (make test's budget)
 def test_a_hub_id_from_the_local_cache_serves_hf_tokens(tiny, tmp_path, monkeypatch):
     """`LLM("org/name")` as vLLM's, from the HF cache (huggingface_hub's layout), never downloaded."""
     import shutil

@@ -136,6 +136,12 @@ class TwoHosts:
             _ip("netns", "del", self.ns[h], check=False)  # also removes the veth pair
 
 
+def report(out: dict[str, tuple[int, str, str]]) -> str:
+    """Each host's exit status and the end of its stderr: an assertion's message (pytest cuts the
+    repr of the whole dict in the middle, where the first failure usually is)."""
+    return "\n".join(f"host {h}: exit {code}\n{err[-3000:]}" for h, (code, _, err) in out.items())
+
+
 def both(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, tuple[int, str, str]]:
     """Wait for a command started on both hosts: {host: (exit status, stdout, stderr)}."""
     out = {}
