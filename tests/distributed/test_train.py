@@ -133,7 +133,6 @@ LAYOUTS = [
     # activation recomputation: each layer's forward again in backward (ZeRO-3 gathers again)
     (1, 1, 0, {"recompute": "full"}),
     (2, 1, 3, {"recompute": "full"}),
-    (1, 2, 1, {"recompute": "full", "pp": 2, "grad_accum": 2}),
     # selective: the SwiGLU activation recomputed inside the down projection's backward
     (1, 1, 0, {"recompute": "selective"}),
     (1, 2, 3, {"recompute": "selective", "sequence_parallel": True}),
@@ -153,8 +152,9 @@ LAYOUTS = [
     (2, 1, 2, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
     (2, 1, 3, {"pp": 2, "grad_accum": 2, "pp_schedule": "zb-h1"}),
 ]
-# pp x tp at ZeRO-3 (~9 s; make test has pp x tp with SP below): in the slow tier
-SLOW_LAYOUTS = [(1, 2, 3, {"pp": 2, "grad_accum": 2})]
+# pp x tp at ZeRO-3 and with full recomputation (~6-9 s each; make test has pp x tp with SP, and
+# full recomputation without pp): in the slow tier
+SLOW_LAYOUTS = [(1, 2, 3, {"pp": 2, "grad_accum": 2}), (1, 2, 1, {"recompute": "full", "pp": 2, "grad_accum": 2})]
 # the schedules composed with the rest: pp=3, tp with sequence parallelism, full recomputation,
 # cp, one stage (~6 s each, in the slow tier: the fast one is at its 15-minute budget)
 SCHEDULE_LAYOUTS = [
