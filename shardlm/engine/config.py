@@ -197,9 +197,13 @@ class EngineConfig:
             "compile": "the striped step's gather and all-to-all are not traced yet",
             "prefill_replicas": "a handoff would move a cache striped over cp ranks",
         }
+        self._refuse_beside(f"cp={cp} yet", refused)
+
+    def _refuse_beside(self, what: str, refused: dict[str, str]) -> None:
+        """Refuse the first option of ``refused`` that is set, with its reason: it does not work with ``what``."""
         for name, why in refused.items():
             if getattr(self, name):
-                raise UsageError(f"{name}={getattr(self, name)!r} does not work with cp={cp} yet: {why}; drop one")
+                raise UsageError(f"{name}={getattr(self, name)!r} does not work with {what}: {why}; drop one")
 
     def dims(self) -> ParallelDims:
         """The layout, without a mesh: each rank builds its own on a copy."""
@@ -256,13 +260,11 @@ class EngineConfig:
             return
         refused = {
             "compile": "each step copies the offloaded weights into new GPU memory, which a compiled graph would trace through hooks",
-            "quantization": "int4 and gguf weights are packed for their device as they load; int8 works",
             "eplb_interval": "re-placing experts rewrites weights that may be on the host",
         }
-        for name, why in refused.items():
-            value = getattr(self, name)
-            if value and not (name == "quantization" and value == "int8"):
-                raise UsageError(f"{name}={value!r} does not work with cpu_offload_gb={gb}: {why}; drop one")
+        if self.quantization != "int8":
+            refused["quantization"] = "int4 and gguf weights are packed for their device as they load; int8 works"
+        self._refuse_beside(f"cpu_offload_gb={gb}", refused)
         spec = self.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method == "layer_skip":
             raise UsageError(

@@ -172,9 +172,8 @@ LOSS_BYTES_PER_LOGIT = C.BF16_BYTES + 2 * C.FP32_BYTES
 """Bytes per logit at the loss's peak, as shardlm's vocab-parallel cross-entropy holds them
 (``train/loss.py``): the 16-bit logits, their float32 copy and its exponentials in the forward (the
 float32 softmax, kept for backward, then its gradient and the 16-bit copy the LM head's backward
-takes: as many). On an H100 this closed the gap between the planner's count and the measured peak
-of two runs (SmolLM2's shape, 8,192 tokens x 49,152 logits: 3.2 GiB unaccounted, this counts
-3.75; a 1.1B Llama, 8,192 x 32,000: 2.6 GiB, this 2.44; docs/plan.md)."""
+takes: as many). Checked against the peak memory of two H100 runs (docs/plan.md, "Validation:
+memory")."""
 
 
 def loss_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:

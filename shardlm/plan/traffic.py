@@ -3,9 +3,8 @@ matrix products and attention core.
 
 A decoder layer's norms, rotary embedding, SwiGLU, residual adds, casts and copies, forward and
 backward, each read and write whole activations: bytes that grow with the tokens and the layer's
-widths, not with its FLOPs. In a small model they outweigh the matrix products: on an H100, a
-training step of SmolLM2-135M's shape spent 48 of its ~70 ms in such kernels and 11 in GEMMs
-(docs/performance.md, "On a GPU"). So do the loss over the vocabulary and the optimizer step.
+widths, not with its FLOPs. In a small model they outweigh the matrix products (measured on an
+H100: docs/performance.md, "On a GPU"). So do the loss over the vocabulary and the optimizer step.
 
 The coefficients are counted, not fitted: ``shardlm.train.measure.traffic_coefficients`` runs
 shardlm's trainer on tiny Llama models that differ in one width at a time and adds up every such
