@@ -194,9 +194,17 @@ def logprobs_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     )
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of ties). CPU float32 rows go through numpy, whose argmax is
+    vectorised: over a vocabulary of logits ~15x faster than torch's (docs/performance.md)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits: [seqs, vocab], already ``process``ed. Returns one token id per sequence."""
-    tokens = logits.max(dim=-1).indices.tolist()  # argmax (first of ties), at twice argmax's speed on CPU
+    tokens = greedy_tokens(logits)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = int(torch.multinomial(probabilities(logits[i], p), 1, generator=generators[i]).item())

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlm.engine.sampling import SamplingParams, probabilities
+from shardlm.engine.sampling import SamplingParams, greedy_tokens, probabilities
 from shardlm.errors import UsageError
 
 METHODS = ("ngram", "draft_model", "layer_skip")
@@ -139,7 +139,7 @@ def verify(
     [len(drafts), vocab]: the distributions a draft model drew the drafts from (None: each draft
     certain, as n-gram drafts are)."""
     if params.greedy:
-        best = logits.max(dim=-1).indices.tolist()  # first of ties, as the sampler's argmax
+        best = greedy_tokens(logits)  # first of ties, as the sampler's
         n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
         return drafts[:n] + [best[n]]
     out = []

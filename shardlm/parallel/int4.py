@@ -187,7 +187,10 @@ def native_kernel() -> bool:
         cpp_extension.load(
             name="shardlm_int4",
             sources=[str(source)],
-            extra_cflags=["-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+            # -fopenmp: at::parallel_for is OpenMP pragmas in a header (without the flag they are
+            # ignored and every loop runs on one thread); -lgomp links torch's own libgomp (torch/lib)
+            extra_cflags=["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+            extra_ldflags=["-lgomp"],
             build_directory=str(folder),
             is_python_module=False,
             verbose=False,

@@ -20,6 +20,7 @@
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,7 +60,6 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-// The activations' blocks: xq int8 [M, K], dx and sx = dx * sum(xq) float [M, K / 32].
 // The activations' blocks: xq int8 [M, K], dx and sx = dx * sum(xq) float [M, K / 32], in the
 // calling thread's buffers (reused from call to call: no allocation in a decode step).
 struct QuantRows {
@@ -341,8 +341,9 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gem
   float* yp = y.data_ptr<float>();
   const bool avx2 = simd && has_avx2();
   const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
-  // a small layer stays on one thread (at two threads, making the layers under 2^19 multiply-adds
-  // parallel or making more of them serial both ran slower: docs/performance.md)
+  // a small layer stays on one thread: at two threads, with the split at 2^18, 2^19 or 2^20
+  // multiply-adds or none, SmolLM2's decode step took the same within the noise; every layer on
+  // one thread took a quarter longer (docs/performance.md)
   const int64_t grain = M * N * K < (int64_t{1} << 19) ? N : 16;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef SHARDLM_X86
@@ -453,7 +454,16 @@ bool vectorised() { return has_avx2(); }
 }  // namespace
 
 // simd=False takes the portable loops on any CPU (for the test that compares the two)
+// How many threads at::parallel_for splits a loop over (each chunk calls the body once): 1 when the
+// extension is built without OpenMP, whatever torch.set_num_threads says.
+int64_t parallel_threads() {
+  std::atomic<int64_t> chunks{0};
+  at::parallel_for(0, 1 << 10, 1, [&](int64_t, int64_t) { chunks += 1; });
+  return chunks;
+}
+
 TORCH_LIBRARY(shardlm_int4, m) {
+  m.def("parallel_threads() -> int", &parallel_threads);
   m.def("linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, &int4_linear_cpu);
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");

@@ -157,6 +157,21 @@ def test_int4_portable_loop_agrees_with_the_avx2_one():
     torch.testing.assert_close(portable, simd, rtol=1e-5, atol=1e-5 * simd.abs().max().item())
 
 
+def test_the_kernel_splits_its_loops_over_torchs_threads():
+    """Built with OpenMP: at::parallel_for is pragmas in a header, which a build without -fopenmp
+    ignores (every loop then ran on one thread, whatever torch.set_num_threads said)."""
+    if not native_kernel():
+        pytest.skip("no C++ kernel on this machine")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.shardlm_int4.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert torch.ops.shardlm_int4.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int4_shapes_the_kernel_cannot_hold_are_refused():
     check_int4_shape("blk.0.down", 128, col_offset=256)  # whole groups
     with pytest.raises(UsageError, match=r"down holds in-features \[48, 96\) on this rank.*groups of 32"):
