@@ -139,6 +139,15 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
     )
 
 
+def routed_pairs(cfg, lay: Layout, tokens: float) -> float:
+    """The (token, expert) pairs one rank computes for a micro-batch of ``tokens`` per tp group, as
+    ``parallel/expert.py`` dispatches them and the time model counts them (``roofline.layer_work``):
+    with the expert group inside the tp group each rank computes its 1/ep share of every token's
+    choices; beyond it each tp rank sends its 1/tp of the tokens, and an expert's etp ranks share
+    their pairs. Balanced routing (the time model adds the imbalance)."""
+    return tokens * max(1, lay.ep * lay.etp // lay.tp) * cfg.num_experts_per_tok / lay.ep
+
+
 def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:
     """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4)."""
     cfg = costs.cfg
@@ -160,9 +169,9 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_at
         total += n_dense * per_layer(False)
     if n_moe:
         per = per_layer(True)
-        if lay.recompute != "full":  # routed experts: gate, up, silu, product for k copies of each token
+        if lay.recompute != "full":  # routed experts: gate, up, silu, product for each pair this rank computes
             rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
-            per += s * lay.micro_batch * cfg.num_experts_per_tok * (8 * rows + 4 * cfg.hidden_size)
+            per += routed_pairs(cfg, lay, s * lay.micro_batch) * (8 * rows + 4 * cfg.hidden_size)
         total += n_moe * per
     flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
     return total * flight

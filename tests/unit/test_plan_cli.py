@@ -295,16 +295,18 @@ def test_inference_cp_attention_costs_a_whole_prompt_as_the_engine_attends_it(ca
 
 def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypatch):
     """Sequence parallelism with MoE is marked, zero-bubble picks (which the trainer runs) are not;
-    a pick that is marked is followed by the best layout shardlm runs (a rule made up here: no
-    catalog pick is marked today). Latent attention under cp at inference, fp8 GEMMs: marked too.
-    Without the marks the JSON has no reasons and the text no asterisks."""
+    a pick that is marked is followed by the best layout shardlm runs (Mixtral on 16 H100s: the
+    rule-following pick has SP; and a rule made up here). Latent attention under cp at inference,
+    fp8 GEMMs: marked too. Without the marks the JSON has no reasons and the text no asterisks."""
     from shardlm.plan import planner
 
     mixtral = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--train"]
     code, out, err = run(mixtral, capsys)
-    assert code == 0 and "1  tp1 pp2 dp4 cp2 ep4 zero1 zb-h1 mb1x128 " in out, err  # the pick runs: no mark
+    assert code == 0 and "1  tp2 pp1 dp8 ep8 sp zero1 mb1x64 *" in out, err
+    assert "2  tp1 pp2 dp4 cp2 ep4 zero1 zb-h1 mb1x128 " in out  # zero-bubble runs: no mark
+    assert "the best it runs is #2, tp1 pp2 dp4 cp2 ep4 zero1 zb-h1 mb1x128." in out
     code, out, err = run([*mixtral, "--tp", "2"], capsys)  # tp > 1 searches sp: every layout marked
-    assert code == 0 and "1  tp2 pp2 dp2 cp2 ep4 sp zero1 zb-h1 mb1x256 *" in out, err
+    assert code == 0 and "1  tp2 pp1 dp8 ep8 sp zero1 mb1x64 *" in out, err
     assert "* not runnable by shardlm yet: sequence parallelism with MoE or latent-attention layers" in out
     assert (
         "The pick is not runnable by shardlm yet (sequence parallelism with MoE or latent-attention layers); none ranked runs"

@@ -38,6 +38,7 @@ TRTLLM = "TensorRT-LLM perf-overview.md (H100 SXM, FP8)"
 NIM = "NVIDIA NIM 1.8.0 benchmarks, Llama 3.3 70B, 2 x H100, FP8 TP2, 5000/500"
 DSV3 = "DeepSeek-V3 pre-training, arXiv 2412.19437 (2,048 H800s, FP8)"
 MCORE_MOE = "Megatron-Core MoE README (MCore v0.9), Mixtral 8x7B on H100"
+QWEN3_MCORE = "Megatron-MoE-ModelZoo, Qwen3-235B-A22B on 256 H100s"
 SHARDLM_H100 = "shardlm train on one H100 (docs/performance.md, 2026-11-26)"
 TINYLLAMA = "llama:2048,5632,22,32,4,32000"
 """TinyLlama-1.1B's shape: hidden, intermediate, layers, heads, KV heads, vocabulary."""
@@ -229,6 +230,38 @@ ROWS += [
         seq_len=4096,
         flops_per_token=_mcore_flops_per_token(4096, 32, 32, 8, 14336, 2, 32000, 4096),
     ),
+    # Qwen3-235B-A22B in Megatron-Core (https://github.com/yanring/Megatron-MoE-ModelZoo, file
+    # best_practice/Qwen3/readme.md, "Performance Results"): 256 H100s, "NVLink 4th Generation,
+    # InfiniBand 8x50 GB/s", BF16, SEQ LEN 4096, GBS 2048, each row's TP/EP/PP/VPP/DP/FSDP/MBS and
+    # step time; tokens/s per GPU = 2048 x 4096 / (step x 256). Recompute "norm, act" (layernorm and
+    # the MoE activation) is pinned as the planner's selective (the attention core and the gated
+    # activation); ETP 1. Interleaving 94 layers over pp8 x vpp4 or pp32 x vpp3 needs uneven chunks,
+    # which the planner's interleaved schedule does not take: those rows fall back to its best
+    # non-interleaved schedule. The "+1f1b overlap" row hides the all-to-all behind another micro-batch's
+    # compute, which the planner does not model (as DualPipe). Qwen3-Next-80B-A3B (linear attention) is
+    # not a preset and is left out.
+    *(
+        Row(
+            QWEN3_MCORE,
+            what,
+            "qwen3-235b-a22b",
+            "h100-sxm",
+            256,
+            2048 * 4096 / (step * 256),
+            "tok/s/GPU",
+            dict(tp=tp, pp=pp, dp=256 // (tp * pp), ep=ep, micro_batch=mb, zero=zero, recompute=rc)
+            | (dict(schedule="interleaved", virtual=vpp) if vpp > 1 else {}),
+            global_batch=2048,
+            seq_len=4096,
+        )
+        for what, tp, pp, vpp, ep, mb, zero, rc, step in (
+            ("tp2 pp8 vpp4 ep32 dp16 mb1, norm + act recompute, DeepEP", 2, 8, 4, 32, 1, 1, "selective", 19.7),
+            ("the same + 1F1B all-to-all overlap", 2, 8, 4, 32, 1, 1, "selective", 17.6),
+            ("tp2 ep8 dp128 FSDP mb4, full recompute, DeepEP", 2, 1, 1, 8, 4, 3, "full", 17.6),
+            ("tp2 pp32 vpp3 ep8 dp4 mb1, norm + act recompute, all-to-all", 2, 32, 3, 8, 1, 1, "selective", 24.2),
+            ("tp4 pp8 vpp4 ep8 dp8 mb1, DeepEP", 4, 8, 4, 8, 1, 1, "none", 29.0),
+        )
+    ),
     # this project's own trainer, eager, bfloat16, one GPU (docs/performance.md, "On a GPU"): SmolLM2-135M's
     # shape at 16 x 512 tokens (`shardlm train`, median of steps 6-20) and TinyLlama-1.1B's at 4 x 2048
     # (benchmarks/train_profile.py); random weights; its counted memory-bound traffic (--kernels shardlm)
@@ -276,6 +309,8 @@ BOUNDS = {
     DSV3: (0.42, 0.42),  # 47% before the traffic was counted
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     MCORE_MOE: (0.17, 0.17),
+    # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md)
+    QWEN3_MCORE: (0.52, 1.03),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     SHARDLM_H100: (0.19, 0.33),
 }
@@ -337,6 +372,7 @@ def _predict(row: Row) -> float:
         best = plan(PlanRequest(train=True, training=wl, fixed=pins, **common)).best
     except PlanError:  # e.g. no interleaving depth divides the layers: the closest the source allows
         pins.pop("schedule", None)
+        pins.pop("virtual", None)
         best = plan(PlanRequest(train=True, training=wl, fixed=pins, **common)).best
     if row.unit == "MFU":
         return best.mfu
