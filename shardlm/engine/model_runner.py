@@ -72,10 +72,14 @@ class ModelRunner:
             self.compiled = torch.compile(
                 model.forward,
                 dynamic=True,
-                # no size/stride checks on each opaque op's output in the generated wrapper (hundreds
-                # a step, a sizeable share of a CPU decode step: docs/performance.md); our ops' fake
-                # shapes are what the kernels return, as the compiled = eager tests check
-                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False},
+                # on a CPU no size/stride checks on each opaque op's output in the generated wrapper
+                # (hundreds a step, a sizeable share of a CPU decode step: docs/performance.md; on a
+                # GPU CUDA graphs replay the step, checks and all, at no cost); our ops' fake shapes
+                # are what the kernels return, as the compiled = eager tests check on CPUs and GPUs
+                options={
+                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                    "size_asserts": torch.device(device).type != "cpu",
+                },
             )
         # int4 weights load the C++ CPU ops (parallel/int4_cpu.cpp); decode attention takes them too
         self.cpu_ops = (

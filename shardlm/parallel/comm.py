@@ -142,7 +142,7 @@ def _all_gather_fake(x: Tensor, group: str, dim: int, sizes: list[int]) -> Tenso
 _LIB = torch.library.Library("shardlm", "FRAGMENT")
 _LIB.define("all_reduce(Tensor x, str group) -> Tensor")
 _LIB.impl("all_reduce", _all_reduce_op, "CompositeExplicitAutograd")
-torch.library.register_fake("shardlm::all_reduce")(lambda x, group: torch.empty_like(x))
+torch.library.register_fake("shardlm::all_reduce")(lambda x, group: x.new_empty(x.shape))  # contiguous, as the op
 _LIB.define("all_gather(Tensor x, str group, int dim, SymInt[] sizes) -> Tensor")
 _LIB.impl("all_gather", _all_gather_op, "CompositeExplicitAutograd")
 torch.library.register_fake("shardlm::all_gather")(_all_gather_fake)

@@ -47,6 +47,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +171,22 @@ NATIVE: bool | None = None
 first runs (at load: ``pack_int4`` and ``q8_groups`` call it, so a compiled graph only reads it)."""
 
 
+def openmp_flags() -> list[str]:
+    """-fopenmp where torch itself runs on GCC's OpenMP (Linux, a GCC compiler): ``at::parallel_for``
+    is OpenMP pragmas in a header, which a build without the flag ignores (every loop then runs on
+    one thread). No -lgomp: the GOMP symbols resolve, by their soname, to the libgomp torch has
+    already loaded, so there is one OpenMP runtime in the process. Elsewhere (macOS's clang, LLVM's
+    or Intel's OpenMP) none: the kernel builds and runs serially."""
+    if sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info():
+        return []
+    try:
+        cxx = shlex.split(os.environ.get("CXX", "c++"))
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    return [] if "clang" in version.lower() else ["-fopenmp"]
+
+
 def native_kernel() -> bool:
     """Build (first time only) and load ``int4_cpu.cpp``: into ~/.cache/shardlm/kernels/torch-<version>
     (``SHARDLM_KERNEL_CACHE`` overrides), reused after; ranks starting together build it once
@@ -182,23 +201,31 @@ def native_kernel() -> bool:
     source = Path(__file__).with_name("int4_cpu.cpp")
     if not (folder / "shardlm_int4.so").exists():
         LOG.warning("building shardlm's int4 CPU kernel into %s (once, under a minute)", folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="shardlm_int4",
-            sources=[str(source)],
-            # -fopenmp: at::parallel_for is OpenMP pragmas in a header (without the flag they are
-            # ignored and every loop runs on one thread); -lgomp links torch's own libgomp (torch/lib)
-            extra_cflags=["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
-            extra_ldflags=["-lgomp"],
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
+    base = ["-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+    threaded = openmp_flags()
+    error: Exception | None = None
+    for flags in [base + threaded] + ([base] if threaded else []):  # without OpenMP if it fails with it
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name="shardlm_int4",
+                sources=[str(source)],
+                extra_cflags=flags,
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+            break
+        except Exception as e:  # no compiler, no ninja, no writable folder: correct but slow
+            error = e
+    else:
+        LOG.warning(
+            "int4 weights: could not build %s (%s); layers dequantize their weights at every call", source, error
         )
-    except Exception as e:  # no compiler, no ninja, no writable folder: correct but slow
-        LOG.warning("int4 weights: could not build %s (%s); layers dequantize their weights at every call", source, e)
         NATIVE = False
         return NATIVE
+    if threaded and flags == base:
+        LOG.warning("int4 weights: %s built without OpenMP (%s): its loops run on one thread", source, error)
     for op in ("linear", "q8_linear"):  # shapes for torch.compile, which calls the ops in its graph
         torch.library.register_fake(f"shardlm_int4::{op}")(
             lambda x, codes, scales, gemm_rows, simd=True: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32)

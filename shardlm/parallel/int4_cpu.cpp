@@ -342,8 +342,8 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gem
   const bool avx2 = simd && has_avx2();
   const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
   // a small layer stays on one thread: at two threads, with the split at 2^18, 2^19 or 2^20
-  // multiply-adds or none, SmolLM2's decode step took the same within the noise; every layer on
-  // one thread took a quarter longer (docs/performance.md)
+  // multiply-adds or every layer split, SmolLM2's decode step took the same within the noise;
+  // every layer on one thread took a quarter longer (docs/performance.md)
   const int64_t grain = M * N * K < (int64_t{1} << 19) ? N : 16;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef SHARDLM_X86
@@ -453,7 +453,6 @@ bool vectorised() { return has_avx2(); }
 
 }  // namespace
 
-// simd=False takes the portable loops on any CPU (for the test that compares the two)
 // How many threads at::parallel_for splits a loop over (each chunk calls the body once): 1 when the
 // extension is built without OpenMP, whatever torch.set_num_threads says.
 int64_t parallel_threads() {
@@ -462,6 +461,7 @@ int64_t parallel_threads() {
   return chunks;
 }
 
+// simd=False takes the portable loops on any CPU (for the test that compares the two)
 TORCH_LIBRARY(shardlm_int4, m) {
   m.def("parallel_threads() -> int", &parallel_threads);
   m.def("linear(Tensor x, Tensor codes, Tensor scales, int gemm_rows, bool simd=True) -> Tensor");

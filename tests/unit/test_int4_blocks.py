@@ -168,6 +168,16 @@ def test_the_kernel_splits_its_loops_over_torchs_threads():
         assert torch.ops.shardlm_int4.parallel_threads() == 2
         torch.set_num_threads(1)
         assert torch.ops.shardlm_int4.parallel_threads() == 1
+        # layers large enough to split (over 2^19 multiply-adds; 16 x 18 blocks of activations to
+        # quantize): each output column is one thread's, so two threads give one thread's bits
+        g = torch.Generator().manual_seed(2)
+        codes, scales = pack_int4(int4_groups(torch.randn(1000, 576, generator=g)))
+        for rows in (1, 16):
+            x = torch.randn(rows, 576, generator=g)
+            one = torch.ops.shardlm_int4.linear(x, codes, scales, GEMM_ROWS)
+            torch.set_num_threads(2)
+            assert torch.equal(torch.ops.shardlm_int4.linear(x, codes, scales, GEMM_ROWS), one)
+            torch.set_num_threads(1)
     finally:
         torch.set_num_threads(before)
 

@@ -289,3 +289,16 @@ def test_bad_processor_params_are_refused(field, bad):
 def test_stop_takes_a_string_or_a_list():
     assert SamplingParams(stop="\n").stop == ("\n",)
     assert SamplingParams(stop=["a", "", "b"]).stop == ("a", "b")
+
+
+def test_greedy_tokens_take_the_first_of_ties_as_torch_does():
+    """numpy's argmax (CPU float32) and torch's (the rest) agree with torch's max: the first of
+    ties, the first NaN, -0 equal to 0, a row of -inf at 0."""
+    from shardlm.engine.sampling import greedy_tokens
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1, 3, 3, nan, nan], [0, -0.0, 0, -1, -1], [-inf] * 5, [-0.0, 0, 0, 0, 0], [1, 2, 5, 5, 0]])
+    want = rows.max(dim=-1).indices.tolist()
+    assert greedy_tokens(rows) == want == [3, 0, 0, 0, 2]
+    assert greedy_tokens(rows.to(torch.bfloat16)) == want
+    assert greedy_tokens(rows.t().contiguous().t()) == want  # not contiguous
