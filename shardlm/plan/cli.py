@@ -17,6 +17,7 @@ import sys
 from shardlm.args import byte_size
 from shardlm.errors import UsageError
 from shardlm.plan.catalog import model_names
+from shardlm.plan.comm import DISPATCHERS
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import THIS_MACHINE, gpu_names
 from shardlm.plan.inference import InferenceWorkload
@@ -208,6 +209,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "trainer's, counted; default) or fused (one read and one write per fused kernel, as Megatron-LM)",
     )
     p.add_argument(
+        "--dispatcher",
+        choices=DISPATCHERS,
+        help="how MoE tokens cross nodes: shardlm (every (token, expert) pair its own copy, as shardlm and "
+        "Megatron's all-to-all send them; default) or deepep (once to each node holding one of its experts, "
+        "as DeepEP and DeepSeek-V3's kernels: for comparing with such runs, shardlm does not dispatch so)",
+    )
+    p.add_argument(
         "--cp-attention",
         choices=("pass-q", *CP_ATTENTION),
         help="how attention spans the cp ranks: training: pin ring or ulysses (default: searched); inference: "
@@ -361,6 +369,7 @@ def build_request(args):
             fused_attention=args.attention == "fused",
             prefetch=1 if args.prefetch is None else args.prefetch,
             kernels=args.kernels or "shardlm",
+            dispatcher=args.dispatcher or "shardlm",
         )
         return PlanRequest(train=True, training=wl, **common)
 
@@ -380,6 +389,7 @@ def build_request(args):
         request_rate=args.request_rate,
         prefill_replicas=None if args.prefill_replicas == "auto" else args.prefill_replicas or 0,
         cp_attention=args.cp_attention or "pass-q",
+        dispatcher=args.dispatcher or "shardlm",
     )
     return PlanRequest(train=False, inference=wl, **common)
 

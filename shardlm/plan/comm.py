@@ -118,37 +118,61 @@ def all_to_all(nbytes_per_rank: float, ranks: list[int], cluster: Cluster) -> fl
     return g.collective_launch_s + max(intra, inter)
 
 
-def moe_dispatch(token_bytes: float, top_k: int, max_nodes: int | None, ranks: list[int], cluster: Cluster) -> float:
+DISPATCHERS = ("shardlm", "deepep")
+"""How a MoE layer's (token, choice) pairs cross nodes. ``shardlm``: every pair is its own copy, as
+shardlm's dispatcher (``parallel/expert.py``) and Megatron's all-to-all send them. ``deepep``: a token
+crosses IB once to each node that holds one of its experts, whose GPU of the same in-node index
+forwards it over NVLink to the experts' GPUs, IB and NVLink at once (DeepEP's normal kernels;
+DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.2.2). shardlm runs only the first."""
+
+
+def nodes_reached(top_k: int, nodes: int, max_nodes: int | None) -> float:
+    """The nodes one token's ``top_k`` experts lie on, over an ep group of ``nodes`` nodes. Under
+    node-limited routing (DeepSeek-V3 §2.1.2: "each token will be sent to at most M nodes") it picks
+    the M best nodes' groups first, so each of them likely holds one of its experts: min(k, nodes, M).
+    Otherwise the choices are taken as spread evenly and independently: the expected number of
+    distinct nodes, nodes x (1 - (1 - 1/nodes)^k)."""
+    if max_nodes is not None:
+        return min(top_k, nodes, max_nodes)
+    return nodes * (1 - (1 - 1 / nodes) ** top_k)
+
+
+def moe_dispatch(
+    token_bytes: float,
+    top_k: int,
+    max_nodes: int | None,
+    ranks: list[int],
+    cluster: Cluster,
+    dispatcher: str = "shardlm",
+) -> float:
     """One MoE all-to-all (dispatch, or combine: the same bytes back) of a rank's tokens of
     ``token_bytes`` in all, each to ``top_k`` experts spread evenly over the ``ranks`` of the ep
-    group. Without a node limit (``max_nodes`` None) every (token, choice) pair is its own copy
-    (``all_to_all`` of top_k x token_bytes, as Megatron's and shardlm's dispatchers send them).
-    With node-limited routing (DeepSeek-V3, https://arxiv.org/abs/2412.19437 §2.1.2: "each token
-    will be sent to at most M nodes"; §3.2.2: a token crosses IB once to the GPU with the same
-    in-node index on each target node, which forwards it over NVLink to the GPUs of its experts,
-    IB and NVLink running at once) a token leaves its node at most min(k, nodes, M) times: over the
-    NIC, each of those nodes but the token's own (a share (nodes - 1) / nodes of them, the experts
-    spread evenly) carries one copy; over NVLink, the k copies go to the experts' GPUs but for the
-    (1 / ranks-per-node) share that lands on the receiving GPU itself. Time: the slower of the two."""
+    group, as ``dispatcher`` (``DISPATCHERS``) sends them. shardlm's: every (token, choice) pair is
+    its own copy (``all_to_all`` of top_k x token_bytes). DeepEP's: over the NIC, each of the
+    ``nodes_reached`` nodes but the token's own (a share (nodes - 1) / nodes of them) carries one
+    copy; over NVLink, the k copies go to the experts' GPUs but for the (1 / ranks-per-node) share
+    that lands on the receiving GPU itself. Time: the slower of the two."""
     n = len(ranks)
     if n <= 1 or token_bytes <= 0:
         return 0.0
     k, nodes = placement(ranks, cluster)
-    if max_nodes is None or nodes == 1:
+    if dispatcher == "shardlm" or nodes == 1:
         return all_to_all(token_bytes * top_k, ranks, cluster)
     g = cluster.gpu
-    node_copies = min(top_k, nodes, max_nodes)
+    node_copies = nodes_reached(top_k, nodes, max_nodes)
     inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps
     intra = (k - 1) * g.intra.alpha_s + top_k * (k - 1) / k * token_bytes / g.intra.bandwidth_Bps
     return g.collective_launch_s + max(intra, inter)
 
 
-def moe_boundary(cfg: ModelConfig, cluster: Cluster, lay: Layout, tokens: float, a_bytes: float) -> float:
+def moe_boundary(
+    cfg: ModelConfig, cluster: Cluster, lay: Layout, tokens: float, a_bytes: float, dispatcher: str = "shardlm"
+) -> float:
     """One MoE layer's token trip (forward) on a rank holding ``tokens`` tokens of ``a_bytes``
     elements, as ``parallel/expert.py``'s all_to_all path runs it at inference and in training:
     each tp rank takes its 1/tp of the tokens, an expert's etp ranks all-gather theirs (and
     reduce-scatter the partial sums after), every (token, choice) pair goes to its expert's ep rank
-    and back (dispatch and combine, ``moe_dispatch``: node-limited where the model's routing is),
+    and back (dispatch and combine, ``moe_dispatch``: once per node with DeepEP's dispatcher),
     and the tp group all-gathers its tokens again. When ep x etp divides tp the experts sit inside
     the tp group, which holds every token already: no token moves (the block's all-reduce is the
     layer's tp all-reduce). Each of these collectives' autograd dual moves the same bytes (split ->
@@ -164,7 +188,7 @@ def moe_boundary(cfg: ModelConfig, cluster: Cluster, lay: Layout, tokens: float,
     if lay.ep > 1:
         limit = node_limit(cfg, lay.nodes_spanned("ep", per_node))
         ep_group = lay.slowest_group("ep", per_node)
-        t += 2 * moe_dispatch(share * lay.etp, cfg.num_experts_per_tok, limit, ep_group, cluster)
+        t += 2 * moe_dispatch(share * lay.etp, cfg.num_experts_per_tok, limit, ep_group, cluster, dispatcher)
     if lay.tp > 1:
         t += all_gather(share * lay.tp, lay.slowest_group("tp", per_node), cluster)
     return t

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from shardlm.plan import comm
 from shardlm.plan import constants as C
 from shardlm.plan.disagg import Split, served, split
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
@@ -72,6 +73,13 @@ class InferenceWorkload:
     """Of the dp replicas, these only prefill and the others only decode (``--prefill-replicas``,
     ``disagg.py``); 0: every replica does both; None: searched, every split of each layout and none
     (``--prefill-replicas auto``)."""
+    dispatcher: str = "shardlm"
+    """How MoE tokens cross nodes (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
+    once-per-node dispatch."""
+
+    def __post_init__(self) -> None:
+        if self.dispatcher not in comm.DISPATCHERS:
+            raise PlanError(f"--dispatcher {self.dispatcher!r} is unknown; pick one of {', '.join(comm.DISPATCHERS)}")
 
     @property
     def loaded(self) -> bool:
@@ -150,6 +158,7 @@ def stage_step(
     kv_bytes: float,
     dtype: str,
     cp_attention: str = "pass-q",
+    dispatcher: str = "shardlm",
 ) -> StepTime:
     cfg, gpu = costs.cfg, cluster.gpu
     n_dense, n_moe = costs.stage_kinds(lay.pp)[stage]
@@ -157,8 +166,7 @@ def stage_step(
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     hidden_msg = tokens * cfg.hidden_size * a_bytes
     ar = comm.all_reduce(hidden_msg, tp_group, cluster)
-    # tokens entering one EP group: its dp replicas' steps (parallel folding) x tp copies / tp
-    moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
+    moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     for n, moe in ((n_dense, False), (n_moe, True)):
         if not n:
             continue
@@ -182,7 +190,7 @@ def stage_step(
         out.attention += n * t_attn
         out.tp_comm += n * 2 * ar
         if moe:
-            out.ep_comm += n * comm.moe_boundary(cfg, cluster, lay, tokens, a_bytes)
+            out.ep_comm += n * comm.moe_boundary(cfg, cluster, lay, tokens, a_bytes, dispatcher)
         if lay.cp > 1 and not decode and cp_attention == "ring":  # K/V hops, overlapped with attention
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a_bytes  # this rank's tokens, heads not expanded
             out.cp_comm += n * max(0.0, (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster) - t_attn)
@@ -246,6 +254,7 @@ def pipeline_time(
             kv_bytes=kv_bytes,
             dtype=dtype,
             cp_attention=wl.cp_attention if whole else "pass-q",
+            dispatcher=wl.dispatcher,
         )
         for s in range(lay.pp)
     ]

@@ -85,6 +85,16 @@ class Layout(ParallelDims):
         """Nodes the slowest ``kind`` group spans (1: inside a node)."""
         return len({r // per_node for r in self.slowest_group(kind, per_node)})
 
+    def moe_tokens(self, tokens: float) -> float:
+        """The tokens whose (token, choice) pairs one ep group computes, for ``tokens`` per tp group,
+        as ``parallel/expert.py`` dispatches them; a rank computes ``moe_tokens x k / ep`` pairs.
+        Inside the tp group (ep x etp divides tp) the group's own tokens. Beyond it each of the ep x
+        etp ranks sends 1/tp of its replica's tokens (ep x etp / tp replicas' worth in all), and each
+        of an expert's etp ranks computes all of their pairs on its share of the rows."""
+        if not experts_span_replicas(self.tp, self.ep, self.etp):
+            return tokens
+        return tokens * self.ep * self.etp / self.tp
+
     def attention_dp(self, moe: bool) -> bool:
         """Attention data-parallel beside expert-parallel MoE layers (SGLang's --enable-dp-attention):
         the experts span dp replicas (ep x etp does not divide tp), each replica attends over its own

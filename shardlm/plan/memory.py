@@ -141,11 +141,9 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
 
 def routed_pairs(cfg, lay: Layout, tokens: float) -> float:
     """The (token, expert) pairs one rank computes for a micro-batch of ``tokens`` per tp group, as
-    ``parallel/expert.py`` dispatches them and the time model counts them (``roofline.layer_work``):
-    with the expert group inside the tp group each rank computes its 1/ep share of every token's
-    choices; beyond it each tp rank sends its 1/tp of the tokens, and an expert's etp ranks share
-    their pairs. Balanced routing (the time model adds the imbalance)."""
-    return tokens * max(1, lay.ep * lay.etp // lay.tp) * cfg.num_experts_per_tok / lay.ep
+    the time model counts them (``Layout.moe_tokens``): inside the tp group 1/ep of every token's
+    choices; beyond it etp/tp of them. Balanced routing."""
+    return lay.moe_tokens(tokens) * cfg.num_experts_per_tok / lay.ep
 
 
 def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:

@@ -4,7 +4,7 @@ Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp 
 x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the TP collectives
 (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of the same volume;
 Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
-(``comm.moe_boundary``: dispatch/combine, once per node under node-limited routing), and the CP KV
+(``comm.moe_boundary``: dispatch/combine, once per node with DeepEP's dispatcher), and the CP KV
 ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
 forward FLOPs and the same communication again; recomputation adds a forward (full) or the
 attention core (selective).
@@ -66,8 +66,13 @@ class TrainWorkload:
     prefetch: int = 1
     """ZeRO-3: decoder layers whose all-gathers are in flight while one computes (``shardlm train
     --prefetch``, default 1 on a GPU); 0 gathers each layer when it is needed."""
+    dispatcher: str = "shardlm"
+    """How MoE tokens cross nodes (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
+    once-per-node dispatch."""
 
     def __post_init__(self) -> None:
+        if self.dispatcher not in comm.DISPATCHERS:
+            raise PlanError(f"--dispatcher {self.dispatcher!r} is unknown; pick one of {', '.join(comm.DISPATCHERS)}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
 
@@ -182,7 +187,7 @@ def _stage(
     cfg, gpu = costs.cfg, cluster.gpu
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
-    moe_tokens = tokens * max(1, lay.ep * lay.etp // lay.tp)
+    moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
@@ -208,7 +213,7 @@ def _stage(
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         tp_c += n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
-            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a)
+            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)

@@ -333,13 +333,23 @@ def test_gpt3_preset_is_korthikantis_layer_and_gpts_size():
 
 
 @pytest.mark.parametrize(
-    ("tp", "ep", "etp", "share"), [(1, 8, 1, 1), (4, 8, 1, 1 / 4), (2, 2, 1, 1 / 2), (4, 8, 2, 1 / 2)]
+    ("tp", "ep", "etp", "share"),
+    [
+        (1, 8, 1, 1),
+        (4, 8, 1, 1 / 4),
+        (2, 2, 1, 1 / 2),
+        (4, 8, 2, 1 / 2),
+        (4, 2, 2, 1 / 2),  # inside the tp group, etp > 1
+        (2, 3, 1, 1 / 2),  # neither divides the other: 1/tp of the tokens, as expert.py sends them
+        (4, 3, 1, 1 / 4),
+        (4, 1, 3, 3 / 4),
+    ],
 )
 def test_routed_activations_count_the_pairs_a_rank_computes(tp, ep, etp, share):
     """A rank keeps the routed experts' activations of the (token, expert) pairs it computes, as the
     time model counts them: with the expert group beyond the tp group each tp rank dispatches 1/tp of
-    the tokens (and an expert's etp ranks share theirs); inside it each rank computes 1/ep of every
-    token's choices. Qwen3-235B-A22B at tp4 pp8 ep8 without recomputation, a layout Megatron-Core
+    the tokens (and each of an expert's etp ranks computes all of theirs on its rows); inside it each
+    rank computes 1/ep of every token's choices. Qwen3-235B-A22B at tp4 pp8 ep8 without recomputation, a layout Megatron-Core
     ran on 80 GB H100s (Megatron-MoE-ModelZoo, best_practice/Qwen3/readme.md: 4,096-token sequences,
     micro-batch 1): every (token, choice) pair on every tp rank counted it at 109 GiB."""
     from shardlm.plan.hardware import Cluster, load_gpu

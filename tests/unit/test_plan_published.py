@@ -62,6 +62,7 @@ class Row:
     fused_attention: bool = True  # Megatron-LM 2021 materialised the scores (no flash attention yet)
     kernels: str = "fused"  # training: every source ran fused norm, activation, rotary and Adam kernels
     flops_per_token: float = 0.0  # "TFLOP/s/GPU" counted as the source counts it (0: Megatron's GPT formula)
+    dispatcher: str = "shardlm"  # MoE: how the source's tokens crossed nodes (plan/comm.py DISPATCHERS)
 
 
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
@@ -210,6 +211,7 @@ ROWS += [
         global_batch=15360,
         seq_len=4096,
         dtype="fp8",
+        dispatcher="deepep",  # a token over IB once per node, at most 4 (§3.2.2), DeepEP's origin
     ),
     # Mixtral 8x7B: "With MCore v0.9, we've achieved remarkable performance of 468 TFLOPS for Mixtral
     # 8X7B bf16 training" (https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/transformer/moe/README.md),
@@ -253,10 +255,11 @@ ROWS += [
             | (dict(schedule="interleaved", virtual=vpp) if vpp > 1 else {}),
             global_batch=2048,
             seq_len=4096,
+            dispatcher="deepep" if "DeepEP" in what else "shardlm",
         )
         for what, tp, pp, vpp, ep, mb, zero, rc, step in (
             ("tp2 pp8 vpp4 ep32 dp16 mb1, norm + act recompute, DeepEP", 2, 8, 4, 32, 1, 1, "selective", 19.7),
-            ("the same + 1F1B all-to-all overlap", 2, 8, 4, 32, 1, 1, "selective", 17.6),
+            ("the same + 1F1B all-to-all overlap (DeepEP)", 2, 8, 4, 32, 1, 1, "selective", 17.6),
             ("tp2 ep8 dp128 FSDP mb4, full recompute, DeepEP", 2, 1, 1, 8, 4, 3, "full", 17.6),
             ("tp2 pp32 vpp3 ep8 dp4 mb1, norm + act recompute, all-to-all", 2, 32, 3, 8, 1, 1, "selective", 24.2),
             ("tp4 pp8 vpp4 ep8 dp8 mb1, DeepEP", 4, 8, 4, 8, 1, 1, "none", 29.0),
@@ -309,8 +312,9 @@ BOUNDS = {
     DSV3: (0.42, 0.42),  # 47% before the traffic was counted
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     MCORE_MOE: (0.17, 0.17),
-    # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md)
-    QWEN3_MCORE: (0.52, 1.03),
+    # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);
+    # 51% / 102% with the DeepEP rows priced as every pair's all-to-all
+    QWEN3_MCORE: (0.48, 1.03),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     SHARDLM_H100: (0.19, 0.33),
 }
@@ -366,11 +370,14 @@ def _predict(row: Row) -> float:
         dtype=row.dtype,
         fused_attention=row.fused_attention,
         kernels=row.kernels,
+        dispatcher=row.dispatcher,
     )
     pins = dict(row.pins)
     try:
         best = plan(PlanRequest(train=True, training=wl, fixed=pins, **common)).best
     except PlanError:  # e.g. no interleaving depth divides the layers: the closest the source allows
+        if "schedule" not in pins:
+            raise
         pins.pop("schedule", None)
         pins.pop("virtual", None)
         best = plan(PlanRequest(train=True, training=wl, fixed=pins, **common)).best
