@@ -25,6 +25,8 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
             return "sequence parallelism with MoE or latent-attention layers"
         if lay.cp > 1 and cfg.is_mla:  # train/trainer.py check_trainable
             return "context parallelism with latent attention"
+        if lay.schedule == "interleaved" and cfg.num_layers % (lay.pp * lay.virtual):  # parallel/schedules.py
+            return f"interleaving {cfg.num_layers} layers in pp x vpp = {lay.pp * lay.virtual} uneven chunks"
         if cfg.family in DEEPSEEK and dtype != "fp32":  # train/trainer.py check_trainable
             return f"{cfg.family} in {dtype}: shardlm trains it in float32 (its router and ZeRO units)"
         parts = [partition_heads(cfg.num_heads, cfg.num_kv_heads, lay.tp, r) for r in range(lay.tp)]

@@ -160,9 +160,10 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
         schedules = [s for s in schedules if s[0] == fixed["schedule"]] or [(fixed["schedule"], 1)]
         if fixed["schedule"] == "interleaved":
             schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers % (lay.pp * v) == 0]
-    if "virtual" in fixed:  # --vpp: the interleaved schedule at that depth only
-        v = fixed["virtual"]
-        schedules = [("interleaved", v)] if lay.pp > 1 and cfg.num_layers % (lay.pp * v) == 0 else []
+    if "virtual" in fixed:  # --vpp: the interleaved schedule at that depth only; pinned, its chunks
+        # may be uneven, some with no decoder layer (an embedding- or loss-only chunk), as Megatron's
+        # --pipeline-model-parallel-layout places them (runnable.py marks what shardlm's trainer refuses)
+        schedules = [("interleaved", fixed["virtual"])] if lay.pp > 1 else []
     sps = (fixed["sp"],) if "sp" in fixed else (True,)
     if lay.tp == 1:
         if fixed.get("sp"):

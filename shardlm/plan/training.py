@@ -125,8 +125,11 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     unit = fwd + bwd + 2 * p2p
     if p == 1:
         pipe = m * unit
-    elif lay.schedule == "interleaved":
-        pipe = m * unit + (p - 1) * (fwd + bwd) / v + 2 * (v - 1) * p2p * m
+    elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes (chunks of a
+        # stage's layers that do not split evenly over v differ by a layer: Megatron's uneven placement)
+        largest = max(sum(kinds) for kinds in costs.stage_kinds(p))
+        chunk = math.ceil(largest / v) / largest
+        pipe = m * unit + (p - 1) * (fwd + bwd) * chunk + 2 * (v - 1) * p2p * m
     elif lay.schedule == "zb-h1" and m >= p:
         b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward
         pipe = m * unit + (p - 1) * (fwd + b_in - b_w + 2 * p2p)

@@ -196,6 +196,13 @@ def test_etp_and_vpp_pin_what_they_name(capsys):
     assert code == 0, err
     layouts = json.loads(out)["layouts"]
     assert layouts and all((d["layout"]["schedule"], d["layout"]["virtual"]) == ("interleaved", 4) for d in layouts)
+    # pinned, chunks may be uneven (32 layers in pp4 x vpp3 = 12 chunks of 2-3), as Megatron places
+    # them: planned, and marked, since shardlm's trainer splits equal chunks only
+    code, out, err = run(train + ["--pp", "4", "--vpp", "3"], capsys)
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    assert layouts and all(d["layout"]["virtual"] == 3 for d in layouts)
+    assert {d["not_runnable"] for d in layouts} == {"interleaving 32 layers in pp x vpp = 12 uneven chunks"}
     # a pinned micro-batch of any size is searched, not only the sizes the search tries by itself
     small = ["--model", "smollm2-135m", "--gpu", "h100-sxm", "--gpus", "1", "--train", "--global-batch", "16", "--json"]
     code, out, err = run(small + ["--micro-batch", "16"], capsys)

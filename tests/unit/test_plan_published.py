@@ -237,9 +237,8 @@ ROWS += [
     # InfiniBand 8x50 GB/s", BF16, SEQ LEN 4096, GBS 2048, each row's TP/EP/PP/VPP/DP/FSDP/MBS and
     # step time; tokens/s per GPU = 2048 x 4096 / (step x 256). Recompute "norm, act" (layernorm and
     # the MoE activation) is pinned as the planner's selective (the attention core and the gated
-    # activation); ETP 1. Interleaving 94 layers over pp8 x vpp4 or pp32 x vpp3 needs uneven chunks,
-    # which the planner's interleaved schedule does not take: those rows fall back to its best
-    # non-interleaved schedule. The "+1f1b overlap" row hides the all-to-all behind another micro-batch's
+    # activation); ETP 1. Interleaving 94 layers over pp8 x vpp4 or pp32 x vpp3 takes uneven chunks
+    # (Megatron's pipeline layouts; a pinned --vpp allows them). The "+1f1b overlap" row hides the all-to-all behind another micro-batch's
     # compute, which the planner does not model (as DualPipe). Qwen3-Next-80B-A3B (linear attention) is
     # not a preset and is left out.
     *(
@@ -313,8 +312,9 @@ BOUNDS = {
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     MCORE_MOE: (0.17, 0.17),
     # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);
-    # 51% / 102% with the DeepEP rows priced as every pair's all-to-all
-    QWEN3_MCORE: (0.48, 1.03),
+    # 51% / 102% with the DeepEP rows priced as every pair's all-to-all; 47% / 102% before uneven
+    # interleaving chunks (the rows fell back to zero-bubble)
+    QWEN3_MCORE: (0.41, 0.88),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     SHARDLM_H100: (0.19, 0.33),
 }
