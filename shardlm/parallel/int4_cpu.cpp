@@ -342,8 +342,8 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gem
   const bool avx2 = simd && has_avx2();
   const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
   // a small layer stays on one thread: at two threads, with the split at 2^18, 2^19 or 2^20
-  // multiply-adds or every layer split, SmolLM2's decode step took the same within the noise;
-  // every layer on one thread took a quarter longer (docs/performance.md)
+  // multiply-adds or every layer split, SmolLM2's decode step took the same within the noise,
+  // and every layer on one thread was slower (docs/performance.md)
   const int64_t grain = M * N * K < (int64_t{1} << 19) ? N : 16;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #ifdef SHARDLM_X86

@@ -14,6 +14,7 @@ import math
 
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.expert import experts_span_replicas
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster, Link
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import node_limit
@@ -124,6 +125,12 @@ shardlm's dispatcher (``parallel/expert.py``) and Megatron's all-to-all send the
 crosses IB once to each node that holds one of its experts, whose GPU of the same in-node index
 forwards it over NVLink to the experts' GPUs, IB and NVLink at once (DeepEP's normal kernels;
 DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.2.2). shardlm runs only the first."""
+
+
+def check_dispatcher(name: str) -> None:
+    """Refuse a dispatcher the model does not know (a workload's ``dispatcher``)."""
+    if name not in DISPATCHERS:
+        raise PlanError(f"--dispatcher {name!r} is unknown; pick one of {', '.join(DISPATCHERS)}")
 
 
 def nodes_reached(top_k: int, nodes: int, max_nodes: int | None) -> float:

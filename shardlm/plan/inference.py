@@ -31,7 +31,6 @@ from dataclasses import dataclass, field, replace
 from shardlm.plan import comm
 from shardlm.plan import constants as C
 from shardlm.plan.disagg import Split, served, split
-from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
@@ -78,8 +77,7 @@ class InferenceWorkload:
     once-per-node dispatch."""
 
     def __post_init__(self) -> None:
-        if self.dispatcher not in comm.DISPATCHERS:
-            raise PlanError(f"--dispatcher {self.dispatcher!r} is unknown; pick one of {', '.join(comm.DISPATCHERS)}")
+        comm.check_dispatcher(self.dispatcher)
 
     @property
     def loaded(self) -> bool:

@@ -71,8 +71,7 @@ class TrainWorkload:
     once-per-node dispatch."""
 
     def __post_init__(self) -> None:
-        if self.dispatcher not in comm.DISPATCHERS:
-            raise PlanError(f"--dispatcher {self.dispatcher!r} is unknown; pick one of {', '.join(comm.DISPATCHERS)}")
+        comm.check_dispatcher(self.dispatcher)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
 
@@ -125,10 +124,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     unit = fwd + bwd + 2 * p2p
     if p == 1:
         pipe = m * unit
-    elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes (chunks of a
-        # stage's layers that do not split evenly over v differ by a layer: Megatron's uneven placement)
-        largest = max(sum(kinds) for kinds in costs.stage_kinds(p))
-        chunk = math.ceil(largest / v) / largest
+    elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes, as a share of
+        # a stage's (p x v chunks of the layers; where they do not split evenly they differ by a layer,
+        # as Megatron places them)
+        chunk = math.ceil(cfg.num_layers / (p * v)) / (cfg.num_layers / p)
         pipe = m * unit + (p - 1) * (fwd + bwd) * chunk + 2 * (v - 1) * p2p * m
     elif lay.schedule == "zb-h1" and m >= p:
         b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward

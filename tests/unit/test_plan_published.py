@@ -254,14 +254,36 @@ ROWS += [
             | (dict(schedule="interleaved", virtual=vpp) if vpp > 1 else {}),
             global_batch=2048,
             seq_len=4096,
-            dispatcher="deepep" if "DeepEP" in what else "shardlm",
+            dispatcher=dispatcher,  # the all-to-all row: every pair, as shardlm's
         )
-        for what, tp, pp, vpp, ep, mb, zero, rc, step in (
-            ("tp2 pp8 vpp4 ep32 dp16 mb1, norm + act recompute, DeepEP", 2, 8, 4, 32, 1, 1, "selective", 19.7),
-            ("the same + 1F1B all-to-all overlap (DeepEP)", 2, 8, 4, 32, 1, 1, "selective", 17.6),
-            ("tp2 ep8 dp128 FSDP mb4, full recompute, DeepEP", 2, 1, 1, 8, 4, 3, "full", 17.6),
-            ("tp2 pp32 vpp3 ep8 dp4 mb1, norm + act recompute, all-to-all", 2, 32, 3, 8, 1, 1, "selective", 24.2),
-            ("tp4 pp8 vpp4 ep8 dp8 mb1, DeepEP", 4, 8, 4, 8, 1, 1, "none", 29.0),
+        for what, tp, pp, vpp, ep, mb, zero, rc, dispatcher, step in (
+            (
+                "tp2 pp8 vpp4 ep32 dp16 mb1, norm + act recompute, DeepEP",
+                2,
+                8,
+                4,
+                32,
+                1,
+                1,
+                "selective",
+                "deepep",
+                19.7,
+            ),
+            ("the same + 1F1B all-to-all overlap (DeepEP)", 2, 8, 4, 32, 1, 1, "selective", "deepep", 17.6),
+            ("tp2 ep8 dp128 FSDP mb4, full recompute, DeepEP", 2, 1, 1, 8, 4, 3, "full", "deepep", 17.6),
+            (
+                "tp2 pp32 vpp3 ep8 dp4 mb1, norm + act recompute, all-to-all",
+                2,
+                32,
+                3,
+                8,
+                1,
+                1,
+                "selective",
+                "shardlm",
+                24.2,
+            ),
+            ("tp4 pp8 vpp4 ep8 dp8 mb1, DeepEP", 4, 8, 4, 8, 1, 1, "none", "deepep", 29.0),
         )
     ),
     # this project's own trainer, eager, bfloat16, one GPU (docs/performance.md, "On a GPU"): SmolLM2-135M's

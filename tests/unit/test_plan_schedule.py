@@ -51,3 +51,25 @@ def test_p2p_latency_lengthens_the_step():
 def test_interleaved_needs_multiple_of_p():
     with pytest.raises(PlanError, match="multiple of 4"):
         simulate("interleaved", stages=4, micro=6, t_f=1, t_b=2, virtual=2)
+
+
+@pytest.mark.parametrize(("virtual", "chunk"), [(2, 1 / 2), (3, 3 / 8), (4, 1 / 4)])
+def test_interleaved_bubble_is_the_largest_chunks(virtual, chunk):
+    """Llama 3 8B's 32 layers over pp4: 8 a stage, in chunks of 4, of 3-3-2 (uneven: a pinned --vpp 3,
+    as Megatron places them) or of 2. The bubble is p - 1 of the largest chunk's forward and
+    backward: 3/8 of a stage's at vpp 3, not 1/3."""
+    from shardlm.plan.catalog import load_model
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.roofline import ModelCosts
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    lay = Layout(tp=1, pp=4, dp=2, schedule="interleaved", virtual=virtual, micro_batch=1, num_micro=8)
+    res = evaluate(costs, Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8), lay,
+                   TrainWorkload(global_batch=16, seq_len=4096))  # fmt: skip
+    m, p = 8, 4
+    unit = res.forward_s + res.backward_s + res.comm_s["pp"] / m
+    pipe = m * unit / (1 - res.bubble_fraction)
+    extra_p2p = (virtual - 1) * res.comm_s["pp"]  # 2 (v - 1) p2p a micro-batch
+    assert (pipe - m * unit - extra_p2p) / ((p - 1) * (res.forward_s + res.backward_s)) == pytest.approx(chunk)
