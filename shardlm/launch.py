@@ -23,6 +23,7 @@ driver's commands as a LocalRanks child does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -91,11 +92,26 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         if (line := _not_joined(str(e), rank)) is None:
             raise
         raise RankFailure(line) from None
+    atexit.register(_end_distributed)
     if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
         here = (socket.gethostname(), _address())
         everyone: list = [None] * world
         dist.all_gather_object(everyone, here)
         HOSTS[:] = everyone
+
+
+def _end_distributed() -> None:
+    """At exit, destroy the process group ``init_distributed`` started, while the interpreter is
+    still whole. Left to interpreter teardown, a gloo group can abort its process there ("terminate
+    called without an active exception": its worker threads still hold tensors whose release needs
+    the interpreter; pytorch issue 190489, PR 179291). Under torchrun that abort, after the work is
+    done, fails a run that succeeded and leaves the other hosts' agents waiting out torchrun's exit
+    barrier (seen in the two-host tests under load). At exit, not when a run ends: a torchrun
+    process may start another run (a second LLM) on the same group, and one started again after
+    being destroyed finds the first one's keys in torchrun's store. Destroying is local: no rank
+    waits for another."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 HOSTS: list[tuple[str, str]] = []
