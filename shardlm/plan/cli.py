@@ -24,7 +24,7 @@ from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.traffic import KERNELS
-from shardlm.plan.training import TrainWorkload
+from shardlm.plan.training import ZERO3_REDUCE, TrainWorkload
 
 TRAIN_ONLY = (
     "global_batch",
@@ -38,6 +38,7 @@ TRAIN_ONLY = (
     "offload",
     "prefetch",
     "kernels",
+    "zero3_reduce",
 )
 INFER_ONLY = (
     "prompt_len",
@@ -208,6 +209,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="whose memory-bound kernels (norms, activations, loss, Adam) move the bytes: shardlm (its eager "
         "trainer's, counted; default) or fused (one read and one write per fused kernel, as Megatron-LM)",
     )
+    t.add_argument(
+        "--zero3-reduce",
+        choices=ZERO3_REDUCE,
+        help="ZeRO-3's gradient reduce-scatters: blocking (each in its layer's backward, as shardlm's trainer; "
+        "default) or overlapped (on their own stream behind the next layers' backward, as FSDP2 and "
+        "Megatron-FSDP: for comparing with such runs, shardlm does not reduce so)",
+    )
     p.add_argument(
         "--dispatcher",
         choices=DISPATCHERS,
@@ -370,6 +378,7 @@ def build_request(args):
             prefetch=1 if args.prefetch is None else args.prefetch,
             kernels=args.kernels or "shardlm",
             dispatcher=args.dispatcher or "shardlm",
+            zero3_reduce=args.zero3_reduce or "blocking",
         )
         return PlanRequest(train=True, training=wl, **common)
 

@@ -42,18 +42,23 @@ _NONE = {"bf16": LayerTraffic(328, 36, 60, 76, 248), "fp32": LayerTraffic(280, 7
 _FULL = {"bf16": LayerTraffic(450, 46, 78, 98, 400), "fp32": LayerTraffic(372, 92, 156, 196, 592)}
 _ENDS = {"bf16": (68, 156, 722.5), "fp32": (56, 124, 530.5)}
 _PER_PARAM = {"bf16": 110, "fp32": 108}
+# routed_pair_traffic(dtype): (forward, backward)
+_PAIR = {"bf16": (36, 117), "fp32": (72, 234)}
 
 KERNELS = ("shardlm", "fused")
 """Whose memory-bound kernels a plan assumes. shardlm: the bytes counted from shardlm's eager
 trainer (above). fused: each of a fused implementation's kernels reads its inputs and writes its
 outputs once, as Megatron-LM's fused layernorm with the residual add, fused rotary, fused
-bias-SwiGLU / GeLU and fused Adam do (the published training rows ran so): per token a layer's
+bias-SwiGLU / GeLU, fused permutation and fused Adam do (the published training rows ran so): per token a layer's
 forward moves 8 hidden-wide tensors (the two norms, each reading the residual and a matmul's
 output and writing the new residual and its normed copy), the rotary query and key in and out, and
 the activation's input and output (SwiGLU: 2 intermediate-wide in, 1 out; GeLU 1 and 1); backward
-about twice that (10 hidden-wide, rotary's gradients, the activation's 5 or 3); the loss reads the
-logits and writes their gradient; Adam reads the float32 gradient, master and both moments and
-writes the three and the 16-bit weight (30 bytes a parameter)."""
+about twice that (10 hidden-wide, rotary's gradients, the activation's 5 or 3); an MoE layer copies
+each routed (token, expert) pair's hidden row into expert order (reading the token's row, writing
+the pair's) and its output back (reading it, adding it into its token's row), and backward the
+same two for the gradients (Megatron's ``--moe-permute-fusion``: 4 hidden-wide a pair each way);
+the loss reads the logits and writes their gradient; Adam reads the float32 gradient, master and
+both moments and writes the three and the 16-bit weight (30 bytes a parameter)."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,14 @@ class Profile:
     """Bytes the memory-bound operators move: per token of a layer (forward, backward), per token
     of the model's ends (per vocabulary entry, per hidden unit, constant: the embedding, final norm,
     LM head and loss), per parameter of the optimizer step (gradient accumulation and norm, AdamW,
-    the copy back to the compute dtype)."""
+    the copy back to the compute dtype), and per hidden unit of each routed (token, expert) pair of
+    an MoE layer (forward, backward: the dispatch's copies into expert order and back)."""
 
     forward: LayerTraffic
     backward: LayerTraffic
     ends: tuple[float, float, float]
     per_param: float
+    pair: tuple[float, float]
 
     def ends_per_token(self, vocab: float, hidden: float) -> float:
         """``vocab``: the rank's rows of the LM head."""
@@ -87,11 +94,12 @@ def profile(kernels: str, dtype: str, gated: bool = True) -> Profile:
             LayerTraffic(10 * a, b_in * a, 2 * a, 2 * a, 0),
             (2 * a, 6 * a, 0),
             30,
+            (4 * a, 4 * a),
         )
     full, none = _FULL[t], _NONE[t]
     fwd = LayerTraffic(*(x - y for x, y in zip(_fields(full), _fields(none))))
     bwd = LayerTraffic(*(x - y for x, y in zip(_fields(none), _fields(fwd))))
-    return Profile(fwd, bwd, _ENDS[t], _PER_PARAM[t])
+    return Profile(fwd, bwd, _ENDS[t], _PER_PARAM[t], _PAIR[t])
 
 
 def _fields(t: LayerTraffic) -> tuple[float, ...]:

@@ -20,8 +20,8 @@ reduce-scatters every micro-batch's instead, Rajbhandari et al. 2019 §7), overl
 up to DP_OVERLAP_FRACTION. ZeRO-3 all-gathers each layer's parameters for every micro-batch's
 forward and backward and reduce-scatters its gradients: per layer, hidden only behind the compute
 of the layer its prefetch runs beside (``zero3_exposed``). The memory-bound operators (norms,
-activations, residuals, casts, the loss, the optimizer step) move the bytes shardlm's trainer was
-counted to move (``traffic``), at the device's streaming rate.
+activations, residuals, casts, an MoE layer's copies of its routed pairs, the loss, the optimizer
+step) move the bytes shardlm's trainer was counted to move (``traffic``), at the device's streaming rate.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
+ZERO3_REDUCE = ("blocking", "overlapped")
+"""How ZeRO-3's gradient reduce-scatters meet backward (``TrainWorkload.zero3_reduce``)."""
 
 FP8_KEEPS_AT = {"fp8": "bf16"}
 """FP8 training runs the linear layers' GEMMs in FP8 and keeps "the embedding module, the output
@@ -69,9 +71,18 @@ class TrainWorkload:
     dispatcher: str = "shardlm"
     """How MoE tokens cross nodes (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
     once-per-node dispatch."""
+    zero3_reduce: str = "blocking"
+    """ZeRO-3's gradient reduce-scatters (``ZERO3_REDUCE``): blocking, each in its layer's backward
+    as shardlm's trainer runs them, or overlapped on their own stream behind the next layers'
+    backward (FSDP2, Megatron-FSDP's ``--overlap-grad-reduce``)."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
+        if self.zero3_reduce not in ZERO3_REDUCE:
+            raise PlanError(
+                f"zero3_reduce={self.zero3_reduce!r} is not one of {', '.join(ZERO3_REDUCE)} (blocking: as "
+                "shardlm's trainer; overlapped: as FSDP2 and Megatron-FSDP)"
+            )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
 
@@ -213,6 +224,10 @@ def _stage(
         widths = _traffic_widths(cfg, rl, lay, moe_tokens / tokens if moe else 0.0)
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
+        if moe:  # the routed pairs this rank's experts compute, each a hidden row copied there and back
+            pair_rows = moe_tokens * cfg.num_experts_per_tok / lay.ep * cfg.hidden_size
+            f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
+            b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
         tp_c += n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher)
@@ -263,12 +278,19 @@ def _with_zero3(
     fwd, bwd, tp_c, ep_c, cp_c = t
     if lay.zero < 3 or lay.dp * lay.cp == 1:
         return fwd, bwd, tp_c, ep_c, cp_c, 0.0
-    e_f, e_b = zero3_exposed(costs, cluster, lay, stage, fwd, bwd, wl.prefetch)
+    e_f, e_b = zero3_exposed(costs, cluster, lay, stage, fwd, bwd, wl.prefetch, wl.zero3_reduce)
     return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, e_f + e_b
 
 
 def zero3_exposed(
-    costs: ModelCosts, cluster: Cluster, lay: Layout, stage: int, fwd: float, bwd: float, prefetch: int
+    costs: ModelCosts,
+    cluster: Cluster,
+    lay: Layout,
+    stage: int,
+    fwd: float,
+    bwd: float,
+    prefetch: int,
+    reduce: str = "blocking",
 ) -> tuple[float, float]:
     """ZeRO-3's communication one micro-batch waits for on ``stage`` (forward, backward), as
     shardlm's trainer runs it (shardlm/train/zero.py; Rajbhandari et al. 2019 §5.3): each decoder
@@ -286,7 +308,13 @@ def zero3_exposed(
     is alike, since one link carries the gathers in turn. With ``prefetch`` 0 all of it waits:
     L G and L (G + R). G and R are one ring over the group (``comm.ring_gather``): the latency
     grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU.
-    G moves the 16-bit weights, R the float32 gradients (``zero.REDUCED_GRAD_BYTES``): twice G's bytes."""
+    G moves the 16-bit weights, R the float32 gradients (``zero.REDUCED_GRAD_BYTES``): twice G's bytes.
+
+    ``reduce`` "overlapped" (FSDP2, Megatron-FSDP): each reduce-scatter runs on its own stream
+    while the layers below compute their backward. The one link then carries a layer's R and the
+    next gather together beside one layer's backward, and only the last R has nothing after it:
+
+        backward = G + (L - 1) max(0, G + R - b) + R    (no prefetch: L G + (L - 1) max(0, R - b) + R)"""
     cfg = costs.cfg
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     # the ranks holding the same expert slices: edp (x cp, whose ranks the planner's groups leave out)
@@ -315,9 +343,13 @@ def zero3_exposed(
     f, b = fwd / layers, bwd / layers
     if prefetch >= 1:
         e_f = g + (layers - 1) * max(0.0, g - f)
-        e_b = g + (layers - 1) * max(0.0, g - b) + layers * r
+        if reduce == "overlapped":
+            e_b = g + (layers - 1) * max(0.0, g + r - b) + r
+        else:
+            e_b = g + (layers - 1) * max(0.0, g - b) + layers * r
     else:
-        e_f, e_b = layers * g, layers * (g + r)
+        e_f = layers * g
+        e_b = layers * g + ((layers - 1) * max(0.0, r - b) + r if reduce == "overlapped" else layers * r)
     return e_f + g_rest, e_b + g_rest + r_rest
 
 

@@ -12,7 +12,9 @@ FLOPs, and views, which move nothing, left out). ``traffic_coefficients`` counts
 Llama models that differ in one dimension at a time and solves for the bytes per token of a decoder
 layer as a function of its widths, of the LM head and loss per vocabulary entry, and of the
 optimizer step per parameter: the planner's ``plan.traffic`` constants, which
-``tests/distributed/test_plan_traffic.py`` holds to this count.
+``tests/distributed/test_plan_traffic.py`` holds to this count. ``routed_pair_traffic`` counts
+what an MoE layer's experts block moves per routed (token, expert) pair and hidden unit, given
+top-1 and top-2 choices at two widths.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ MOVES_NOTHING = frozenset({
 })  # fmt: skip
 """Operators that make views or uninitialised memory: no bytes move."""
 PRICED_BY_FLOPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "scaled_dot_product_attention",
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
@@ -207,3 +209,47 @@ def traffic_coefficients(dtype: str = "bfloat16", recompute: str = "none", seq: 
         "ends": [round(per_vocab, 3), round(per_hidden, 3), round(e0 - per_vocab * v0 - per_hidden * h0, 3)],
         "per_param": round(per_param, 3),
     }
+
+
+def routed_pair_traffic(dtype: str = "bfloat16") -> tuple[int, int]:
+    """Bytes per routed (token, expert) pair and hidden unit that an MoE layer's experts block
+    moves outside its matrix products, (forward, backward): the dispatch's copies of each pair's
+    hidden row into expert order and back, weighted, and their gradients (``parallel/expert.py``,
+    in a trainer's model on one rank). Counted on the block alone with routing given, not chosen:
+    top-1 and top-2 choices over 4 experts that give every expert the same share, at two widths;
+    the difference is one more pair a token, and what is per token, per expert weight or per
+    intermediate unit cancels."""
+    import transformers
+
+    from shardlm.parallel.expert import ExpertParallelSwiGLU
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    tokens, experts, counts = 64, 4, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for hidden in (64, 128):
+            config = transformers.Qwen3MoeConfig(
+                vocab_size=BASE["vocab"],
+                hidden_size=hidden,
+                moe_intermediate_size=32,
+                num_experts=experts,
+                num_experts_per_tok=2,  # (the router is not run: the choices below are given)
+                num_hidden_layers=1,
+                num_attention_heads=BASE["heads"],
+                num_key_value_heads=BASE["kv_heads"],
+            )
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(Path(tmp) / str(hidden))
+            trainer = Trainer(TrainConfig(model=str(Path(tmp) / str(hidden)), device="cpu", dtype=dtype))
+            block = next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
+            for k in (1, 2):
+                ids = (torch.arange(tokens)[:, None] + torch.arange(k)) % experts  # every expert tokens x k / 4
+                weights = torch.full((tokens, k), 1 / k, dtype=trainer.dtype)
+                x = torch.randn(tokens, hidden, dtype=trainer.dtype, requires_grad=True)
+                with TrafficCounter() as forward:
+                    out = block(x, ids, weights)
+                grad = torch.ones_like(out)
+                with TrafficCounter() as backward:
+                    out.backward(grad)
+                counts[hidden, k] = (forward.bytes, backward.bytes)
+    per_pair = lambda i: (counts[128, 2][i] - counts[128, 1][i] - counts[64, 2][i] + counts[64, 1][i]) / (tokens * 64)
+    return round(per_pair(0)), round(per_pair(1))

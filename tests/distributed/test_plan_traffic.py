@@ -24,3 +24,13 @@ def test_traffic_constants_are_the_trainers_count(dtype, table):
     assert [f + b for f, b in zip(fields(planner.forward), fields(planner.backward))] == none["layer"]
     assert list(planner.ends) == none["ends"] == full["ends"]
     assert planner.per_param == round(none["per_param"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,table", [("bfloat16", "bf16"), ("float32", "fp32")])
+def test_routed_pair_traffic_is_the_trainers_count(dtype, table):
+    """An MoE layer's bytes per routed (token, expert) pair and hidden unit, forward and backward,
+    counted again (~2 s a dtype)."""
+    from shardlm.train.measure import routed_pair_traffic
+
+    assert traffic.profile("shardlm", table).pair == routed_pair_traffic(dtype)

@@ -63,6 +63,7 @@ class Row:
     kernels: str = "fused"  # training: every source ran fused norm, activation, rotary and Adam kernels
     flops_per_token: float = 0.0  # "TFLOP/s/GPU" counted as the source counts it (0: Megatron's GPT formula)
     dispatcher: str = "shardlm"  # MoE: how the source's tokens crossed nodes (plan/comm.py DISPATCHERS)
+    zero3_reduce: str = "blocking"  # ZeRO-3: how the source's reduce-scatters met backward (training.ZERO3_REDUCE)
 
 
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
@@ -255,6 +256,7 @@ ROWS += [
             global_batch=2048,
             seq_len=4096,
             dispatcher=dispatcher,  # the all-to-all row: every pair, as shardlm's
+            zero3_reduce="overlapped",  # the Megatron-FSDP row: --overlap-grad-reduce (model_configs/.../Qwen3-235B-A22B.yaml)
         )
         for what, tp, pp, vpp, ep, mb, zero, rc, dispatcher, step in (
             (
@@ -330,13 +332,14 @@ BOUNDS = {
     f"{NIM}, tok/s": (0.22, 0.29),
     # +11% before node-limited routing (a token over IB once per node, at most 4) halved the exposed
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
-    DSV3: (0.42, 0.42),  # 47% before the traffic was counted
+    DSV3: (0.37, 0.37),  # 47% before the traffic was counted; 42% before the routed pairs' copies
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
-    MCORE_MOE: (0.17, 0.17),
+    MCORE_MOE: (0.16, 0.16),  # 17% before the routed pairs' copies (plan/traffic.py)
     # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);
     # 51% / 102% with the DeepEP rows priced as every pair's all-to-all; 47% / 102% before uneven
-    # interleaving chunks (the rows fell back to zero-bubble)
-    QWEN3_MCORE: (0.41, 0.88),
+    # interleaving chunks (the rows fell back to zero-bubble); 41% / 88% before the routed pairs'
+    # copies and the FSDP row's overlapped reduce-scatters (-39% -> -29%)
+    QWEN3_MCORE: (0.34, 0.81),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     SHARDLM_H100: (0.19, 0.33),
 }
@@ -393,6 +396,7 @@ def _predict(row: Row) -> float:
         fused_attention=row.fused_attention,
         kernels=row.kernels,
         dispatcher=row.dispatcher,
+        zero3_reduce=row.zero3_reduce,
     )
     pins = dict(row.pins)
     try:

@@ -1,5 +1,6 @@
 """Planner time model: alpha-beta collectives, roofline decode, limits."""
 
+import dataclasses
 import json
 
 import pytest
@@ -153,3 +154,27 @@ def test_memory_bound_operators_cost_what_their_kernels_move(capsys):
         assert cli.main([*argv, "--kernels", k]) == 0
         rates[k] = json.loads(capsys.readouterr().out)["layouts"][0]["tokens_per_s"]
     assert rates["fused"] > rates["shardlm"]
+
+
+def test_moe_layers_move_their_routed_pairs(monkeypatch):
+    """plan/traffic.py: an MoE layer copies each routed (token, expert) pair its experts compute
+    into expert order and back, forward and backward; the micro-batch's passes grow by exactly those
+    bytes (tokens x k / ep pairs a rank, a hidden row each) at the memory's rate."""
+    from shardlm.plan import traffic
+    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import evaluate as train
+
+    cfg, _ = load_model("mixtral-8x7b")
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=32, gpus_per_node=8)
+    lay = Layout(dp=8, ep=8, pp=4, micro_batch=1, num_micro=1, zero=1)  # 8 MoE layers a stage
+    wl = TrainWorkload(global_batch=8, seq_len=4096, kernels="fused")
+    counted = train(costs, cluster, lay, wl)
+    real = traffic.profile
+    monkeypatch.setattr(traffic, "profile", lambda *a: dataclasses.replace(real(*a), pair=(0.0, 0.0)))
+    without = train(costs, cluster, lay, wl)
+    assert counted.fits
+    rows = cfg.num_layers / lay.pp * lay.moe_tokens(4096) * cfg.num_experts_per_tok / lay.ep * cfg.hidden_size
+    pair = real("fused", "bf16").pair
+    assert pair == (8, 8)  # 4 hidden-wide 16-bit rows a pair each way
+    passes = lambda r: r.forward_s + r.backward_s  # (the LM head's traffic splits as the layers' does)
+    assert passes(counted) - passes(without) == pytest.approx(rows * sum(pair) / cluster.gpu.mem_Bps)

@@ -7,6 +7,7 @@ import pytest
 
 from shardlm.plan import comm, training
 from shardlm.plan.catalog import load_model
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster, load_gpu
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts
@@ -62,6 +63,26 @@ def test_zero3_exposed_per_layer():
     assert res.comm_s["dp"] > 0.5 * res.step_s  # communication-bound, as published (44 TFLOP/s/GPU)
 
 
+def test_zero3_overlapped_reduce_scatters_wait_only_beyond_the_backward_beside_them():
+    """FSDP2 and Megatron-FSDP reduce-scatter on their own stream behind the next layers' backward:
+    per layer the link carries that R and the next gather G beside one layer's backward b, and only
+    the last R has nothing after it. The forward is the blocking form's."""
+    costs, cluster, lay, _ = _gpt3(1536, 1)
+    cfg, layers, dp = costs.cfg, costs.cfg.num_layers, list(range(1536))
+    layer, embed = costs.rank_layer(False, 1).total, costs.vocab_rows(1) * cfg.hidden_size
+    g = comm.ring_gather(layer * PARAM_BYTES, dp, cluster)
+    r = comm.ring_gather(layer * 4, dp, cluster)
+    g_rest, r_rest = (comm.ring_gather(embed * n, dp, cluster) for n in (PARAM_BYTES, 4))
+    for b in (2 * g, 4 * g):  # G + R = 3 G: partly hidden, then wholly
+        args = (costs, cluster, lay, 0, layers * g / 2, layers * b)
+        blocking, overlapped = (training.zero3_exposed(*args, prefetch=1, reduce=x) for x in training.ZERO3_REDUCE)
+        assert overlapped[0] == blocking[0]
+        assert overlapped[1] == pytest.approx(g + (layers - 1) * max(0, g + r - b) + r + g_rest + r_rest)
+        assert overlapped[1] < blocking[1]
+        e_b = training.zero3_exposed(*args, prefetch=0, reduce="overlapped")[1]
+        assert e_b == pytest.approx(layers * g + (layers - 1) * max(0, r - b) + r + g_rest + r_rest)
+
+
 def test_zero3_per_gpu_throughput_falls_as_dp_grows_at_a_fixed_batch():
     """Fixed global batch: each GPU's compute halves as dp doubles while its gathers do not
     (Table 2: 144, 88, 44 TFLOP/s/GPU at 384, 768, 1,536 GPUs); the old model held it flat."""
@@ -85,3 +106,22 @@ def test_prefetch_flag_is_honoured_or_refused(capsys):
     assert "--prefetch -1 must be a whole number of layers >= 0" in capsys.readouterr().err
     assert cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--prefetch", "1"]) == 2
     assert "--prefetch is a training flag" in capsys.readouterr().err
+
+
+def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
+    from shardlm.plan import cli
+
+    base = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--zero", "3", "--json"]
+    base += ["--tp", "1", "--pp", "1", "--global-batch", "256"]  # a layer's backward outlasts its G + R
+    steps = {}
+    for reduce in ("blocking", "overlapped"):
+        assert cli.main([*base, "--zero3-reduce", reduce]) == 0
+        steps[reduce] = json.loads(capsys.readouterr().out)["layouts"][0]["step_s"]
+    assert steps["overlapped"] < 0.9 * steps["blocking"]
+    with pytest.raises(SystemExit):
+        cli.main([*base, "--zero3-reduce", "async"])
+    assert "invalid choice: 'async'" in capsys.readouterr().err
+    assert cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--zero3-reduce", "overlapped"]) == 2
+    assert "--zero3-reduce is a training flag" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="zero3_reduce='async' is not one of blocking, overlapped"):
+        training.TrainWorkload(global_batch=8, seq_len=128, zero3_reduce="async")
