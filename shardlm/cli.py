@@ -173,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    from shardlm.launch import leave
+
+    leave(code)  # a torchrun rank whose group shardlm started ends here, skipping interpreter teardown
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from shardlm.errors import RankFailure, UsageError

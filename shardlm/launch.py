@@ -23,9 +23,9 @@ driver's commands as a LocalRanks child does.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
+import logging
 import os
 import re
 import signal
@@ -92,7 +92,7 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         if (line := _not_joined(str(e), rank)) is None:
             raise
         raise RankFailure(line) from None
-    atexit.register(_end_distributed)
+    STARTED[:] = [True]
     if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
         here = (socket.gethostname(), _address())
         everyone: list = [None] * world
@@ -100,18 +100,25 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         HOSTS[:] = everyone
 
 
-def _end_distributed() -> None:
-    """At exit, destroy the process group ``init_distributed`` started, while the interpreter is
-    still whole. Left to interpreter teardown, a gloo group can abort its process there ("terminate
-    called without an active exception": its worker threads still hold tensors whose release needs
-    the interpreter; pytorch issue 190489, PR 179291). Under torchrun that abort, after the work is
-    done, fails a run that succeeded and leaves the other hosts' agents waiting out torchrun's exit
-    barrier (seen in the two-host tests under load). At exit, not when a run ends: a torchrun
-    process may start another run (a second LLM) on the same group, and one started again after
-    being destroyed finds the first one's keys in torchrun's store. Destroying is local: no rank
-    waits for another."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+STARTED: list[bool] = []
+"""[True] once ``init_distributed`` started this process's group (not a caller's: the test harness's)."""
+
+
+def leave(code: int) -> None:
+    """End a torchrun rank's process now, with ``code``, if shardlm started its process group: flush
+    the output, then ``os._exit``, skipping interpreter teardown, as the ranks LocalRanks starts do.
+    Left to teardown, gloo's worker threads can abort the process there ("terminate called without
+    an active exception": they still hold tensors whose release needs the interpreter; pytorch issue
+    190489). Under torchrun that abort, after a run that succeeded, fails the run and leaves the
+    other hosts' agents waiting out torchrun's exit barrier (300 s): the two-host tests' flake.
+    Destroying the group first does not prevent it while the mesh still holds its subgroups."""
+    if not STARTED or torchrun_env() is None:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 HOSTS: list[tuple[str, str]] = []

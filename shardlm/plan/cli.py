@@ -285,6 +285,10 @@ def build_request(args):
             f"--micro-batch {args.micro_batch} does not divide --global-batch {batch} (each dp replica's share "
             f"is a whole number of micro-batches); pick a divisor of {batch}"
         )
+    zero3_only = [f for f in ("prefetch", "zero3_reduce") if getattr(args, f) is not None]
+    if args.train and args.zero is not None and args.zero < 3 and zero3_only:
+        flag = zero3_only[0].replace("_", "-")
+        raise PlanError(f"--{flag} shapes ZeRO-3's communication, but --zero {args.zero} is pinned; drop one of them")
     if args.train and args.cp_attention == "pass-q":
         raise PlanError("--cp-attention pass-q is an inference attention; with --train pin ring or ulysses")
     if args.objective == "latency" and (args.max_ttft_ms is not None or args.max_tpot_ms is not None):

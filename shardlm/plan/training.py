@@ -314,7 +314,8 @@ def zero3_exposed(
     while the layers below compute their backward. The one link then carries a layer's R and the
     next gather together beside one layer's backward, and only the last R has nothing after it:
 
-        backward = G + (L - 1) max(0, G + R - b) + R    (no prefetch: L G + (L - 1) max(0, R - b) + R)"""
+        backward = G + (L - 1) max(0, G + R - b) + R    (no prefetch: L G + (L - 1) max(0, R - b) + R,
+                                                         each gather at the whole link's rate: optimistic)"""
     cfg = costs.cfg
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
     # the ranks holding the same expert slices: edp (x cp, whose ranks the planner's groups leave out)

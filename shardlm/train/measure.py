@@ -82,7 +82,7 @@ MOVES_NOTHING = frozenset({
 })  # fmt: skip
 """Operators that make views or uninitialised memory: no bytes move."""
 PRICED_BY_FLOPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "scaled_dot_product_attention",
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
@@ -215,24 +215,26 @@ def routed_pair_traffic(dtype: str = "bfloat16") -> tuple[int, int]:
     """Bytes per routed (token, expert) pair and hidden unit that an MoE layer's experts block
     moves outside its matrix products, (forward, backward): the dispatch's copies of each pair's
     hidden row into expert order and back, weighted, and their gradients (``parallel/expert.py``,
-    in a trainer's model on one rank). Counted on the block alone with routing given, not chosen:
-    top-1 and top-2 choices over 4 experts that give every expert the same share, at two widths;
-    the difference is one more pair a token, and what is per token, per expert weight or per
-    intermediate unit cancels."""
+    in a trainer's model on one rank). Counted on the block alone with the choices given, not
+    routed: one and two choices a token, at two widths; the difference is one more pair a token, and
+    what is per token, per expert weight or per intermediate unit cancels. One expert: its loop over
+    a rank's experts indexes the whole pair tensor once per expert (and in backward allocates a
+    whole zero gradient per expert), which this counter charges in full and the planner leaves out;
+    with one expert those are the pairs' own bytes."""
     import transformers
 
     from shardlm.parallel.expert import ExpertParallelSwiGLU
     from shardlm.train.trainer import TrainConfig, Trainer
 
-    tokens, experts, counts = 64, 4, {}
+    tokens, counts = 64, {}
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in (64, 128):
             config = transformers.Qwen3MoeConfig(
                 vocab_size=BASE["vocab"],
                 hidden_size=hidden,
                 moe_intermediate_size=32,
-                num_experts=experts,
-                num_experts_per_tok=2,  # (the router is not run: the choices below are given)
+                num_experts=1,
+                num_experts_per_tok=1,  # (the router is not run: the choices below are given)
                 num_hidden_layers=1,
                 num_attention_heads=BASE["heads"],
                 num_key_value_heads=BASE["kv_heads"],
@@ -242,7 +244,7 @@ def routed_pair_traffic(dtype: str = "bfloat16") -> tuple[int, int]:
             trainer = Trainer(TrainConfig(model=str(Path(tmp) / str(hidden)), device="cpu", dtype=dtype))
             block = next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
             for k in (1, 2):
-                ids = (torch.arange(tokens)[:, None] + torch.arange(k)) % experts  # every expert tokens x k / 4
+                ids = torch.zeros(tokens, k, dtype=torch.long)  # k pairs a token, all to the one expert
                 weights = torch.full((tokens, k), 1 / k, dtype=trainer.dtype)
                 x = torch.randn(tokens, hidden, dtype=trainer.dtype, requires_grad=True)
                 with TrafficCounter() as forward:

@@ -123,5 +123,11 @@ def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
     assert "invalid choice: 'async'" in capsys.readouterr().err
     assert cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--zero3-reduce", "overlapped"]) == 2
     assert "--zero3-reduce is a training flag" in capsys.readouterr().err
+    for flag in (["--zero3-reduce", "overlapped"], ["--prefetch", "0"]):
+        assert (
+            cli.main(["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--zero", "1", *flag])
+            == 2
+        )
+        assert f"{flag[0]} shapes ZeRO-3's communication, but --zero 1 is pinned" in capsys.readouterr().err
     with pytest.raises(PlanError, match="zero3_reduce='async' is not one of blocking, overlapped"):
         training.TrainWorkload(global_batch=8, seq_len=128, zero3_reduce="async")
