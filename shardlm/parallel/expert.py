@@ -237,22 +237,28 @@ class ExpertParallelSwiGLU(nn.Module):
         return out.view_as(ids)
 
     def _experts(self, rows: torch.Tensor, local: torch.Tensor, counted: torch.Tensor | None = None):
-        """rows [pairs, H] through the SwiGLU of their local slot; returns [pairs, H]."""
+        """rows [pairs, H] through the SwiGLU of their local slot; returns [pairs, H]. The pairs are
+        put in slot order once and each slot takes its run as a view (``split``), so a pair's row is
+        copied there and back once however many experts the rank holds; the weights likewise
+        (``unbind``). Indexing each slot's rows out of the whole tensor, or its weights out of the
+        stacked ones, made backward write a whole zero gradient of that tensor per slot: traffic
+        that grew with the square of the experts a rank holds (docs/performance.md)."""
         counts = torch.bincount(local, minlength=len(self.local_experts)) if counted is None else counted
         if self.counts_once:
             self.slot_tokens += counts[: len(self.local_experts)]
-        out = torch.empty_like(rows)
         order = torch.argsort(local, stable=True)
         w13, w2 = self.w13, self.w2
         if self.duplicates > 1 and self._training():
             w13, w2 = _ScaleGrad.apply(w13, 1 / self.duplicates), _ScaleGrad.apply(w2, 1 / self.duplicates)
-        start = 0
-        for s, c in enumerate(counts.tolist()):
-            if c:
-                idx = order[start : start + c]
-                gate, up = linear(rows[idx], w13[s]).chunk(2, dim=-1)  # [c, rows] each
-                out[idx] = linear(F.silu(gate) * up, w2[s])  # [c, H]
-                start += c
+        w13s, w2s = w13.unbind(0), w2.unbind(0)  # one view each (w13[s]'s gradient is a whole w13 per expert)
+        outs = []
+        for s, run in enumerate(rows[order].split(counts.tolist())):
+            if run.shape[0]:
+                gate, up = linear(run, w13s[s]).chunk(2, dim=-1)  # [c, rows] each
+                outs.append(linear(F.silu(gate) * up, w2s[s]))  # [c, H]
+        out = torch.empty_like(rows)
+        if outs:
+            out[order] = torch.cat(outs)
         return out
 
     def _timed(self, fn, *args):

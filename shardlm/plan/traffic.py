@@ -42,8 +42,8 @@ _NONE = {"bf16": LayerTraffic(328, 36, 60, 76, 248), "fp32": LayerTraffic(280, 7
 _FULL = {"bf16": LayerTraffic(450, 46, 78, 98, 400), "fp32": LayerTraffic(372, 92, 156, 196, 592)}
 _ENDS = {"bf16": (68, 156, 722.5), "fp32": (56, 124, 530.5)}
 _PER_PARAM = {"bf16": 110, "fp32": 108}
-# routed_pair_traffic(dtype): (forward, backward), one expert a rank (see there)
-_PAIR = {"bf16": (18, 33), "fp32": (36, 66)}
+# routed_pair_traffic(dtype): (forward, backward), the same at any number of experts a rank
+_PAIR = {"bf16": (22, 28), "fp32": (44, 56)}
 
 KERNELS = ("shardlm", "fused")
 """Whose memory-bound kernels a plan assumes. shardlm: the bytes counted from shardlm's eager

@@ -211,47 +211,50 @@ def traffic_coefficients(dtype: str = "bfloat16", recompute: str = "none", seq: 
     }
 
 
-def routed_pair_traffic(dtype: str = "bfloat16") -> tuple[int, int]:
+def routed_pair_traffic(dtype: str = "bfloat16", experts: int = 4) -> tuple[int, int]:
     """Bytes per routed (token, expert) pair and hidden unit that an MoE layer's experts block
     moves outside its matrix products, (forward, backward): the dispatch's copies of each pair's
     hidden row into expert order and back, weighted, and their gradients (``parallel/expert.py``,
-    in a trainer's model on one rank). Counted on the block alone with the choices given, not
-    routed: one and two choices a token, at two widths; the difference is one more pair a token, and
-    what is per token, per expert weight or per intermediate unit cancels. One expert: its loop over
-    a rank's experts indexes the whole pair tensor once per expert (and in backward allocates a
-    whole zero gradient per expert), which this counter charges in full and the planner leaves out;
-    with one expert those are the pairs' own bytes."""
+    on a rank holding ``experts``). From ``experts_block_traffic`` with one and two choices a token
+    at two widths: the difference is one more pair a token, and what is per token, per expert
+    weight or per intermediate unit cancels."""
+    tokens = 64
+    c = {(h, k): experts_block_traffic(dtype, experts, h, k, tokens) for h in (64, 128) for k in (1, 2)}
+    per_pair = lambda i: (c[128, 2][i] - c[128, 1][i] - c[64, 2][i] + c[64, 1][i]) / (tokens * 64)
+    return round(per_pair(0)), round(per_pair(1))
+
+
+def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens: int = 64) -> tuple[int, int]:
+    """Bytes (forward, backward) of the memory-bound operators of one pass of an MoE layer's experts
+    block (``ExpertParallelSwiGLU`` in a trainer's model on one rank, a random Qwen3-MoE with
+    ``experts`` of width 32) over ``tokens`` tokens of width ``hidden``, each given ``k`` choices
+    round-robin (the router is not run), so every expert computes tokens x k / experts pairs."""
     import transformers
 
     from shardlm.parallel.expert import ExpertParallelSwiGLU
     from shardlm.train.trainer import TrainConfig, Trainer
 
-    tokens, counts = 64, {}
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=BASE["vocab"],
+        hidden_size=hidden,
+        moe_intermediate_size=32,
+        num_experts=experts,
+        num_experts_per_tok=1,
+        num_hidden_layers=1,
+        num_attention_heads=BASE["heads"],
+        num_key_value_heads=BASE["kv_heads"],
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        for hidden in (64, 128):
-            config = transformers.Qwen3MoeConfig(
-                vocab_size=BASE["vocab"],
-                hidden_size=hidden,
-                moe_intermediate_size=32,
-                num_experts=1,
-                num_experts_per_tok=1,  # (the router is not run: the choices below are given)
-                num_hidden_layers=1,
-                num_attention_heads=BASE["heads"],
-                num_key_value_heads=BASE["kv_heads"],
-            )
-            torch.manual_seed(0)
-            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(Path(tmp) / str(hidden))
-            trainer = Trainer(TrainConfig(model=str(Path(tmp) / str(hidden)), device="cpu", dtype=dtype))
-            block = next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
-            for k in (1, 2):
-                ids = torch.zeros(tokens, k, dtype=torch.long)  # k pairs a token, all to the one expert
-                weights = torch.full((tokens, k), 1 / k, dtype=trainer.dtype)
-                x = torch.randn(tokens, hidden, dtype=trainer.dtype, requires_grad=True)
-                with TrafficCounter() as forward:
-                    out = block(x, ids, weights)
-                grad = torch.ones_like(out)
-                with TrafficCounter() as backward:
-                    out.backward(grad)
-                counts[hidden, k] = (forward.bytes, backward.bytes)
-    per_pair = lambda i: (counts[128, 2][i] - counts[128, 1][i] - counts[64, 2][i] + counts[64, 1][i]) / (tokens * 64)
-    return round(per_pair(0)), round(per_pair(1))
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        trainer = Trainer(TrainConfig(model=tmp, device="cpu", dtype=dtype))
+    block = next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
+    ids = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
+    weights = torch.full((tokens, k), 1 / k, dtype=trainer.dtype)
+    x = torch.randn(tokens, hidden, dtype=trainer.dtype, requires_grad=True)
+    with TrafficCounter() as forward:
+        out = block(x, ids, weights)
+    grad = torch.ones_like(out)
+    with TrafficCounter() as backward:
+        out.backward(grad)  # the weights' gradients made anew (a fresh model)
+    return forward.bytes, backward.bytes

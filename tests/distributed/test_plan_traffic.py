@@ -30,7 +30,21 @@ def test_traffic_constants_are_the_trainers_count(dtype, table):
 @pytest.mark.parametrize("dtype,table", [("bfloat16", "bf16"), ("float32", "fp32")])
 def test_routed_pair_traffic_is_the_trainers_count(dtype, table):
     """An MoE layer's bytes per routed (token, expert) pair and hidden unit, forward and backward,
-    counted again (~2 s a dtype)."""
+    counted again (~4 s a dtype), the same whether a rank holds one expert or eight: each pair's row
+    is copied into expert order and back once (``_experts`` splits the sorted pairs; indexing each
+    expert's rows out of the whole tensor moved 2.3x these bytes at 4 experts, 4.3x at 8)."""
     from shardlm.train.measure import routed_pair_traffic
 
-    assert traffic.profile("shardlm", table).pair == routed_pair_traffic(dtype)
+    assert traffic.profile("shardlm", table).pair == routed_pair_traffic(dtype, 1) == routed_pair_traffic(dtype, 8)
+
+
+def test_a_ranks_experts_cost_their_weights_once_each():
+    """An expert's weights are a view of the stacked ones (``unbind``): backward writes each weight
+    gradient once, so the block's bytes grow with the experts a rank holds by their weights alone.
+    Indexed per expert (``w13[s]``), each expert's gradient was a whole zero w13: bytes that grew
+    with the square of the experts."""
+    from shardlm.train.measure import experts_block_traffic
+
+    backward = {e: experts_block_traffic("float32", e, hidden=64, k=1)[1] for e in (1, 4, 8)}
+    grown = {e: backward[e] - backward[1] for e in (4, 8)}
+    assert grown[8] / grown[4] == pytest.approx(7 / 3, rel=0.05)  # linear in the experts (squared: 63 / 15)
