@@ -2,7 +2,8 @@
 experts a rank, the same pairs and FLOPs each, against one expert (the ideal: the same GEMM work
 with nothing per expert but its weights).
 
-The block is ``ExpertParallelSwiGLU`` from a trainer's model (a random Qwen3-MoE, one rank, float32):
+The block is ``ExpertParallelSwiGLU`` from a trainer's model (``measure.experts_block``: a random
+Qwen3-MoE, one rank, float32):
 2,048 tokens, each sent to 2 experts given round-robin (4,096 pairs), hidden 1024, expert width 256:
 every row computes the same FLOPs, and only the weights (and their gradients) grow with the experts,
 3 MiB an expert. Timed in turns,
@@ -22,33 +23,15 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from shardlm.parallel.expert import ExpertParallelSwiGLU
-from shardlm.train.trainer import TrainConfig, Trainer
+from shardlm.train.measure import experts_block, round_robin
 
 TOKENS, K, HIDDEN, WIDTH = 2048, 2, 1024, 256
 
 
-def block(directory: Path, experts: int) -> ExpertParallelSwiGLU:
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=HIDDEN,
-        moe_intermediate_size=WIDTH,
-        num_experts=experts,
-        num_experts_per_tok=1,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    trainer = Trainer(TrainConfig(model=str(directory), device="cpu", dtype="float32"))
-    return next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
-
-
 def step_s(b: ExpertParallelSwiGLU, experts: int) -> float:
-    ids = (torch.arange(TOKENS)[:, None] * K + torch.arange(K)) % experts
+    ids = round_robin(TOKENS, K, experts)
     weights = torch.full((TOKENS, K), 1 / K)
     x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
     b.zero_grad(set_to_none=True)
@@ -65,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     counts = (1, 8, 32)
     with tempfile.TemporaryDirectory() as tmp:
-        blocks = {e: block(Path(tmp) / str(e), e) for e in counts}
+        blocks = {e: experts_block(str(Path(tmp) / str(e)), "float32", e, HIDDEN, WIDTH) for e in counts}
         times: dict[int, list[float]] = {e: [] for e in counts}
         for e in counts:  # warm-up
             step_s(blocks[e], e)

@@ -73,6 +73,7 @@ def cpu_threads(local_world: int) -> int:
 def init_distributed(rank: int, world: int, init_method: str | None, device_type: str, timeout_s: float) -> None:
     """Join the world's process group, unless this process already belongs to one (a caller that
     started it, as the test harness does); ``init_method`` None means torch's default (env://)."""
+    global _started
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
@@ -92,7 +93,7 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         if (line := _not_joined(str(e), rank)) is None:
             raise
         raise RankFailure(line) from None
-    STARTED[:] = [True]
+    _started = True
     if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
         here = (socket.gethostname(), _address())
         everyone: list = [None] * world
@@ -100,19 +101,19 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
         HOSTS[:] = everyone
 
 
-STARTED: list[bool] = []
-"""[True] once ``init_distributed`` started this process's group (not a caller's: the test harness's)."""
+_started = False  # init_distributed started this process's group (not a caller's: the test harness's)
 
 
 def leave(code: int) -> None:
-    """End a torchrun rank's process now, with ``code``, if shardlm started its process group: flush
-    the output, then ``os._exit``, skipping interpreter teardown, as the ranks LocalRanks starts do.
+    """End a torchrun rank's process now, with ``code``, if shardlm started its process group (a
+    process the CLI runs starts one only as a torchrun rank; LocalRanks' ranks leave by ``_rank_main``):
+    flush the output, then ``os._exit``, skipping interpreter teardown, as those ranks do.
     Left to teardown, gloo's worker threads can abort the process there ("terminate called without
     an active exception": they still hold tensors whose release needs the interpreter; pytorch issue
     190489). Under torchrun that abort, after a run that succeeded, fails the run and leaves the
     other hosts' agents waiting out torchrun's exit barrier (300 s): the two-host tests' flake.
     Destroying the group first does not prevent it while the mesh still holds its subgroups."""
-    if not STARTED or torchrun_env() is None:
+    if not _started:
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -224,11 +224,9 @@ def routed_pair_traffic(dtype: str = "bfloat16", experts: int = 4) -> tuple[int,
     return round(per_pair(0)), round(per_pair(1))
 
 
-def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens: int = 64) -> tuple[int, int]:
-    """Bytes (forward, backward) of the memory-bound operators of one pass of an MoE layer's experts
-    block (``ExpertParallelSwiGLU`` in a trainer's model on one rank, a random Qwen3-MoE with
-    ``experts`` of width 32) over ``tokens`` tokens of width ``hidden``, each given ``k`` choices
-    round-robin (the router is not run), so every expert computes tokens x k / experts pairs."""
+def experts_block(directory: str, dtype: str, experts: int, hidden: int, width: int = 32):
+    """The experts block (``ExpertParallelSwiGLU``) of a trainer's model on one rank: a random
+    one-layer Qwen3-MoE with ``experts`` of ``width``, saved into ``directory``."""
     import transformers
 
     from shardlm.parallel.expert import ExpertParallelSwiGLU
@@ -237,23 +235,33 @@ def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens:
     config = transformers.Qwen3MoeConfig(
         vocab_size=BASE["vocab"],
         hidden_size=hidden,
-        moe_intermediate_size=32,
+        moe_intermediate_size=width,
         num_experts=experts,
-        num_experts_per_tok=1,
+        num_experts_per_tok=1,  # (callers give the choices: the router is not run)
         num_hidden_layers=1,
         num_attention_heads=BASE["heads"],
         num_key_value_heads=BASE["kv_heads"],
     )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    trainer = Trainer(TrainConfig(model=directory, device="cpu", dtype=dtype))
+    return next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
+
+
+def round_robin(tokens: int, k: int, experts: int) -> torch.Tensor:
+    """[tokens, k] expert choices, every expert tokens x k / experts of them."""
+    return (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
+
+
+def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens: int = 64) -> tuple[int, int]:
+    """Bytes (forward, backward) of the memory-bound operators of one pass of ``experts_block``
+    over ``tokens`` tokens of width ``hidden``, each given ``k`` choices (``round_robin``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        trainer = Trainer(TrainConfig(model=tmp, device="cpu", dtype=dtype))
-    block = next(m for m in trainer.model.modules() if isinstance(m, ExpertParallelSwiGLU))
-    ids = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
-    weights = torch.full((tokens, k), 1 / k, dtype=trainer.dtype)
-    x = torch.randn(tokens, hidden, dtype=trainer.dtype, requires_grad=True)
+        block = experts_block(tmp, dtype, experts, hidden)
+    dt = block.w13.dtype
+    x = torch.randn(tokens, hidden, dtype=dt, requires_grad=True)
     with TrafficCounter() as forward:
-        out = block(x, ids, weights)
+        out = block(x, round_robin(tokens, k, experts), torch.full((tokens, k), 1 / k, dtype=dt))
     grad = torch.ones_like(out)
     with TrafficCounter() as backward:
         out.backward(grad)  # the weights' gradients made anew (a fresh model)
