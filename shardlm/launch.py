@@ -23,8 +23,10 @@ driver's commands as a LocalRanks child does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import re
@@ -35,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, Pipe, wait
@@ -94,6 +97,7 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
             raise
         raise RankFailure(line) from None
     _started = True
+    atexit.register(_end_group)
     if torchrun_env() is not None and world > 1:  # ranks on other hosts: learn which host holds which rank
         here = (socket.gethostname(), _address())
         everyone: list = [None] * world
@@ -102,17 +106,42 @@ def init_distributed(rank: int, world: int, init_method: str | None, device_type
 
 
 _started = False  # init_distributed started this process's group (not a caller's: the test harness's)
+_holders: weakref.WeakSet = weakref.WeakSet()  # what holds that group's mesh: closed at exit (_end_group)
+
+
+def holds_group(holder) -> None:
+    """Have ``holder.close()`` let go of its model and mesh when the process ends, before the group
+    shardlm started is destroyed (``_end_group``); an LLM or Trainer built under torchrun."""
+    if _started:
+        _holders.add(holder)
+
+
+def _end_group() -> None:
+    """At exit, while the interpreter is whole, end the process group shardlm started: close what
+    holds its mesh, destroy the group (its subgroups too) and collect them, so that every gloo
+    worker thread is joined here, not at interpreter teardown.
+
+    Left to teardown, a worker that is late to drop a finished collective's tensors (under load)
+    frees them after the interpreter began finalizing; a tensor whose Python object it outlived
+    takes the GIL to free it, which ends the thread there and aborts the process ("terminate called
+    without an active exception"; a core dump shows ``~AsyncAllgatherWork`` in gloo's ``runLoop``;
+    pytorch issue 190489). Under torchrun that fails a run that succeeded (the two-host tests' flake).
+    After an uncaught exception the group is left as it is: a collective still waiting on a lost
+    peer would hold its destruction until the timeout."""
+    if hasattr(sys, "last_value") or not dist.is_initialized():
+        return
+    for holder in list(_holders):
+        holder.close()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def leave(code: int) -> None:
     """End a torchrun rank's process now, with ``code``, if shardlm started its process group (a
     process the CLI runs starts one only as a torchrun rank; LocalRanks' ranks leave by ``_rank_main``):
-    flush the output, then ``os._exit``, skipping interpreter teardown, as those ranks do.
-    Left to teardown, gloo's worker threads can abort the process there ("terminate called without
-    an active exception": they still hold tensors whose release needs the interpreter; pytorch issue
-    190489). Under torchrun that abort, after a run that succeeded, fails the run and leaves the
-    other hosts' agents waiting out torchrun's exit barrier (300 s): the two-host tests' flake.
-    Destroying the group first does not prevent it while the mesh still holds its subgroups."""
+    flush the output, then ``os._exit``, skipping exit handlers and interpreter teardown, as those
+    ranks do: a lost peer cannot hold the exit up (``_end_group`` is for processes the CLI does
+    not own: a user's script that builds an LLM under torchrun)."""
     if not _started:
         return
     logging.shutdown()

@@ -24,7 +24,7 @@ from shardlm.engine.structured import check_grammar
 from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
 from shardlm.errors import UsageError
-from shardlm.launch import JoinedRanks, LocalRanks, resolve_device, torchrun_env
+from shardlm.launch import JoinedRanks, LocalRanks, holds_group, resolve_device, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
 from shardlm.models.moe import check_expert_layout
 from shardlm.parallel.data import gather_replicas
@@ -259,6 +259,7 @@ class LLM(EngineFront):
                 init_method="env://" if env else None,
             )
             infos = [self.worker.ready_info()]
+            holds_group(self)
         self.load_s = time.perf_counter() - start
         self._took_ready(infos)
         stages = sorted(
@@ -411,7 +412,8 @@ class LLM(EngineFront):
 
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once
-            assert self.worker is not None
+            if self.worker is None:
+                raise UsageError("this LLM is closed (close() or the end of its with block); build another")
             mine = self.worker.generate(requests, on_token)
             per_replica = gather_replicas(mine, self.worker.dims)
             self.last_rank_stats = [mine[1]]
@@ -435,9 +437,11 @@ class LLM(EngineFront):
         return [done[i] for i in range(len(requests))]
 
     def close(self) -> None:
+        """Stop the ranks this LLM started, or let go of this process's model and mesh."""
         if self._ranks is not None:
             self._ranks.close()
             self._ranks = None
+        self.worker = None
 
     def __enter__(self):
         return self

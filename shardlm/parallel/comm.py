@@ -12,6 +12,7 @@ one-rank group and reads "forward: X; backward: Y", where Y is the adjoint of X.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -111,7 +112,7 @@ def prepare_compile(groups: Iterable[ProcessGroup]) -> None:
         _region_opaque = True
 
 
-_COMPILED_GROUPS: dict[str, ProcessGroup] = {}
+_COMPILED_GROUPS: weakref.WeakValueDictionary[str, ProcessGroup] = weakref.WeakValueDictionary()  # held by their mesh
 _region_opaque = False  # whether _region is wrapped in torch.compiler.disable yet
 
 

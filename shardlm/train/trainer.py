@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from shardlm.errors import UsageError
-from shardlm.launch import cpu_threads, init_distributed, resolve_device, torchrun_env
+from shardlm.launch import cpu_threads, holds_group, init_distributed, resolve_device, torchrun_env
 from shardlm.models.attention import causal_metadata
 from shardlm.models.config import DEEPSEEK
 from shardlm.models.loader import load_model, open_checkpoint
@@ -441,6 +441,12 @@ class Trainer:
         """The most micro-batch chunks whose activations this rank held at once in the last step."""
         self.steps = 0  # steps taken (counting those of a loaded state, and float16's skipped ones)
         self.scaler = LossScaler(config.loss_scale) if self.dtype_name == "float16" else None
+        holds_group(self)
+
+    def close(self) -> None:
+        """Let go of the model, its optimizer state and the mesh (their process groups with them):
+        the trainer cannot step after this. Called at exit under a group shardlm started."""
+        vars(self).clear()
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:

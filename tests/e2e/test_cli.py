@@ -227,3 +227,44 @@ def test_a_torchrun_rank_leaves_without_interpreter_teardown(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads(line)["step"] for line in r.stdout.splitlines()] == [1]  # flushed before leaving
     assert "interpreter teardown" not in r.stderr, r.stderr[-3000:]
+
+
+# every torchrun rank runs it: an LLM and a Trainer left open, as a user's script may leave them; an
+# exit handler registered first (so run last) reports the process's threads against those before
+_ENDS = """
+import atexit, os, sys
+import torch
+from shardlm import LLM, SamplingParams
+from shardlm.train.trainer import Trainer, TrainConfig
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+report = open(os.path.join(sys.argv[2], os.environ["RANK"]), "w")
+atexit.register(lambda: report.write(f"threads {before} {threads()}\\n"))
+llm = LLM(sys.argv[1], dp=2, threads=1)
+tokens = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+trainer = Trainer(TrainConfig.of(model=sys.argv[1], dp=2, zero=3, threads=1), rank=int(os.environ["RANK"]),
+                  world=2, init_method="env://")
+trainer.step(torch.randint(0, 200, (2, 8)))
+report.write(f"tokens {len(tokens)}\\n")
+"""
+
+
+@pytest.mark.slow
+def test_a_users_torchrun_script_ends_the_group_shardlm_started_before_teardown(tiny, tmp_path):
+    """A user's script under torchrun (not the CLI, which leaves by os._exit) ends through
+    interpreter teardown; a gloo worker still freeing a collective's tensors there aborts the process
+    ("terminate called without an active exception"; the two-host MoE test's failure in CI). So at
+    exit shardlm closes what holds the mesh of the group it started (an LLM, a Trainer, left open
+    here) and destroys the group: every gloo thread is joined before teardown. Without that, 27
+    more threads than before the LLM were still running at exit; with the group destroyed but the
+    LLM and Trainer still holding their meshes, 24."""
+    script = tmp_path / "ends.py"
+    script.write_text(_ENDS)
+    run = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script), str(tiny("llama").path)]
+    r = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in ("0", "1"):
+        tokens, threads = (tmp_path / rank).read_text().splitlines()
+        assert tokens == "tokens 3"
+        before, at_exit = threads.split()[1:]
+        assert at_exit == before, f"rank {rank}: {before} threads before the LLM, {at_exit} at exit"
