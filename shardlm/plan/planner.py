@@ -13,7 +13,7 @@ from shardlm.plan.explain import compare, departures, explain, rerank
 from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
 from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
-from shardlm.plan.runnable import not_runnable
+from shardlm.plan.runnable import not_as_modelled, not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
 from shardlm.plan.training import TrainWorkload
 
@@ -79,12 +79,15 @@ class Plan:
         return departures(res, self.context)
 
     def not_runnable(self, res) -> str | None:
-        """Why shardlm cannot run this result's layout yet (None: it can; ``runnable.py``)."""
+        """Why shardlm cannot run this result's layout yet, or not as the workload models it (None:
+        it can; ``runnable.py``)."""
         req = self.request
         work = req.training if req.train else req.inference
         assert work is not None  # a request carries the workload it plans
         split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
-        return not_runnable(self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split)
+        return not_runnable(
+            self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split
+        ) or not_as_modelled(self.cfg, res.layout, work, train=req.train)
 
     def runnable_note(self) -> list[str]:
         """Lines for the explanation when the pick is not one shardlm runs yet."""

@@ -40,6 +40,19 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
     return split_refused(cfg, lay) if prefill_replicas else None
 
 
+def not_as_modelled(cfg, lay: Layout, work, *, train: bool) -> str | None:
+    """Why shardlm would not run ``lay`` as ``work`` models it (None: it would): a peer's mechanism
+    pinned to compare with a published run (``--zero3-reduce overlapped``, ``--dispatcher deepep``,
+    ``--kernels fused``), which shardlm's trainer and engine do not have."""
+    if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
+        return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped): shardlm's blocks backward"
+    if cfg.is_moe and lay.ep > 1 and work.dispatcher == "deepep":  # parallel/expert.py
+        return "DeepEP's once-per-node dispatch (--dispatcher deepep): shardlm sends every (token, expert) pair"
+    if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes
+        return "fused memory-bound kernels (--kernels fused): shardlm's trainer runs eager ones"
+    return None
+
+
 def split_refused(cfg, lay: Layout) -> str | None:
     """Why shardlm's engine will not split ``lay``'s replicas into prefill and decode pools (None: it will)."""
     if lay.cp > 1:  # engine/config.py _check_cp

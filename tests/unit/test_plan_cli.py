@@ -334,6 +334,27 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
     assert code == 0 and "* not runnable by shardlm yet: fp8 weights and GEMMs" in out, err
 
 
+def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
+    """--zero3-reduce overlapped, --dispatcher deepep and --kernels fused price a published run's
+    mechanism, which shardlm's trainer and engine lack: each layout it applies to is marked with
+    the flag (ZeRO-3 layouts; MoE layouts with ep > 1; every training layout), the others are not."""
+
+    def reasons(argv):
+        code, out, err = run([*argv, "--json"], capsys)
+        assert code == 0, err
+        return [(d["layout"], d["not_runnable"]) for d in json.loads(out)["layouts"]]
+
+    llama = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--train"]
+    assert not any(why for _, why in reasons([*llama, "--zero", "3"]))
+    marked = reasons([*llama, "--zero", "3", "--zero3-reduce", "overlapped"])
+    assert marked and all("--zero3-reduce overlapped" in why for _, why in marked)
+    assert all("--kernels fused" in why for _, why in reasons([*llama, "--kernels", "fused"]))
+    mixtral = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--dispatcher", "deepep"]
+    marked = reasons(mixtral)
+    assert marked and all(lay["ep"] > 1 and "--dispatcher deepep" in why for lay, why in marked)
+    assert not any(why for _, why in reasons([*mixtral, "--ep", "1"]))
+
+
 def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
     """Rows by op and size; bus bandwidth = algorithm bandwidth x nccl-tests' factor; inside one
     node a large all-reduce's bus bandwidth approaches the NVLink figure the model uses."""
