@@ -107,12 +107,16 @@ def prepare_compile(groups: Iterable[ProcessGroup]) -> None:
     global _region, _region_opaque
     for group in groups:
         _COMPILED_GROUPS[group.group_name] = group
+        _COMPILED_NAMES.add(group.group_name)
     if not _region_opaque:
         _region = torch.compiler.disable(_region)
         _region_opaque = True
 
 
-_COMPILED_GROUPS: weakref.WeakValueDictionary[str, ProcessGroup] = weakref.WeakValueDictionary()  # held by their mesh
+# by name, for the ops; weakly, so that a closed LLM's groups can end (launch._end_group); the names
+# apart, a set dynamo can read while it traces (it cannot trace a WeakValueDictionary)
+_COMPILED_GROUPS: weakref.WeakValueDictionary[str, ProcessGroup] = weakref.WeakValueDictionary()
+_COMPILED_NAMES: set[str] = set()
 _region_opaque = False  # whether _region is wrapped in torch.compiler.disable yet
 
 
@@ -122,7 +126,7 @@ def _in_graph(group) -> bool:
         torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
         and group is not None
-        and group.group_name in _COMPILED_GROUPS
+        and group.group_name in _COMPILED_NAMES
     )
 
 
