@@ -127,12 +127,15 @@ def _end_group() -> None:
     without an active exception"; a core dump shows ``~AsyncAllgatherWork`` in gloo's ``runLoop``;
     pytorch issue 190489). Under torchrun that fails a run that succeeded (the two-host tests' flake).
     After an uncaught exception the group is left as it is: a collective still waiting on a lost
-    peer would hold its destruction until the timeout."""
-    if hasattr(sys, "last_value") or not dist.is_initialized():
+    peer would hold its destruction until the timeout. A script that destroyed the group itself
+    still has its holders closed and collected: they hold the subgroups."""
+    if hasattr(sys, "last_value") or getattr(sys, "last_exc", None) is not None:
         return
     for holder in list(_holders):
-        holder.close()
-    dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            holder.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     gc.collect()
 
 

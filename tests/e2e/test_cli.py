@@ -246,22 +246,26 @@ trainer = Trainer(TrainConfig.of(model=sys.argv[1], dp=2, zero=3, threads=1), ra
                   world=2, init_method="env://")
 trainer.step(torch.randint(0, 200, (2, 8)))
 report.write(f"tokens {len(tokens)}\\n")
+if sys.argv[3] == "destroys":  # as torch's docs tell a script to end
+    torch.distributed.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_a_users_torchrun_script_ends_the_group_shardlm_started_before_teardown(tiny, tmp_path):
+@pytest.mark.parametrize("ending", ["leaves", "destroys"])
+def test_a_users_torchrun_script_ends_the_group_shardlm_started_before_teardown(tiny, tmp_path, ending):
     """A user's script under torchrun (not the CLI, which leaves by os._exit) ends through
     interpreter teardown; a gloo worker still freeing a collective's tensors there aborts the process
     ("terminate called without an active exception"; the two-host MoE test's failure in CI). So at
     exit shardlm closes what holds the mesh of the group it started (an LLM, a Trainer, left open
     here) and destroys the group: every gloo thread is joined before teardown. Without that, 27
     more threads than before the LLM were still running at exit; with the group destroyed but the
-    LLM and Trainer still holding their meshes, 24."""
+    LLM and Trainer still holding their meshes, 24; with the script destroying the group itself
+    (``destroys``) and the holders not closed, 24 too."""
     script = tmp_path / "ends.py"
     script.write_text(_ENDS)
     run = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script), str(tiny("llama").path)]
-    r = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*run, str(tmp_path), ending], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in ("0", "1"):
         tokens, threads = (tmp_path / rank).read_text().splitlines()
