@@ -113,8 +113,9 @@ def prepare_compile(groups: Iterable[ProcessGroup]) -> None:
         _region_opaque = True
 
 
-# by name, for the ops; weakly, so that a closed LLM's groups can end (launch._end_group); the names
-# apart, a set dynamo can read while it traces (it cannot trace a WeakValueDictionary)
+# by name, for the ops; weakly, so that they end at exit once their LLM is closed and the world group
+# destroyed (launch._end_group); the names apart, a set dynamo can read while it traces (it cannot
+# trace a WeakValueDictionary)
 _COMPILED_GROUPS: weakref.WeakValueDictionary[str, ProcessGroup] = weakref.WeakValueDictionary()
 _COMPILED_NAMES: set[str] = set()
 _region_opaque = False  # whether _region is wrapped in torch.compiler.disable yet

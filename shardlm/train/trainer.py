@@ -444,8 +444,9 @@ class Trainer:
         holds_group(self)
 
     def close(self) -> None:
-        """Let go of the model, its optimizer state and the mesh (their process groups with them):
-        the trainer cannot step after this. Called at exit under a group shardlm started."""
+        """Let go of the model, its optimizer state and the mesh: the trainer cannot step after this.
+        Called at exit under a group shardlm started, before it destroys the group (its subgroups
+        end there, torch's registry holding them until then)."""
         vars(self).clear()
 
     @classmethod
