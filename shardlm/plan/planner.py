@@ -87,7 +87,7 @@ class Plan:
         split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
         return not_runnable(
             self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split
-        ) or not_as_modelled(self.cfg, res.layout, work, train=req.train)
+        ) or not_as_modelled(self.cfg, res.layout, work, train=req.train, cluster=self.cluster)
 
     def runnable_note(self) -> list[str]:
         """Lines for the explanation when the pick is not one shardlm runs yet."""

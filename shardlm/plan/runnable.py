@@ -12,6 +12,7 @@ import itertools
 from shardlm.models.config import DEEPSEEK, RUNTIME_FAMILIES
 from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.tensor import partition_heads
+from shardlm.plan.comm import moe_boundary
 from shardlm.plan.layout import Layout
 
 
@@ -40,17 +41,23 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
     return split_refused(cfg, lay) if prefill_replicas else None
 
 
-def not_as_modelled(cfg, lay: Layout, work, *, train: bool) -> str | None:
+def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | None:
     """Why shardlm would not run ``lay`` as ``work`` models it (None: it would): a peer's mechanism
     pinned to compare with a published run (``--zero3-reduce overlapped``, ``--dispatcher deepep``,
     ``--kernels fused``), which shardlm's trainer and engine do not have."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped): shardlm's blocks backward"
-    if cfg.is_moe and lay.ep > 1 and work.dispatcher == "deepep":  # parallel/expert.py
+    if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
         return "DeepEP's once-per-node dispatch (--dispatcher deepep): shardlm sends every (token, expert) pair"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes
         return "fused memory-bound kernels (--kernels fused): shardlm's trainer runs eager ones"
     return None
+
+
+def dispatch_priced_apart(cfg, lay: Layout, cluster) -> bool:
+    """Whether DeepEP's dispatch prices this layout's token trip apart from shardlm's (tokens that
+    leave their node): derived from ``comm.moe_boundary`` itself, at any token count."""
+    return moe_boundary(cfg, cluster, lay, 1.0, 2.0, "deepep") != moe_boundary(cfg, cluster, lay, 1.0, 2.0)
 
 
 def split_refused(cfg, lay: Layout) -> str | None:

@@ -350,9 +350,11 @@ def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
     assert marked and all("--zero3-reduce overlapped" in why for _, why in marked)
     assert all("--kernels fused" in why for _, why in reasons([*llama, "--kernels", "fused"]))
     mixtral = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm", "--gpus", "16", "--dispatcher", "deepep"]
-    marked = reasons(mixtral)
-    assert marked and all(lay["ep"] > 1 and "--dispatcher deepep" in why for lay, why in marked)
+    marked = reasons([*mixtral, "--gpus-per-node", "4", "--ep", "8"])  # every ep group across two nodes
+    assert marked and all(why is not None and "--dispatcher deepep" in why for _, why in marked)
     assert not any(why for _, why in reasons([*mixtral, "--ep", "1"]))
+    one_node = reasons([*mixtral[:5], "8", *mixtral[6:]])  # ep inside a node: DeepEP prices it alike
+    assert any(lay["ep"] > 1 for lay, _ in one_node) and not any(why for _, why in one_node)
 
 
 def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
