@@ -9,9 +9,9 @@ Two ways in:
   (``LocalRanks``). The driver joins no collective: it sends commands over queues and
   reads replies (and rank 0's streamed tokens), so an idle run never trips a
   collective timeout and a failed rank is always seen. A rank that raises sends its
-  traceback before exiting; a rank that dies is seen by the driver (its exit code)
-  and by its peers (gloo reports the closed connection), and every collective has
-  ``timeout_s``.
+  traceback (a lost peer: the one line naming it) before exiting; a rank that dies is
+  seen by the driver (its exit code) and by its peers (gloo reports the closed
+  connection), and every collective has ``timeout_s``.
 
 A server under torchrun needs both (``JoinedRanks``): requests arrive at one process, while
 the ranks are torchrun's, on every host. Global rank 0's process becomes the driver: it starts
@@ -312,7 +312,7 @@ def _rank_main(fd: int) -> None:
     except EOFError:
         code = 3  # the driver went away
     except BaseException:
-        pass  # the driver has the traceback
+        pass  # the driver has the report
     os._exit(code)  # skip interpreter teardown: peers may already be gone
 
 
@@ -320,7 +320,7 @@ def obey(link: DriverLink, worker, rank: int) -> int:
     """Say the worker is ready, then run the driver's commands until it says stop (0) or goes
     away (3): ``generate`` (rank 0 streams its tokens), ``serve`` (requests arrive until
     stopped), or any other worker method, called with the command's payload. A failure is sent
-    to the driver (its traceback) and raised."""
+    to the driver (``failure_report``) and raised."""
     try:
         link.send("ready", worker.ready_info())
         while (cmd := link.conn.recv()) is not None:
@@ -338,11 +338,19 @@ def obey(link: DriverLink, worker, rank: int) -> int:
                 link.send("done", getattr(worker, name)(payload))
     except EOFError:
         return 3
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
-            link.send("error", traceback.format_exc())
+            link.send("error", failure_report(e))
         raise
     return 0
+
+
+def failure_report(error: BaseException) -> str:
+    """What a failed rank tells its driver: a lost peer's one-line message (the traceback of the
+    collective that noticed says nothing more), else the traceback."""
+    if isinstance(error, RankFailure):
+        return str(error)
+    return peer_failure(error) or traceback.format_exc()
 
 
 def share_driver(address: tuple[int, bytes] | None) -> tuple[str, int, bytes]:

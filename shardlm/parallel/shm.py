@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardlm.parallel.shm_segment import CollectiveError, Segment
+from shardlm.parallel.shm_segment import CollectiveError, PeerFailure, Segment
 from shardlm.parallel.shm_setup import open_segment
 
 __all__ = ["REDUCIBLE", "CollectiveError", "ShmGroup", "route", "set_backend"]
@@ -85,7 +85,7 @@ class ShmGroup:
                 f"call its wait() first (one outstanding call per group)"
             )
         if self.seg.broken:
-            raise CollectiveError(
+            raise PeerFailure(
                 f"this group's shared-memory path failed earlier ({self.seg.broken}); the group cannot be used again"
             )
         s = self.seq = self.seq + 1

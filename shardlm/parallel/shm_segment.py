@@ -49,13 +49,19 @@ import time
 
 import torch
 
+from shardlm.errors import RankFailure
+
 LINE = 64  # bytes per control line: no two ranks' flags share a cache line
 PAGE = 4096
 _fence_lock = threading.Lock()
 
 
 class CollectiveError(RuntimeError):
-    """A collective on the shared-memory path failed: a peer died, gave up or timed out."""
+    """A collective on the shared-memory path failed or was misused."""
+
+
+class PeerFailure(CollectiveError, RankFailure):
+    """A peer of the group died, gave up or timed out: the message says which; the run cannot go on."""
 
 
 def fence() -> None:
@@ -207,4 +213,4 @@ class Segment:
         fence()
         for i in self.others:
             self._poke(i // 8)
-        raise CollectiveError(f"shared-memory collective failed: {msg}")
+        raise PeerFailure(f"shared-memory collective failed: {msg}")
