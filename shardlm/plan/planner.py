@@ -79,24 +79,38 @@ class Plan:
         return departures(res, self.context)
 
     def not_runnable(self, res) -> str | None:
-        """Why shardlm cannot run this result's layout yet, or not as the workload models it (None:
-        it can; ``runnable.py``)."""
+        """Why shardlm cannot run this result's layout yet (None: it can; ``runnable.py``)."""
         req = self.request
-        work = req.training if req.train else req.inference
-        assert work is not None  # a request carries the workload it plans
         split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
-        return not_runnable(
-            self.cfg, res.layout, train=req.train, dtype=work.dtype, prefill_replicas=split
-        ) or not_as_modelled(self.cfg, res.layout, work, train=req.train, cluster=self.cluster)
+        return not_runnable(self.cfg, res.layout, train=req.train, dtype=self._work().dtype, prefill_replicas=split)
+
+    def not_as_modelled(self, res) -> str | None:
+        """Why shardlm runs this result's layout, but not as the workload prices it: without a peer's
+        faster mechanism (None: as priced; ``runnable.py``)."""
+        return not_as_modelled(self.cfg, res.layout, self._work(), train=self.request.train, cluster=self.cluster)
+
+    def _work(self):
+        work = self.request.training if self.request.train else self.request.inference
+        assert work is not None  # a request carries the workload it plans
+        return work
 
     def runnable_note(self) -> list[str]:
-        """Lines for the explanation when the pick is not one shardlm runs yet."""
-        why = self.not_runnable(self.best)
-        if why is None:
-            return []
-        ok = next(((i, r) for i, r in enumerate(self.ranked, 1) if self.not_runnable(r) is None), None)
-        best = f"the best it runs is #{ok[0]}, {ok[1].layout.label(self.request.train)}" if ok else "none ranked runs"
-        return [f"The pick is not runnable by shardlm yet ({why}); {best}."]
+        """A line for the explanation when the pick is not one shardlm runs yet, or runs only without
+        a mechanism it is priced with."""
+        if (why := self.not_runnable(self.best)) is not None:
+            ok = self._first(self.not_runnable)
+            best = f"the best it runs is {ok}" if ok else "none ranked runs"
+            return [f"The pick is not runnable by shardlm yet ({why}); {best}."]
+        if (why := self.not_as_modelled(self.best)) is not None:
+            ok = self._first(self.not_as_modelled)
+            best = f"; the best it runs as priced is {ok}" if ok else ""
+            return [f"The pick is priced with {why}: shardlm runs it without, slower than shown{best}."]
+        return []
+
+    def _first(self, mark) -> str | None:
+        """The best ranked layout ``mark`` leaves unmarked ("#i, label"), or None."""
+        i, r = next(((i, r) for i, r in enumerate(self.ranked, 1) if mark(r) is None), (0, None))
+        return None if r is None else f"#{i}, {r.layout.label(self.request.train)}"
 
 
 def make_cluster(req: PlanRequest) -> Cluster:

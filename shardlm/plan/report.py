@@ -42,7 +42,7 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
     head += [SHORT[f] for f in mem_fields] + ["GiB/GPU"]
     out = []
     for i, r in enumerate(plan.ranked[: plan.request.top], 1):
-        row = [str(i), r.layout.label(train) + (" *" if plan.not_runnable(r) else "")]
+        row = [str(i), r.layout.label(train) + marks(plan, r)]
         if train:
             row += [
                 f"{r.tokens_per_s:,.0f}",
@@ -161,10 +161,19 @@ def notes(plan) -> list[str]:
     )
 
 
+def marks(plan, r) -> str:
+    """A shown layout's marks: ``*`` not runnable by shardlm yet, ``~`` runs, but not as priced."""
+    return (" *" if plan.not_runnable(r) else "") + (" ~" if plan.not_as_modelled(r) else "")
+
+
 def runnable_notes(plan) -> list[str]:
-    """One footnote per distinct reason a shown layout is not runnable by shardlm yet (marked *)."""
-    reasons = dict.fromkeys(w for r in plan.ranked[: plan.request.top] if (w := plan.not_runnable(r)))
-    return [f"* not runnable by shardlm yet: {w}" for w in reasons]
+    """One footnote per distinct reason a shown layout is marked (``marks``)."""
+    shown = plan.ranked[: plan.request.top]
+    refused = dict.fromkeys(w for r in shown if (w := plan.not_runnable(r)))
+    unlike = dict.fromkeys(w for r in shown if (w := plan.not_as_modelled(r)))
+    return [f"* not runnable by shardlm yet: {w}" for w in refused] + [
+        f"~ runs slower in shardlm than shown, priced with {w}" for w in unlike
+    ]
 
 
 def print_table(plan, console=None) -> None:
@@ -230,6 +239,7 @@ def _item(plan, r) -> dict:
         "rule_departures": plan.departures(r),
         "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
         "not_runnable": plan.not_runnable(r),  # why shardlm cannot run it yet; None: it can
+        "not_as_modelled": plan.not_as_modelled(r),  # the faster mechanism it is priced with that shardlm lacks
     }
     if train:
         lay = r.layout

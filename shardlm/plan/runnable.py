@@ -3,7 +3,9 @@
 The planner searches every layout the literature offers; the ones shardlm's engine or trainer
 refuse are kept in the ranking (they show what the hardware could do) but marked with the
 refusal's reason, and the explanation names the best layout that does run. Each rule below
-mirrors a refusal in the code named beside it; change both together."""
+mirrors a refusal in the code named beside it; change both together. Layouts priced with a
+faster mechanism shardlm lacks (``not_as_modelled``) run, but slower than ranked: they are
+marked apart."""
 
 from __future__ import annotations
 
@@ -42,15 +44,15 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
 
 
 def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | None:
-    """Why shardlm would not run ``lay`` as ``work`` models it (None: it would): a peer's mechanism
-    pinned to compare with a published run (``--zero3-reduce overlapped``, ``--dispatcher deepep``,
-    ``--kernels fused``), which shardlm's trainer and engine do not have."""
+    """The faster mechanism ``work`` prices ``lay`` with that shardlm lacks, so that it runs the
+    layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
+    (``--zero3-reduce overlapped``, ``--dispatcher deepep``, ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
-        return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped): shardlm's blocks backward"
+        return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's block backward)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
-        return "DeepEP's once-per-node dispatch (--dispatcher deepep): shardlm sends every (token, expert) pair"
+        return "DeepEP's once-per-node dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes
-        return "fused memory-bound kernels (--kernels fused): shardlm's trainer runs eager ones"
+        return "fused memory-bound kernels (--kernels fused; shardlm's trainer runs eager ones)"
     return None
 
 

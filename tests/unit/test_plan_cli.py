@@ -337,12 +337,15 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
 def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
     """--zero3-reduce overlapped, --dispatcher deepep and --kernels fused price a published run's
     mechanism, which shardlm's trainer and engine lack: each layout it applies to is marked with
-    the flag (ZeRO-3 layouts; MoE layouts with ep > 1; every training layout), the others are not."""
+    the flag (ZeRO-3 layouts; MoE layouts with ep > 1 whose tokens leave their node; every training
+    layout), the others are not. The mark is apart from "not runnable": shardlm runs them, slower."""
 
     def reasons(argv):
         code, out, err = run([*argv, "--json"], capsys)
         assert code == 0, err
-        return [(d["layout"], d["not_runnable"]) for d in json.loads(out)["layouts"]]
+        layouts = json.loads(out)["layouts"]
+        assert not any(d["not_runnable"] for d in layouts)
+        return [(d["layout"], d["not_as_modelled"]) for d in layouts]
 
     llama = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--train"]
     assert not any(why for _, why in reasons([*llama, "--zero", "3"]))
@@ -355,6 +358,14 @@ def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
     assert not any(why for _, why in reasons([*mixtral, "--ep", "1"]))
     one_node = reasons([*mixtral[:5], "8", *mixtral[6:]])  # ep inside a node: DeepEP prices it alike
     assert any(lay["ep"] > 1 for lay, _ in one_node) and not any(why for _, why in one_node)
+
+    code, out, err = run([*llama, "--kernels", "fused", "--top", "3"], capsys)
+    assert code == 0, err
+    table = out.splitlines()
+    assert sum(" ~" in line for line in table) == 3 and not any(" *" in line for line in table), out
+    assert "~ runs slower in shardlm than shown, priced with fused memory-bound kernels" in out
+    assert "The pick is priced with fused memory-bound kernels" in out and "none ranked runs" not in out
+    assert "not runnable by shardlm yet" not in out
 
 
 def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
