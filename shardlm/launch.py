@@ -132,8 +132,10 @@ def _end_group() -> None:
     if hasattr(sys, "last_value") or getattr(sys, "last_exc", None) is not None:
         return
     for holder in list(_holders):
-        with contextlib.suppress(Exception):
+        try:
             holder.close()
+        except Exception as e:  # the group is still destroyed below
+            print(f"shardlm: closing {type(holder).__name__} at exit failed: {e!r}", file=sys.stderr)
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -448,6 +448,12 @@ class Trainer:
         Called at exit under a group shardlm started, before it destroys the group (its subgroups
         end there, torch's registry holding them until then)."""
         vars(self).clear()
+        self.closed = True
+
+    def __getattr__(self, name: str):  # only for a name not found: after close(), every attribute of state
+        if self.__dict__.get("closed"):
+            raise UsageError(f"this Trainer is closed (close(), or the process's exit); build another ({name!r})")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:

@@ -31,6 +31,7 @@ from harness.rankfns import (
     train_and_save_state,
     train_steps,
 )
+from harness.reference import PROMPTS
 
 OPTIM = dict(lr=1e-3, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 STEPS, BATCH, SEQ = 3, 12, 16  # 12 sequences split over dp = 1, 2, 3 and 2 x 2 micro-batches
@@ -241,6 +242,26 @@ def test_16bit_with_float32_masters(hf_run, dtype, dp, tp, zero):
         assert held["weights"] == 2 * (owned if zero == 3 else numel)
         assert held["gradients"] == {0: 2 * numel, 1: 2 * numel, 2: 4 * owned, 3: 2 * owned}[zero]
         assert held["optimizer"] == 12 * (numel if zero == 0 else owned)
+
+
+def test_a_closed_trainer_and_llm_refuse_with_a_message(tiny):
+    """close() lets go of the model (what the exit handler relies on, launch._end_group); a later
+    step or generate is refused with a UsageError, not an AttributeError or an assert."""
+    from shardlm import LLM, SamplingParams
+    from shardlm.errors import UsageError
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    path = str(tiny("llama").path)
+    trainer = Trainer(TrainConfig(model=path))
+    trainer.close()
+    with pytest.raises(UsageError, match="this Trainer is closed"):
+        trainer.step(torch.zeros(2, 9, dtype=torch.long))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        Trainer.__getattr__(object.__new__(Trainer), "nothing")  # an open trainer's missing name stays one
+    with LLM(path, threads=1) as llm:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    with pytest.raises(UsageError, match="this LLM is closed"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
 
 
 def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monkeypatch):
