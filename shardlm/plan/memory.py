@@ -13,7 +13,7 @@ from shardlm.plan import constants as C
 from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
-from shardlm.plan.roofline import ModelCosts, kv_bytes_per_token
+from shardlm.plan.roofline import ModelCosts, busiest_pairs, kv_bytes_per_token
 from shardlm.plan.zero import model_states
 
 FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
@@ -140,10 +140,11 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
 
 
 def routed_pairs(cfg, lay: Layout, tokens: float) -> float:
-    """The (token, expert) pairs one rank computes for a micro-batch of ``tokens`` per tp group, as
-    the time model counts them (``Layout.moe_tokens``): inside the tp group 1/ep of every token's
-    choices; beyond it etp/tp of them. Balanced routing."""
-    return lay.moe_tokens(tokens) * cfg.num_experts_per_tok / lay.ep
+    """The (token, expert) pairs the most loaded rank computes for a micro-batch of ``tokens`` per
+    tp group, as the time model counts them (``Layout.moe_tokens``, ``busiest_pairs``): inside the
+    tp group 1/ep of every token's choices, beyond it etp/tp of them, times balanced routing's
+    imbalance over the ep ranks."""
+    return busiest_pairs(lay.moe_tokens(tokens), lay.ep, cfg.num_experts, cfg.num_experts_per_tok)
 
 
 def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:

@@ -106,6 +106,14 @@ def expected_max_normal(n: int) -> float:
     )
 
 
+def busiest_pairs(tokens: float, ep: int, experts: int, top_k: int) -> float:
+    """The (token, choice) pairs of ``tokens`` tokens routed over ``ep`` ranks that the most loaded
+    rank computes (``routing_imbalance``): the pairs its expert GEMMs run on and whose activations
+    it holds."""
+    pairs = tokens * top_k
+    return pairs / ep * routing_imbalance(pairs, ep, experts, top_k)
+
+
 def routing_imbalance(pairs: float, groups: int, experts: int, top_k: int) -> float:
     """Expected load of the most loaded of ``groups`` expert groups (ranks, or experts when a rank
     holds one) over the mean, when ``pairs`` (token, choice) pairs are routed balanced in
@@ -188,7 +196,7 @@ def layer_work(
         wbytes += touched * rl.expert_params * w_bytes
         # (token, choice) pairs the most loaded ep rank's experts take: a grouped GEMM, each local
         # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
-        routed = step.moe_tokens * k / ep * routing_imbalance(step.moe_tokens * k, ep, cfg.num_experts, k)
+        routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)
         per_expert = routed / max(touched, 1e-9)
         flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
