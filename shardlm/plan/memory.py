@@ -189,8 +189,19 @@ def loss_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:
     return lay.micro_batch * seq / lay.cp * costs.vocab_rows(lay.tp) * LOSS_BYTES_PER_LOGIT
 
 
+ZERO3_GRAD_BYTES = 2 + C.FP32_BYTES
+"""Bytes a parameter of a ZeRO-3 unit holds in backward before its reduce-scatter: the layer's
+16-bit gradient and the float32 copy that is summed (``train/zero.py``, ``_Gather.backward``)."""
+
+
 def training_memory(
-    costs: ModelCosts, lay: Layout, reserve: float, *, seq: int, fused_attention: bool = True
+    costs: ModelCosts,
+    lay: Layout,
+    reserve: float,
+    *,
+    seq: int,
+    fused_attention: bool = True,
+    zero3_reduce: str = "blocking",
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
@@ -205,8 +216,10 @@ def training_memory(
     comm = 0.0
     if lay.dp * lay.cp > 1:
         comm += 2 * C.DDP_BUCKET_BYTES
-    if lay.zero == 3:
-        comm += 2 * 2 * costs.rank_layer(cfg.is_moe, lay.tp, lay.ep, lay.etp).total  # prefetch two layers
+    if lay.zero == 3:  # two layers' gathered 16-bit weights (one prefetched), and in backward the
+        # gradient of the layer being reduced, a second one's beside it when the reduce overlaps
+        layer = costs.rank_layer(cfg.is_moe, lay.tp, lay.ep, lay.etp).total
+        comm += 2 * 2 * layer + (2 if zero3_reduce == "overlapped" else 1) * ZERO3_GRAD_BYTES * layer
     return MemoryBreakdown(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,

@@ -116,7 +116,14 @@ class TrainResult:
 def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
     cfg, gpu = costs.cfg, cluster.gpu
     cap = gpu.memory_bytes
-    mem = training_memory(costs, lay, cluster.reserve(True), seq=wl.seq_len, fused_attention=wl.fused_attention)
+    mem = training_memory(
+        costs,
+        lay,
+        cluster.reserve(True),
+        seq=wl.seq_len,
+        fused_attention=wl.fused_attention,
+        zero3_reduce=wl.zero3_reduce,
+    )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
     a = C.DTYPE_BYTES[wl.dtype]

@@ -264,6 +264,23 @@ def test_a_closed_trainer_and_llm_refuse_with_a_message(tiny):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
 
 
+def test_zero3_reduces_a_units_16_bit_gradient_as_a_float32_copy(tiny, monkeypatch):
+    """What the planner counts for a ZeRO-3 unit in backward (plan/memory.py ZERO3_GRAD_BYTES):
+    its whole 16-bit gradient and the float32 copy that is reduce-scattered."""
+    from shardlm.train import zero
+    from shardlm.train.trainer import TrainConfig, Trainer
+
+    sent, real = [], zero.reduce_scatter
+    monkeypatch.setattr(
+        zero, "reduce_scatter", lambda x, *a, **k: sent.append((x.dtype, x.numel())) or real(x, *a, **k)
+    )
+    trainer = Trainer(TrainConfig(model=str(tiny("llama").path), zero=3, dtype="bfloat16"))
+    trainer.step(torch.randint(0, 251, (2, 9), generator=torch.Generator().manual_seed(3)))
+    units = trainer.zero.units
+    assert {u.shard.dtype for u in units} == {torch.bfloat16}
+    assert sorted(sent) == sorted((torch.float32, sum(u.sizes)) for u in units)
+
+
 def test_zero3_gathers_again_for_backward_and_recompute_reruns_layers(tiny, monkeypatch):
     """What equal losses cannot show: ZeRO-3 keeps no gathered weights from forward to backward
     (every unit is gathered exactly twice a step, once for each), and full recomputation runs

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from shardlm.plan import comm, training
+from shardlm.plan import constants as C
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster, load_gpu
@@ -113,6 +114,7 @@ def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
 
     base = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--zero", "3", "--json"]
     base += ["--tp", "1", "--pp", "1", "--global-batch", "256"]  # a layer's backward outlasts its G + R
+    base += ["--recompute", "full"]  # the same layout for both: overlapped holds a second layer's gradient
     steps = {}
     for reduce in ("blocking", "overlapped"):
         assert cli.main([*base, "--zero3-reduce", reduce]) == 0
@@ -131,3 +133,19 @@ def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
         assert f"{flag[0]} shapes ZeRO-3's communication, but --zero 1 is pinned" in capsys.readouterr().err
     with pytest.raises(PlanError, match="zero3_reduce='async' is not one of blocking, overlapped"):
         training.TrainWorkload(global_batch=8, seq_len=128, zero3_reduce="async")
+
+
+def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
+    """Two layers' 16-bit weights (one prefetched), and in backward the gradient of the layer being
+    reduce-scattered: 16 bits and its float32 copy (shardlm's trainer: tests/distributed/test_train.py
+    checks it sends that copy); overlapped, a second layer's beside it."""
+    from shardlm.plan.memory import ZERO3_GRAD_BYTES, training_memory
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    lay = Layout(dp=64, zero=3, micro_batch=1, num_micro=4)
+    layer = costs.rank_layer(False, 1, 1, 1).total
+    bucket = 2 * C.DDP_BUCKET_BYTES  # the two gradient buckets beside them
+    for reduce, grads in (("blocking", 1), ("overlapped", 2)):
+        mem = training_memory(costs, lay, 0.0, seq=4096, zero3_reduce=reduce)
+        assert mem.comm_buffers - bucket == pytest.approx(layer * (2 * PARAM_BYTES + grads * ZERO3_GRAD_BYTES))
+    assert ZERO3_GRAD_BYTES == 6
