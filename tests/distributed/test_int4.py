@@ -66,6 +66,7 @@ def held_vs_file(model: str, tp: int):
     return same, held, expected, layers, worker.model.param_bytes()
 
 
+@pytest.mark.slow  # ~25 s
 def test_gguf_q4_1_weights_are_held_as_the_files_blocks(smollm2_q4):
     """At tp=1 and tp=2 (one test: tp=2's comparison needs tp=1's bytes anyway)."""
     path, _ = smollm2_q4

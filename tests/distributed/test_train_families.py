@@ -85,8 +85,10 @@ def _all_moe_cases():
         layouts = [lay for lay in MOE_LAYOUTS if not (deepseek and "cp" in lay[4])]
         layouts += [(1, 4, 4, 1, {})] if deepseek else []
         for lay in layouts:
-            # make test's budget: Qwen2-MoE (the shared expert) at one rank and at ep4, the rest slow
+            # make test's budget: Qwen2-MoE (the shared expert) at one rank and at ep4, the rest slow;
+            # tp4 ep4 (~10 s) for DeepSeek-V3 only
             slow = name == "qwen2_moe" and lay not in (MOE_LAYOUTS[0], MOE_LAYOUTS[6])
+            slow |= name == "deepseek_v2" and lay == (1, 4, 4, 1, {})
             marks = pytest.mark.slow if slow else ()
             yield pytest.param(name, not deepseek, *lay, id=f"{name}-{_moe_id(lay)}", marks=marks)
         for lay in PIPELINED:  # 5-13 s each: one model's in make test, the others' in the slow tier

@@ -62,6 +62,7 @@ def test_json_contract_at_tp2(single_rank_tokens):
     assert not rank_processes()
 
 
+@pytest.mark.slow  # ~12 s
 def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
     r = shardlm("generate", "--no-chat", "--max-new-tokens", "8", "--threads", "1", PROMPT)
     assert r.returncode == 0, r.stderr
@@ -75,9 +76,10 @@ def test_streams_a_single_prompt_to_stdout(single_rank_tokens):
     "args, message",
     [
         (["--tp", "10", "x"], "tp=10 is larger than the model's 9 attention heads"),
-        (
+        pytest.param(  # ~10 s: the model loads before the prompt is checked
             ["--max-model-len", "8", "--no-chat", "a very long prompt that has more than eight tokens in it"],
             "does not fit the context of 8 tokens",
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -327,6 +327,7 @@ def test_stop_token_ids_end_without_their_text(client, reference, tok):
     assert r.choices[0].text == tok.decode(ids[:first])
 
 
+@pytest.mark.slow  # ~10 s
 def test_seed_top_k_and_temperature(client, reference, tok):
     def sample(top_k: int | None = None, **kw) -> str:
         body = {"ignore_eos": True, **({"top_k": top_k} if top_k is not None else {})}
