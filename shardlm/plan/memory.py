@@ -14,7 +14,7 @@ from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_a
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts, busiest_pairs, kv_bytes_per_token
-from shardlm.plan.zero import model_states
+from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, model_states
 
 FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
 
@@ -139,12 +139,13 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
     )
 
 
-def routed_pairs(cfg, lay: Layout, tokens: float) -> float:
-    """The (token, expert) pairs the most loaded rank computes for a micro-batch of ``tokens`` per
-    tp group, as the time model counts them (``Layout.moe_tokens``, ``busiest_pairs``): inside the
-    tp group 1/ep of every token's choices, beyond it etp/tp of them, times balanced routing's
-    imbalance over the ep ranks."""
-    return busiest_pairs(lay.moe_tokens(tokens), lay.ep, cfg.num_experts, cfg.num_experts_per_tok)
+def routed_pairs(cfg, lay: Layout, tokens: float, held: float = 1) -> float:
+    """The (token, expert) pairs a rank computes for a micro-batch of ``tokens`` per tp group, as
+    the time model counts them (``Layout.moe_tokens``): inside the tp group 1/ep of every token's
+    choices, beyond it etp/tp of them; on the most loaded rank of the ep group over ``held``
+    routings whose pairs it holds at once (layers, micro-batches: ``busiest_pairs`` of them all,
+    a layer's share of it; the time model waits for each layer's busiest instead)."""
+    return busiest_pairs(lay.moe_tokens(tokens) * held, lay.ep, cfg.num_experts, cfg.num_experts_per_tok) / held
 
 
 def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:
@@ -166,13 +167,13 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_at
 
     if n_dense:
         total += n_dense * per_layer(False)
+    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
     if n_moe:
         per = per_layer(True)
         if lay.recompute != "full":  # routed experts: gate, up, silu, product for each pair this rank computes
             rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
-            per += routed_pairs(cfg, lay, s * lay.micro_batch) * (8 * rows + 4 * cfg.hidden_size)
+            per += routed_pairs(cfg, lay, s * lay.micro_batch, n_moe * flight) * (8 * rows + 4 * cfg.hidden_size)
         total += n_moe * per
-    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
     return total * flight
 
 
@@ -189,9 +190,29 @@ def loss_bytes(costs: ModelCosts, lay: Layout, seq: int) -> float:
     return lay.micro_batch * seq / lay.cp * costs.vocab_rows(lay.tp) * LOSS_BYTES_PER_LOGIT
 
 
-ZERO3_GRAD_BYTES = 2 + C.FP32_BYTES
-"""Bytes a parameter of a ZeRO-3 unit holds in backward before its reduce-scatter: the layer's
-16-bit gradient and the float32 copy that is summed (``train/zero.py``, ``_Gather.backward``)."""
+ZERO3_GRAD_BYTES = GRAD_BYTES + REDUCED_GRAD_BYTES
+"""Bytes a parameter of a ZeRO-3 layer holds in backward as it is reduce-scattered: its 16-bit
+gradient and the float32 copy that is summed (``train/zero.py``, ``_Gather.backward``)."""
+
+
+def outer_params(costs: ModelCosts, lay: Layout, stage: int) -> float:
+    """Parameters of ``stage``'s ZeRO unit outside its layers: the embedding on the first stage,
+    the LM head on the last (one matrix when they are tied on one stage)."""
+    embed = costs.vocab_rows(lay.tp) * costs.cfg.hidden_size
+    first, last = stage == 0, stage == lay.pp - 1
+    return embed * (first + (last and (not costs.cfg.tie_word_embeddings or lay.pp > 1)))
+
+
+def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) -> float:
+    """What a ZeRO-3 rank holds beyond its shards at the activations' peak (the start of backward):
+    the gathered 16-bit weights of 1 + ``prefetch`` layers and of its outer unit (gathered for the
+    whole forward, and again for backward), the outer unit's whole 16-bit gradient (reduced only
+    when the embedding's backward ends it), and the layer being reduce-scattered
+    (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"."""
+    layer = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp).total
+    outer = max(outer_params(costs, lay, 0), outer_params(costs, lay, lay.pp - 1))
+    in_flight = 2 if reduce == "overlapped" else 1
+    return PARAM_BYTES * ((1 + prefetch) * layer + outer) + GRAD_BYTES * outer + in_flight * ZERO3_GRAD_BYTES * layer
 
 
 def training_memory(
@@ -201,6 +222,7 @@ def training_memory(
     *,
     seq: int,
     fused_attention: bool = True,
+    prefetch: int = 1,
     zero3_reduce: str = "blocking",
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
@@ -213,13 +235,10 @@ def training_memory(
     dense_states = model_states(params - expert_share, dp=lay.dp * lay.cp, stage=lay.zero)
     edp = lay.dp * lay.tp // (lay.ep * lay.etp) * lay.cp  # copies of each expert
     expert_states = model_states(expert_share, dp=edp, stage=lay.zero)
-    comm = 0.0
-    if lay.dp * lay.cp > 1:
-        comm += 2 * C.DDP_BUCKET_BYTES
-    if lay.zero == 3:  # two layers' gathered 16-bit weights (one prefetched), and in backward the
-        # gradient of the layer being reduced, a second one's beside it when the reduce overlaps
-        layer = costs.rank_layer(cfg.is_moe, lay.tp, lay.ep, lay.etp).total
-        comm += 2 * 2 * layer + (2 if zero3_reduce == "overlapped" else 1) * ZERO3_GRAD_BYTES * layer
+    if lay.zero == 3:
+        comm = zero3_buffers(costs, lay, prefetch, zero3_reduce)
+    else:
+        comm = 2 * C.DDP_BUCKET_BYTES if lay.dp * lay.cp > 1 else 0.0  # two gradient buckets in flight
     return MemoryBreakdown(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,

@@ -102,7 +102,7 @@ class Plan:
             best = f"the best it runs is {ok}" if ok else "none ranked runs"
             return [f"The pick is not runnable by shardlm yet ({why}); {best}."]
         if (why := self.not_as_modelled(self.best)) is not None:
-            ok = self._first(self.not_as_modelled)
+            ok = self._first(lambda r: self.not_runnable(r) or self.not_as_modelled(r))
             best = f"; the best it runs as priced is {ok}" if ok else ""
             return [f"The pick is priced with {why}: shardlm runs it without, slower than shown{best}."]
         return []

@@ -48,7 +48,7 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
     layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
     (``--zero3-reduce overlapped``, ``--dispatcher deepep``, ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
-        return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's block backward)"
+        return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
         return "DeepEP's once-per-node dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes

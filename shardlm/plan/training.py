@@ -35,8 +35,8 @@ from shardlm.plan import constants as C
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
-from shardlm.plan.memory import MemoryBreakdown, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, layer_work
+from shardlm.plan.memory import MemoryBreakdown, outer_params, training_memory, weight_bytes
+from shardlm.plan.roofline import ModelCosts, Step, Work, busiest_pairs, layer_work
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -122,6 +122,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         cluster.reserve(True),
         seq=wl.seq_len,
         fused_attention=wl.fused_attention,
+        prefetch=wl.prefetch,
         zero3_reduce=wl.zero3_reduce,
     )
     if mem.total > cap:
@@ -208,6 +209,7 @@ def _stage(
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
+    k = cfg.num_experts_per_tok
     f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
@@ -228,11 +230,12 @@ def _stage(
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
         f_attn += n * t_attn
-        widths = _traffic_widths(cfg, rl, lay, moe_tokens / tokens if moe else 0.0)
+        pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
+        widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
-        if moe:  # the routed pairs this rank's experts compute, each a hidden row copied there and back
-            pair_rows = moe_tokens * cfg.num_experts_per_tok / lay.ep * cfg.hidden_size
+        if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
+            pair_rows = pairs * cfg.hidden_size
             f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
             b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
         tp_c += n * 2 * ar
@@ -262,18 +265,17 @@ def _stage(
     return fwd, bwd, tp_c, ep_c, cp_c
 
 
-def _traffic_widths(cfg, rl, lay: Layout, moe_share: float) -> tuple[float, float, float, float]:
+def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, float, float]:
     """(hidden, intermediate, query, KV) widths one rank's share of a layer's traffic scales with:
     the hidden states whole on every tp rank (1/tp of the tokens with SP), the rest split; an MoE
-    layer (``moe_share``: the tokens its experts see per token of the rank, 0 for a dense layer)
-    adds its routed experts' rows per token: the top-k pairs spread over ep ranks, each expert's
-    rows over etp (as ``layer_work`` prices their GEMMs, balanced)."""
+    layer adds its routed experts' rows per token: ``pairs``, the (token, choice) pairs the busiest
+    ep rank computes per token of this rank (0 for a dense layer), each expert's rows over etp (as
+    ``layer_work`` prices their GEMMs)."""
     h = cfg.hidden_size
     hidden = h / lay.tp if lay.sp else h
     per_row = 3 if cfg.gated_mlp else 2  # a gated MLP's gate, up and down projections; else up and down
     inter = rl.dense / (per_row * h)
-    if moe_share:
-        inter += moe_share * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (lay.ep * lay.etp)
+    inter += pairs * cfg.moe_intermediate_size / lay.etp
     return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
 
 
@@ -344,8 +346,7 @@ def zero3_exposed(
         return (n_dense * unit(False, per_param) + n_moe * unit(True, per_param)) / layers
 
     g, r = mean_layer(PARAM_BYTES), mean_layer(REDUCED_GRAD_BYTES)  # 16-bit weights, float32 gradients
-    embed = costs.vocab_rows(lay.tp) * cfg.hidden_size
-    rest = embed * ((stage == 0) + (stage == lay.pp - 1 and (not cfg.tie_word_embeddings or lay.pp > 1)))
+    rest = outer_params(costs, lay, stage)
     g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
     r_rest = comm.ring_gather(rest * REDUCED_GRAD_BYTES, dp_group, cluster)
     f, b = fwd / layers, bwd / layers

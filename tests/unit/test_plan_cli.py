@@ -326,6 +326,19 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
     code, out, err = run(train, capsys)
     assert code == 0 and "zb-h1 mb1x64 rc-selective *" in out, err
     assert "The pick is not runnable by shardlm yet (made up); the best it runs is #" in out
+    # a pick priced with a peer's mechanism (~) names the best layout that runs as priced: not one
+    # refused (*), as #2-#4 are made here
+    monkeypatch.setattr(planner, "not_runnable", lambda cfg, lay, **_: "made up" if lay.pp == 2 else None)
+    monkeypatch.setattr(
+        planner, "not_as_modelled", lambda cfg, lay, *_, **__: "a peer's" if lay.pp == 4 and lay.tp == 2 else None
+    )
+    code, out, err = run(train, capsys)
+    assert code == 0 and "1  tp2 pp4 dp8 sp zero2 zb-h1 mb1x64 rc-selective ~" in out, err
+    assert "2  tp2 pp2 dp4 cp4 sp zero2 zb-h1 mb2x64 *" in out
+    assert (
+        "The pick is priced with a peer's: shardlm runs it without, slower than shown; the best it runs as priced is #8, tp1 pp4"
+        in out
+    )
     monkeypatch.undo()
     code, out, err = run(["--model", "deepseek-v3", "--gpu", "h100-sxm", "--gpus", "64", "--cp", "2", "--json"], capsys)
     reasons = {d["not_runnable"] for d in json.loads(out)["layouts"]}

@@ -364,6 +364,9 @@ def test_routed_activations_count_the_pairs_a_rank_computes(tp, ep, etp, share):
     busiest = routing_imbalance(mean * ep, ep, cfg.num_experts, cfg.num_experts_per_tok)  # as the time model
     assert (busiest > 1) == (ep > 1)
     assert routed_pairs(cfg, lay, 4096) == pytest.approx(mean * busiest)
+    # held over 10 layers' routings at once, the busiest rank's excess is that of their sum
+    many = routing_imbalance(mean * ep * 10, ep, cfg.num_experts, cfg.num_experts_per_tok)
+    assert routed_pairs(cfg, lay, 4096, held=10) == pytest.approx(mean * many) and (many < busiest or ep == 1)
     lay = Layout(tp=4, pp=8, dp=8, ep=8, sp=True, zero=1, schedule="1f1b", micro_batch=1, num_micro=256)
     res = evaluate(_costs("qwen3-235b-a22b"), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=256, gpus_per_node=8), lay,
                    TrainWorkload(global_batch=2048, seq_len=4096))  # fmt: skip

@@ -159,8 +159,10 @@ def test_memory_bound_operators_cost_what_their_kernels_move(capsys):
 def test_moe_layers_move_their_routed_pairs(monkeypatch):
     """plan/traffic.py: an MoE layer copies each routed (token, expert) pair its experts compute
     into expert order and back, forward and backward; the micro-batch's passes grow by exactly those
-    bytes (tokens x k / ep pairs a rank, a hidden row each) at the memory's rate."""
+    bytes (tokens x k / ep pairs a rank, on the busiest rank of the ep group, a hidden row each) at
+    the memory's rate."""
     from shardlm.plan import traffic
+    from shardlm.plan.roofline import routing_imbalance
     from shardlm.plan.training import TrainWorkload
     from shardlm.plan.training import evaluate as train
 
@@ -173,7 +175,10 @@ def test_moe_layers_move_their_routed_pairs(monkeypatch):
     monkeypatch.setattr(traffic, "profile", lambda *a: dataclasses.replace(real(*a), pair=(0.0, 0.0)))
     without = train(costs, cluster, lay, wl)
     assert counted.fits
-    rows = cfg.num_layers / lay.pp * lay.moe_tokens(4096) * cfg.num_experts_per_tok / lay.ep * cfg.hidden_size
+    k = cfg.num_experts_per_tok
+    busiest = routing_imbalance(lay.moe_tokens(4096) * k, lay.ep, cfg.num_experts, k)
+    assert busiest > 1.01
+    rows = cfg.num_layers / lay.pp * lay.moe_tokens(4096) * k / lay.ep * busiest * cfg.hidden_size
     pair = real("fused", "bf16").pair
     assert pair == (8, 8)  # 4 hidden-wide 16-bit rows a pair each way
     passes = lambda r: r.forward_s + r.backward_s  # (the LM head's traffic splits as the layers' does)

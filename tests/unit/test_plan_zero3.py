@@ -6,7 +6,6 @@ import json
 import pytest
 
 from shardlm.plan import comm, training
-from shardlm.plan import constants as C
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster, load_gpu
@@ -136,16 +135,23 @@ def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
 
 
 def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
-    """Two layers' 16-bit weights (one prefetched), and in backward the gradient of the layer being
-    reduce-scattered: 16 bits and its float32 copy (shardlm's trainer: tests/distributed/test_train.py
-    checks it sends that copy); overlapped, a second layer's beside it."""
+    """Beyond its shards, at the start of backward: the gathered 16-bit weights of the layer and the
+    1 + --prefetch layers, and of the outer unit (embedding and LM head, gathered through forward),
+    the outer unit's whole 16-bit gradient (reduced when the embedding's backward ends), and the
+    gradient of the layer being reduce-scattered: 16 bits and its float32 copy (shardlm's trainer:
+    tests/distributed/test_train.py checks it sends that copy); overlapped, a second layer's beside
+    it. No gradient buckets (stage 3 has none)."""
     from shardlm.plan.memory import ZERO3_GRAD_BYTES, training_memory
 
     costs = ModelCosts(load_model("llama-3-8b")[0])
     lay = Layout(dp=64, zero=3, micro_batch=1, num_micro=4)
     layer = costs.rank_layer(False, 1, 1, 1).total
-    bucket = 2 * C.DDP_BUCKET_BYTES  # the two gradient buckets beside them
-    for reduce, grads in (("blocking", 1), ("overlapped", 2)):
-        mem = training_memory(costs, lay, 0.0, seq=4096, zero3_reduce=reduce)
-        assert mem.comm_buffers - bucket == pytest.approx(layer * (2 * PARAM_BYTES + grads * ZERO3_GRAD_BYTES))
+    outer = 2 * 128256 * 4096  # untied embedding and LM head, both on the one stage
+    for prefetch in (0, 1, 2):
+        for reduce, grads in (("blocking", 1), ("overlapped", 2)):
+            mem = training_memory(costs, lay, 0.0, seq=4096, prefetch=prefetch, zero3_reduce=reduce)
+            held = PARAM_BYTES * ((1 + prefetch) * layer + outer) + 2 * outer + grads * ZERO3_GRAD_BYTES * layer
+            assert mem.comm_buffers == pytest.approx(held)
     assert ZERO3_GRAD_BYTES == 6
+    head = training_memory(costs, Layout(dp=8, pp=2, zero=3), 0.0, seq=4096).comm_buffers
+    assert head == pytest.approx(PARAM_BYTES * (2 * layer + outer / 2) + outer + ZERO3_GRAD_BYTES * layer)
