@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from shardlm.errors import RankFailure, UsageError
+    from shardlm.errors import PeerLost, RankFailure, UsageError
 
     try:
         if getattr(args, "config", None):
@@ -194,8 +194,9 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"shardlm: error: {e}", file=sys.stderr)
         return 2
-    except RankFailure as e:
-        print(f"shardlm: error: {e}", file=sys.stderr)
+    except RankFailure as e:  # under torchrun a rank that lost a peer says which rank it is
+        who = f"rank {os.environ['RANK']}: " if isinstance(e, PeerLost) and "RANK" in os.environ else ""
+        print(f"shardlm: error: {who}{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardlm: interrupted; all ranks stopped", file=sys.stderr)

@@ -7,5 +7,15 @@ class UsageError(ValueError):
     """Bad input: the message names the value, says why, and suggests a valid one."""
 
 
+class ClosedError(UsageError, AttributeError):
+    """A closed object was used. An AttributeError too, so that probes (``hasattr``, ``copy``) of
+    a closed object find nothing rather than fail."""
+
+
 class RankFailure(RuntimeError):
     """A rank died, raised, or stopped answering; every rank of the run is stopped."""
+
+
+class PeerLost(RankFailure):
+    """Raised in a rank whose peer died, gave up or timed out: the message names the peer; the
+    peer's own report, where it sends one, says why."""

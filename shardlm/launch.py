@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from shardlm.errors import RankFailure, UsageError
+from shardlm.errors import PeerLost, RankFailure, UsageError
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -307,8 +307,8 @@ def _rank_main(fd: int) -> None:
         rank, world, init_method, make_worker, args = link.conn.recv()
         try:
             worker = make_worker(rank, world, init_method, *args)
-        except BaseException:
-            link.send("error", traceback.format_exc())
+        except BaseException as e:
+            link.send(*failure_report(e))
             raise
         code = obey(link, worker, rank)
     except EOFError:
@@ -342,17 +342,20 @@ def obey(link: DriverLink, worker, rank: int) -> int:
         return 3
     except BaseException as e:
         with contextlib.suppress(OSError):
-            link.send("error", failure_report(e))
+            link.send(*failure_report(e))
         raise
     return 0
 
 
-def failure_report(error: BaseException) -> str:
-    """What a failed rank tells its driver: a lost peer's one-line message (the traceback of the
-    collective that noticed says nothing more), else the traceback."""
-    if isinstance(error, RankFailure):
-        return str(error)
-    return peer_failure(error) or traceback.format_exc()
+def failure_report(error: BaseException) -> tuple[str, str]:
+    """What a failed rank tells its driver: ("lost", one line) where it lost a peer (the traceback
+    of the collective that noticed says nothing more, and the driver waits a moment for the peer's
+    own report: ``LocalRanks.cause``), else ("error", the traceback)."""
+    if isinstance(error, PeerLost):
+        return "lost", str(error)
+    if isinstance(error, RuntimeError) and (line := peer_failure(error)) is not None:
+        return "lost", line
+    return "error", "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
 def share_driver(address: tuple[int, bytes] | None) -> tuple[str, int, bytes]:
@@ -378,6 +381,10 @@ def join_driver(where: tuple[str, int, bytes], rank: int, timeout_s: float) -> D
             time.sleep(0.5)
     conn.send((rank, socket.gethostname(), _address()))
     return DriverLink(conn)
+
+
+LOST_GRACE_S = 2.0
+"""How long a driver whose rank lost a peer waits for that peer's own report (``LocalRanks.cause``)."""
 
 
 def readable(conns: list[Connection], timeout: float | None = None) -> list[Connection]:
@@ -442,8 +449,8 @@ class LocalRanks:
                 except EOFError:
                     raise RankFailure(f"rank {rank} died ({self._exit_status(rank)}); stopping all ranks") from None
                 last_news = time.monotonic()
-                if what == "error":
-                    raise RankFailure(f"rank {rank} failed:\n{value.rstrip()}")
+                if what in ("error", "lost"):
+                    raise RankFailure(self.cause(rank, what, value))
                 if what == "token":
                     if on_token is not None:
                         on_token(*value)
@@ -454,6 +461,24 @@ class LocalRanks:
                 else:
                     raise RankFailure(f"rank {rank} sent {what!r} while the driver waited for {kind!r}")
         return [got[r] for r in range(self.world)]
+
+    def cause(self, rank: int, what: str, report: str) -> str:
+        """Why the run failed, from rank ``rank``'s first report: its error; or, where it only lost
+        a peer (``what`` "lost"), that peer's own error or death if either comes within
+        ``LOST_GRACE_S``: it says why (a killed rank, a bug), where the report only says that."""
+        if what == "lost":
+            others = [c for r, c in enumerate(self.conns) if r != rank]
+            deadline = time.monotonic() + LOST_GRACE_S
+            while others and (left := deadline - time.monotonic()) > 0:
+                for conn in readable(others, timeout=left):
+                    peer = self.conns.index(conn)
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        return f"rank {peer} died ({self._exit_status(peer)})"
+                    if kind == "error":
+                        return f"rank {peer} failed:\n{value.rstrip()}"
+        return f"rank {rank} failed:\n{report.rstrip()}"
 
     def _exit_status(self, rank: int) -> str:
         if rank not in self.procs:  # a rank of another process (torchrun's): only its link is seen
@@ -526,7 +551,7 @@ class JoinedRanks(LocalRanks):
                     with contextlib.suppress(EOFError, OSError):  # its traceback, if it sent one, says why
                         while readable([conn], 0):
                             what, value = conn.recv()
-                            if what == "error":
+                            if what in ("error", "lost"):
                                 why = f"rank 0 failed:\n{value.rstrip()}"
                 self.conns = list(joined.values())
                 self.close()

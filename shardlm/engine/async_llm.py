@@ -215,8 +215,8 @@ class AsyncLLM(EngineFront):
                         kind, value = conn.recv()
                     except (EOFError, OSError):
                         raise RankFailure(f"rank {rank} died ({self._ranks._exit_status(rank)})") from None
-                    if kind == "error":
-                        raise RankFailure(f"rank {rank} failed:\n{value.rstrip()}")
+                    if kind in ("error", "lost"):
+                        raise RankFailure(self._ranks.cause(rank, kind, value))
                     if kind == "done":  # the serving loop ended (after stop)
                         return
                     if kind == "events":

@@ -32,7 +32,7 @@ from torch import Tensor
 from shardlm.parallel.shm_segment import CollectiveError, PeerFailure, Segment
 from shardlm.parallel.shm_setup import open_segment
 
-__all__ = ["REDUCIBLE", "CollectiveError", "ShmGroup", "route", "set_backend"]
+__all__ = ["REDUCIBLE", "CollectiveError", "PeerFailure", "ShmGroup", "route", "set_backend"]
 
 SEGMENT_BYTES = 16 << 20  # per group: slots of 4 MiB at 2 ranks, 2 MiB at 4, 1 MiB at 8 (min 256 KiB)
 SMALL_BYTES = 64 << 10  # all-reduce below this (or on 2 ranks) reads every slot in one round

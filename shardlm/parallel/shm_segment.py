@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from shardlm.errors import RankFailure
+from shardlm.errors import PeerLost
 
 LINE = 64  # bytes per control line: no two ranks' flags share a cache line
 PAGE = 4096
@@ -60,7 +60,7 @@ class CollectiveError(RuntimeError):
     """A collective on the shared-memory path failed or was misused."""
 
 
-class PeerFailure(CollectiveError, RankFailure):
+class PeerFailure(CollectiveError, PeerLost):
     """A peer of the group died, gave up or timed out: the message says which; the run cannot go on."""
 
 

@@ -45,14 +45,19 @@ class _Failing:
 
 
 @pytest.mark.parametrize(
-    "error, traced",
+    "error, kind, says",
     [
-        (PeerFailure("shared-memory collective failed: all_reduce: group rank 1 (global rank 1, pid 7) died"), False),
-        (RuntimeError("[pair.cc:553] Connection closed by peer [192.0.2.2]:28855."), False),
-        (ValueError("a bug"), True),
+        (
+            PeerFailure("shared-memory collective failed: all_reduce: group rank 1 (global rank 1, pid 7) died"),
+            "lost",
+            "died",
+        ),
+        (RuntimeError("[pair.cc:553] Connection closed by peer [192.0.2.2]:28855."), "lost", "lost the peer"),
+        (ValueError("a bug"), "error", "a bug"),
+        (OSError("Connection reset by peer"), "error", "Connection reset"),  # not a collective's
     ],
 )
-def test_a_rank_reports_a_lost_peer_in_one_line_and_anything_else_with_its_traceback(monkeypatch, error, traced):
+def test_a_rank_reports_a_lost_peer_in_one_line_and_anything_else_with_its_traceback(monkeypatch, error, kind, says):
     """obey: the driver prints what a rank sends; a traceback of the collective that saw a peer die is noise."""
     monkeypatch.setattr(launch, "HOSTS", [])
     ours, theirs = Pipe()
@@ -60,6 +65,30 @@ def test_a_rank_reports_a_lost_peer_in_one_line_and_anything_else_with_its_trace
     with pytest.raises(type(error)):
         launch.obey(launch.DriverLink(ours), _Failing(error), rank=0)
     assert theirs.recv() == ("ready", None)
-    kind, report = theirs.recv()
-    assert kind == "error" and ("Traceback" in report) == traced
-    assert ("a bug" if traced else ("died" if isinstance(error, PeerFailure) else "lost the peer")) in report
+    got, report = theirs.recv()
+    assert got == kind and ("Traceback" in report) == (kind == "error") and says in report
+
+
+def _ranks(n: int):
+    """A driver's LocalRanks over ``n`` socket pairs, without processes: (ranks, the ranks' ends)."""
+    ranks = object.__new__(launch.LocalRanks)
+    pairs = [Pipe() for _ in range(n)]
+    ranks.conns, ranks.procs, ranks.hosts = [a for a, _ in pairs], {}, {}
+    return ranks, [b for _, b in pairs]
+
+
+def test_a_driver_told_of_a_lost_peer_reports_the_peers_own_failure():
+    """Rank 0 lost rank 1: rank 1's death or error, if it comes within the grace, is what the run
+    reports (the CI flake: whichever reached the driver first was reported); else rank 0's line."""
+    ranks, ends = _ranks(3)
+    ends[1].close()  # rank 1 died
+    assert ranks.cause(0, "lost", "group rank 1 died\n") == "rank 1 died (connection lost)"
+    ranks, ends = _ranks(3)
+    ends[2].send(("lost", "group rank 1 died"))  # another rank that only saw it too: not the cause
+    ends[1].send(("error", "Traceback ...\nValueError: a bug\n"))
+    assert ranks.cause(0, "lost", "group rank 1 died") == "rank 1 failed:\nTraceback ...\nValueError: a bug"
+    ranks, ends = _ranks(2)
+    start = launch.time.monotonic()
+    assert ranks.cause(0, "lost", "group rank 1 timed out") == "rank 0 failed:\ngroup rank 1 timed out"
+    assert launch.LOST_GRACE_S <= launch.time.monotonic() - start < launch.LOST_GRACE_S + 1
+    assert ranks.cause(1, "error", "Traceback: x\n") == "rank 1 failed:\nTraceback: x"  # an error: at once
