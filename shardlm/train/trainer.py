@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from shardlm.errors import UsageError
+from shardlm.errors import ClosedError, UsageError
 from shardlm.launch import cpu_threads, holds_group, init_distributed, resolve_device, torchrun_env
 from shardlm.models.attention import causal_metadata
 from shardlm.models.config import DEEPSEEK
@@ -450,10 +451,12 @@ class Trainer:
         vars(self).clear()
         self.closed = True
 
-    def __getattr__(self, name: str):  # only for a name not found: after close(), every attribute of state
-        if self.__dict__.get("closed"):
-            raise UsageError(f"this Trainer is closed (close(), or the process's exit); build another ({name!r})")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if not TYPE_CHECKING:  # mypy keeps checking attribute names
+
+        def __getattr__(self, name: str):  # only for a name not found: after close(), all of its state
+            if self.__dict__.get("closed") and not name.startswith("__"):
+                raise ClosedError("this Trainer is closed (close(), or the process's exit); build another")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def spawned(cls, rank: int, world: int, init_method: str, config: TrainConfig) -> Trainer:

@@ -256,6 +256,7 @@ def test_a_closed_trainer_and_llm_refuse_with_a_message(tiny):
     trainer.close()
     with pytest.raises(UsageError, match="this Trainer is closed"):
         trainer.step(torch.zeros(2, 9, dtype=torch.long))
+    assert not hasattr(trainer, "zero")  # probes see nothing (ClosedError is an AttributeError too)
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         Trainer.__getattr__(object.__new__(Trainer), "nothing")  # an open trainer's missing name stays one
     with LLM(path, threads=1) as llm:
