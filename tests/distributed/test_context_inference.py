@@ -293,6 +293,7 @@ def test_prompts_of_thousands_of_tokens_match_hf(long_prompts, name, layout):
         assert tokens == want
 
 
+@pytest.mark.slow  # ~8 s
 def test_prefix_cache_hits_on_every_shard(tiny):
     """A second request sharing a first one's prompt finds its group blocks cached (on every cp
     rank at once) and still gives HF's tokens."""

@@ -478,12 +478,13 @@ def test_state_of_another_model_is_refused(hf_run, tiny, tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        dict(),
-        dict(pp=2, tp=2, zero=3, grad_accum=2),
-        dict(dp=2, cp=2, zero=2),
-        dict(pp=2, grad_accum=2, pp_schedule="interleaved", vpp=3),  # through the chunks in order
+        pytest.param(dict(), id="one"),
+        pytest.param(dict(pp=2, tp=2, zero=3, grad_accum=2), id="pp2-tp2", marks=pytest.mark.slow),  # ~8 s
+        pytest.param(dict(dp=2, cp=2, zero=2), id="dp2-cp2"),
+        pytest.param(
+            dict(pp=2, grad_accum=2, pp_schedule="interleaved", vpp=3), id="pp2-interleaved"
+        ),  # the chunks in order
     ],
-    ids=["one", "pp2-tp2", "dp2-cp2", "pp2-interleaved"],
 )
 def test_evaluate_is_hfs_loss_and_trains_nothing(hf_run, layout):
     """Trainer.evaluate (--eval-every): HF's loss on the batch, over every token of it, and the

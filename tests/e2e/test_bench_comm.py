@@ -108,6 +108,7 @@ def test_bad_input_is_one_line_and_exit_2(args, match, capsys):
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # ~8 s: a CLI process (the refusals themselves are checked in-process above)
 def test_the_real_command_refuses_with_one_line():
     out = subprocess.run(
         [sys.executable, "-m", "shardlm.cli", "bench", "comm", "--ranks", "1"],

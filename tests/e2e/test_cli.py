@@ -114,6 +114,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message, capsys):
     assert len([line for line in err.splitlines() if "error" in line]) == 1
 
 
+@pytest.mark.slow  # ~8 s
 def test_world_size_mismatch_under_torchrun():
     env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     r = shardlm("generate", "--tp", "2", "x", env=env, timeout=120)
@@ -121,6 +122,7 @@ def test_world_size_mismatch_under_torchrun():
     assert "tp=3" in r.stderr  # a valid alternative is named
 
 
+@pytest.mark.slow  # ~8 s
 def test_unknown_architecture(tmp_path):
     """An architecture shardlm does not know: one line naming the ones it runs (and GPT-2's, which
     only the planner costs)."""

@@ -243,6 +243,7 @@ def server_of(client) -> SimpleNamespace:
     return SimpleNamespace(root=str(client.base_url).rstrip("/").removesuffix("/v1"))
 
 
+@pytest.mark.slow  # ~9 s
 def test_n_choices_and_several_prompts(client, reference, tok):
     other = "Once upon a time"
     body = dict(model="smollm2", max_tokens=8, temperature=1.0, seed=5, extra_body={"ignore_eos": True})

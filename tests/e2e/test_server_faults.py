@@ -26,6 +26,7 @@ def serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # ~7 s
 def test_a_busy_port_fails_at_once_with_exit_2():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
