@@ -478,6 +478,8 @@ class LocalRanks:
                         return f"rank {peer} died ({self._exit_status(peer)})"
                     if kind == "error":
                         return f"rank {peer} failed:\n{value.rstrip()}"
+                    if kind == "lost":  # it only saw the loss too: its exit that follows is not the cause
+                        others.remove(conn)
         return f"rank {rank} failed:\n{report.rstrip()}"
 
     def _exit_status(self, rank: int) -> str:

@@ -87,6 +87,10 @@ def test_a_driver_told_of_a_lost_peer_reports_the_peers_own_failure():
     ends[2].send(("lost", "group rank 1 died"))  # another rank that only saw it too: not the cause
     ends[1].send(("error", "Traceback ...\nValueError: a bug\n"))
     assert ranks.cause(0, "lost", "group rank 1 died") == "rank 1 failed:\nTraceback ...\nValueError: a bug"
+    ranks, ends = _ranks(3)
+    ends[2].send(("lost", "group rank 0 gave up"))  # rank 2 saw it too and exited: not the cause
+    ends[2].close()
+    assert ranks.cause(0, "lost", "group rank 1 timed out") == "rank 0 failed:\ngroup rank 1 timed out"
     ranks, ends = _ranks(2)
     start = launch.time.monotonic()
     assert ranks.cause(0, "lost", "group rank 1 timed out") == "rank 0 failed:\ngroup rank 1 timed out"
