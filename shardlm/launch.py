@@ -447,7 +447,7 @@ class LocalRanks:
                 try:
                     what, value = conn.recv()
                 except EOFError:
-                    raise RankFailure(f"rank {rank} died ({self._exit_status(rank)}); stopping all ranks") from None
+                    raise RankFailure(f"{self.died(rank)}; stopping all ranks") from None
                 last_news = time.monotonic()
                 if what in ("error", "lost"):
                     raise RankFailure(self.cause(rank, what, value))
@@ -475,12 +475,16 @@ class LocalRanks:
                     try:
                         kind, value = conn.recv()
                     except (EOFError, OSError):
-                        return f"rank {peer} died ({self._exit_status(peer)})"
+                        return self.died(peer)
                     if kind == "error":
                         return f"rank {peer} failed:\n{value.rstrip()}"
                     if kind == "lost":  # it only saw the loss too: its exit that follows is not the cause
                         others.remove(conn)
         return f"rank {rank} failed:\n{report.rstrip()}"
+
+    def died(self, rank: int) -> str:
+        """What the driver says of a rank whose link ended."""
+        return f"rank {rank} died ({self._exit_status(rank)})"
 
     def _exit_status(self, rank: int) -> str:
         if rank not in self.procs:  # a rank of another process (torchrun's): only its link is seen

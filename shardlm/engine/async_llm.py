@@ -214,7 +214,7 @@ class AsyncLLM(EngineFront):
                     try:
                         kind, value = conn.recv()
                     except (EOFError, OSError):
-                        raise RankFailure(f"rank {rank} died ({self._ranks._exit_status(rank)})") from None
+                        raise RankFailure(self._ranks.died(rank)) from None
                     if kind in ("error", "lost"):
                         raise RankFailure(self._ranks.cause(rank, kind, value))
                     if kind == "done":  # the serving loop ended (after stop)

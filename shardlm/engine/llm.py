@@ -23,7 +23,7 @@ from shardlm.engine.sampling import SamplingParams
 from shardlm.engine.structured import check_grammar
 from shardlm.engine.text import StopText
 from shardlm.engine.worker import Completion, Worker, max_model_len
-from shardlm.errors import UsageError
+from shardlm.errors import ClosedError, UsageError
 from shardlm.launch import JoinedRanks, LocalRanks, holds_group, resolve_device, torchrun_env
 from shardlm.models.loader import Checkpoint, open_checkpoint
 from shardlm.models.moe import check_expert_layout
@@ -413,7 +413,7 @@ class LLM(EngineFront):
     def _run(self, requests: list[Request], on_token) -> list[Completion]:
         if self._ranks is None:  # one process, or torchrun: gather the replicas' results once
             if self.worker is None:
-                raise UsageError("this LLM is closed (close() or the end of its with block); build another")
+                raise ClosedError("this LLM is closed (close() or the end of its with block); build another")
             mine = self.worker.generate(requests, on_token)
             per_replica = gather_replicas(mine, self.worker.dims)
             self.last_rank_stats = [mine[1]]

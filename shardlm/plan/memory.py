@@ -205,14 +205,17 @@ def outer_params(costs: ModelCosts, lay: Layout, stage: int) -> float:
 
 def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) -> float:
     """What a ZeRO-3 rank holds beyond its shards at the activations' peak (the start of backward):
-    the gathered 16-bit weights of 1 + ``prefetch`` layers and of its outer unit (gathered for the
-    whole forward, and again for backward), the outer unit's whole 16-bit gradient (reduced only
-    when the embedding's backward ends it), and the layer being reduce-scattered
-    (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"."""
-    layer = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp).total
+    the gathered 16-bit weights of 1 + ``prefetch`` layers (of an MoE layer's experts only the
+    current one's: the trainer gathers them when met, ``train/zero.py``) and of its outer unit
+    (gathered for the whole forward, and again for backward), the outer unit's whole 16-bit
+    gradient (reduced only when the embedding's backward ends it), and the layer being
+    reduce-scattered (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"."""
+    rl = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp)
+    experts = rl.experts * rl.expert_params
+    layer, gathered = rl.total, (1 + prefetch) * (rl.total - experts) + experts
     outer = max(outer_params(costs, lay, 0), outer_params(costs, lay, lay.pp - 1))
     in_flight = 2 if reduce == "overlapped" else 1
-    return PARAM_BYTES * ((1 + prefetch) * layer + outer) + GRAD_BYTES * outer + in_flight * ZERO3_GRAD_BYTES * layer
+    return PARAM_BYTES * (gathered + outer) + GRAD_BYTES * outer + in_flight * ZERO3_GRAD_BYTES * layer
 
 
 def training_memory(

@@ -155,3 +155,12 @@ def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
     assert ZERO3_GRAD_BYTES == 6
     head = training_memory(costs, Layout(dp=8, pp=2, zero=3), 0.0, seq=4096).comm_buffers
     assert head == pytest.approx(PARAM_BYTES * (2 * layer + outer / 2) + outer + ZERO3_GRAD_BYTES * layer)
+    # an MoE layer's experts are gathered when met, never prefetched
+    moe = ModelCosts(load_model("mixtral-8x7b")[0])
+    lay, rl = Layout(dp=8, ep=8, zero=3), moe.rank_layer(True, 1, 8, 1)
+    experts, outer = rl.experts * rl.expert_params, moe.vocab_rows(1) * 4096 * 2
+    mem = training_memory(moe, lay, 0.0, seq=4096, prefetch=2).comm_buffers
+    gathered = 3 * (rl.total - experts) + experts
+    assert experts > 0 and mem == pytest.approx(
+        PARAM_BYTES * (gathered + outer) + 2 * outer + ZERO3_GRAD_BYTES * rl.total
+    )
