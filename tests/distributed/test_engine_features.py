@@ -78,3 +78,16 @@ def test_chunks_and_cache_across_ranks(tiny, layout):
         4, llm_greedy, str(ref.path), PROMPTS * 2, NEW_TOKENS, block_size=4, max_num_batched_tokens=8, **layout
     ):
         assert tokens == ref.tokens * 2  # the repeats hit the cache and still give HF's tokens
+
+
+def test_a_prompt_must_have_a_token_and_fit_max_model_len(tiny):
+    """``LLM.encode`` refuses what no step could run, naming the numbers (the CLI's run of the same
+    refusal is in the slow tier)."""
+    from shardlm.errors import UsageError
+
+    llm = LLM(str(tiny("llama").path), threads=1, max_model_len=8)
+    assert llm.encode(list(range(7))) == list(range(7))
+    with pytest.raises(UsageError, match=r"prompt of 8 tokens does not fit the context of 8 tokens \(max_model_len\)"):
+        llm.encode(list(range(8)))
+    with pytest.raises(UsageError, match="an empty prompt has no token"):
+        llm.encode([])

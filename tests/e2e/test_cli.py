@@ -277,3 +277,12 @@ def test_a_users_torchrun_script_ends_the_group_shardlm_started_before_teardown(
         assert tokens == "tokens 3"
         before, at_exit = threads.split()[1:]
         assert at_exit == before, f"rank {rank}: {before} threads before the LLM, {at_exit} at exit"
+
+
+def test_unknown_architecture_in_process(tmp_path, capsys):
+    """The same refusal, caught before any rank starts (the real command is run by the slow test
+    above)."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
+    code, err = main_exit(["generate", "--model", str(tmp_path), "x"], capsys)
+    assert code == 2 and "unknown architecture ['FalconForCausalLM']; shardlm runs " in err, err
+    assert "LlamaForCausalLM" in err and "(the planner also GPT2LMHeadModel)" in err

@@ -40,6 +40,17 @@ def test_a_busy_port_fails_at_once_with_exit_2():
     assert time.monotonic() - start < 60
 
 
+def test_a_busy_port_is_refused_before_any_rank_starts(capsys):
+    """The same refusal as the real command's above, by ``main`` in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        code, err = main_exit(["serve", "--port", str(port)], capsys)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--port 0" in err, err
+    assert "Traceback" not in err and "loading" not in err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
