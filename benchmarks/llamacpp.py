@@ -73,6 +73,7 @@ def import_llama_cpp(cache: Path, build: bool, build_timeout: float):
     # its runtime dependencies but numpy/jinja2/typing-extensions (already here): diskcache
     pip = [sys.executable, "-m", "pip", "install", "-q", "--target", str(site)]
     subprocess.run([*pip, "--no-deps", wheels[-1], "diskcache"], check=True)
+    sys.path_importer_cache.pop(str(site), None)  # looked up above, before it existed
     import llama_cpp
 
     return llama_cpp
