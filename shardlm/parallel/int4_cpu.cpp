@@ -68,7 +68,58 @@ struct QuantRows {
   const float* sx;
 };
 
-QuantRows quantize_rows(const float* xp, int64_t M, int64_t K) {
+// Where element j of block b of a row goes in xq. In natural order at b * 32 + j; ``paired``, each
+// pair of blocks (b, b + 1), b even, in the order one 32-byte load of their codes unpacks to (low
+// nibbles: both blocks' elements 0..15, high: both blocks' 16..31), so a pair needs no shuffle
+// (``pair_dot``); a last, odd block stays in natural order.
+inline int64_t slot(int64_t b, int j, int64_t B, bool paired) {
+  if (!paired || (b == B - 1 && B % 2)) return b * kGroup + j;
+  return (b - b % 2) * kGroup + (j / 16) * 32 + (b % 2) * 16 + j % 16;
+}
+
+// One block's quantization: its 32 codes, elements 0..15 to ``first`` and 16..31 to ``second``;
+// returns sum(xq). The portable loop, then the same in AVX2 (the same values: both round half to even).
+int quantize_block(const float* v, float inv, int8_t* first, int8_t* second) {
+  int sum = 0;
+  for (int j = 0; j < kGroup; ++j) {
+    const int q = static_cast<int>(std::nearbyint(v[j] * inv));
+    (j < 16 ? first : second)[j % 16] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  return sum;
+}
+
+#ifdef SHARDLM_X86
+__attribute__((target("avx2,fma,f16c"))) float block_amax(const float* v) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+  for (int j = 8; j < kGroup; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+__attribute__((target("avx2,fma,f16c"))) int quantize_block_avx2(const float* v, float inv, int8_t* first,
+                                                                 int8_t* second) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i q[4];
+  for (int j = 0; j < 4; ++j)
+    q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), scale),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+  s = _mm_hadd_epi32(s, s);
+  s = _mm_hadd_epi32(s, s);
+  // packs interleaves the 128-bit lanes: [0-3, 8-11, 16-19, 24-27, 4-7, ...]; put them back in order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(ordered));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(ordered, 1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+QuantRows quantize_rows(const float* xp, int64_t M, int64_t K, bool paired, bool avx2) {
   const int64_t B = K / kGroup;
   thread_local std::vector<int8_t> qs;
   thread_local std::vector<float> ds, ss;
@@ -81,15 +132,23 @@ QuantRows quantize_rows(const float* xp, int64_t M, int64_t K) {
   at::parallel_for(0, M * B, 256, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const float* v = xp + i * kGroup;  // block i of the flattened rows (K is whole blocks)
+      int8_t* row = qp + (i / B) * K;
+      const int64_t b = i % B;
       float amax = 0.f;
-      for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int sum = 0;
-      for (int j = 0; j < kGroup; ++j) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        qp[i * kGroup + j] = static_cast<int8_t>(q);
-        sum += q;
+#ifdef SHARDLM_X86
+      if (avx2) {
+        amax = block_amax(v);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        sum = quantize_block_avx2(v, inv, row + slot(b, 0, B, paired), row + slot(b, 16, B, paired));
       }
+#endif
+      if (!avx2) {
+        for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        sum = quantize_block(v, inv, row + slot(b, 0, B, paired), row + slot(b, 16, B, paired));
+      }
+      const float d = amax / 127.f;
       dp[i] = d;
       sp[i] = d * static_cast<float>(sum);
     }
@@ -137,6 +196,20 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 block_dot(__m256i w, cons
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
+// sum(q * xq) of a pair of blocks from one 32-byte load of their codes, against the pair's 64
+// activations in ``slot``'s paired order: lanes 0..3 the first block's, 4..7 the second's, in
+// float. The two byte products' int16 sums are added before widening (each |.| <= 2 * 15 * 127 *
+// 2, far from saturating).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 pair_dot(const uint8_t* w, const int8_t* v) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32));
+  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(raw, nib), x0);
+  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), x1);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), _mm256_set1_epi16(1)));
+}
+
 // sum_b mins[b] * sx[b]: the offsets' share of a row's dot product, 8 blocks at a time.
 __attribute__((target("avx2,fma,f16c"))) inline float offsets(const uint16_t* mins, const float* sx, int64_t B) {
   __m256 acc = _mm256_setzero_ps();
@@ -150,42 +223,44 @@ __attribute__((target("avx2,fma,f16c"))) inline float offsets(const uint16_t* mi
   return s;
 }
 
-// T activation rows at once share each unpacked weight block. The blocks' scales d * dx are
-// computed 8 at a time into ds (a chunk of kChunk blocks), so the inner loop only broadcasts them.
-constexpr int64_t kChunk = 64;
-
+// One weight row against T activation rows (xq in ``slot``'s paired order), which share each
+// loaded pair of weight blocks. Eight blocks a turn: their scales d * dx are one vector per row,
+// and each pair's [d0 * dx0 x 4, d1 * dx1 x 4] a lane permutation of it; two accumulators per row.
 template <int T>
 __attribute__((target("avx2,fma,f16c"))) void dot_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mins,
                                                        const int8_t* xq, const float* dx, const float* sx, float* y,
                                                        int64_t N, int64_t K) {
   const int64_t B = K / kGroup;
-  __m256 acc[T], acc2[T];
-  for (int t = 0; t < T; ++t) acc[t] = acc2[t] = _mm256_setzero_ps();
-  alignas(32) float ds[T][kChunk];
-  for (int64_t c0 = 0; c0 < B; c0 += kChunk) {
-    const int64_t c1 = std::min(B, c0 + kChunk);
-    int64_t b = c0;
-    for (; b + 8 <= c1; b += 8) {
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
-      for (int t = 0; t < T; ++t) _mm256_store_ps(&ds[t][b - c0], _mm256_mul_ps(dv, _mm256_loadu_ps(dx + t * B + b)));
-    }
-    for (; b < c1; ++b)
-      for (int t = 0; t < T; ++t) ds[t][b - c0] = _cvtsh_ss(d[b]) * dx[t * B + b];
-    for (b = c0; b + 2 <= c1; b += 2) {  // two blocks a turn: two independent accumulators per row
-      const __m256i w0 = unpack(w + b * 16), w1 = unpack(w + (b + 1) * 16);
-      for (int t = 0; t < T; ++t) {
-        const int8_t* v = xq + t * K + b * kGroup;
-        acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b - c0]), block_dot(w0, v), acc[t]);
-        acc2[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b + 1 - c0]), block_dot(w1, v + kGroup), acc2[t]);
-      }
-    }
-    if (b < c1) {
-      const __m256i w0 = unpack(w + b * 16);
+  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  __m256 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= B; b += 8) {
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b)));
+    __m256 sc[T];
+    for (int t = 0; t < T; ++t) sc[t] = _mm256_mul_ps(dv, _mm256_loadu_ps(dx + t * B + b));
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* wp = w + (b + 2 * p) * 16;
       for (int t = 0; t < T; ++t)
-        acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[t][b - c0]), block_dot(w0, xq + t * K + b * kGroup), acc[t]);
+        acc[t][p & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc[t], pick[p]),
+                                        pair_dot(wp, xq + t * K + (b + 2 * p) * kGroup), acc[t][p & 1]);
     }
   }
-  for (int t = 0; t < T; ++t) y[t * N] = hsum(_mm256_add_ps(acc[t], acc2[t])) + offsets(mins, sx + t * B, B);
+  for (; b + 2 <= B; b += 2) {  // the pairs left
+    for (int t = 0; t < T; ++t) {
+      const float s0 = _cvtsh_ss(d[b]) * dx[t * B + b], s1 = _cvtsh_ss(d[b + 1]) * dx[t * B + b + 1];
+      acc[t][0] = _mm256_fmadd_ps(_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1),
+                                  pair_dot(w + b * 16, xq + t * K + b * kGroup), acc[t][0]);
+    }
+  }
+  if (b < B) {  // an odd last block, in natural order
+    const __m256i w0 = unpack(w + b * 16);
+    for (int t = 0; t < T; ++t)
+      acc[t][1] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(d[b]) * dx[t * B + b]),
+                                  block_dot(w0, xq + t * K + b * kGroup), acc[t][1]);
+  }
+  for (int t = 0; t < T; ++t) y[t * N] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + offsets(mins, sx + t * B, B);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void dot_rows_avx2(const uint8_t* codes, const uint16_t* d,
@@ -337,9 +412,9 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const Weight& w, int64_t gem
     }
     return y;
   }
-  const QuantRows a = quantize_rows(x.data_ptr<float>(), M, K);
-  float* yp = y.data_ptr<float>();
   const bool avx2 = simd && has_avx2();
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), M, K, /*paired=*/avx2 && w.four_bit, avx2);
+  float* yp = y.data_ptr<float>();
   const int8_t* c8 = reinterpret_cast<const int8_t*>(w.codes);
   // a small layer stays on one thread: at two threads, with the split at 2^18, 2^19 or 2^20
   // multiply-adds or every layer split, SmolLM2's decode step took the same within the noise,

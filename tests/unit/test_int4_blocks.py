@@ -145,13 +145,16 @@ def test_int4_linear_matches_its_dequantized_weights(rows):
     assert (linear(x, bad_codes, None, bad_scales) - want).abs().max() > 0.1 * want.abs().max()
 
 
-def test_int4_portable_loop_agrees_with_the_avx2_one():
-    """The loop for CPUs without AVX2 (forced here) against the vectorised one on this CPU."""
+@pytest.mark.parametrize("cols", [160, 352])
+def test_int4_portable_loop_agrees_with_the_avx2_one(cols):
+    """The loop for CPUs without AVX2 (forced here) against the vectorised one on this CPU; 6 rows
+    (a tile of 4, then single rows), and 5 or 11 groups of in-features: the vectorised loop's
+    eight groups a turn, the pairs left and an odd last group."""
     if not native_kernel() or not torch.ops.shardlm_int4.vectorised():
         pytest.skip("no vectorised kernel on this machine to compare with")
     g = torch.Generator().manual_seed(1)
-    codes, scales = pack_int4(int4_groups(torch.randn(24, 160, generator=g)))
-    x = torch.randn(6, 160, generator=g)
+    codes, scales = pack_int4(int4_groups(torch.randn(24, cols, generator=g)))
+    x = torch.randn(6, cols, generator=g)
     simd = torch.ops.shardlm_int4.linear(x, codes, scales, GEMM_ROWS, True)
     portable = torch.ops.shardlm_int4.linear(x, codes, scales, GEMM_ROWS, False)
     torch.testing.assert_close(portable, simd, rtol=1e-5, atol=1e-5 * simd.abs().max().item())
