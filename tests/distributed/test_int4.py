@@ -3,8 +3,10 @@
 * SmolLM2's GGUF (its linear layers are Q4_1): with quantization="gguf" each rank holds, for every
   linear layer, exactly its rows' blocks of the file (the codes packed, float16 d and m as the
   file stores them) and nothing else: its parameter bytes are the packed size plus the float
-  parts (norms, the Q8_0 embedding dequantized). Greedy tokens at tp=2 and tp=3 = tp=1's: the same
-  weights, only the partial sums' rounding differs.
+  parts (norms, the Q8_0 embedding dequantized). Greedy tokens at tp=2 and tp=3 = tp=1's up to a
+  near tie: the same weights, only the partial sums' rounding differs, but each layer rounds its
+  activations to int8 again (as llama.cpp does), so that rounding moves a logit by ~1 at most
+  (``TIE``).
 * A float checkpoint with quantization="int4" (a tiny Qwen3 whose every shard splits into groups of
   32): each rank's layers compute x @ W^T of their dequantized int4 weights within the kernel's
   rounding (activations rounded to int8 per group of 32), and the weights of tp=2 and tp=3 are tp=1's (groups never
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from harness.multirank import run_ranks
-from harness.rankfns import greedy_and_logits, make_worker
+from harness.rankfns import greedy_and_logits, greedy_top2, make_worker
 from harness.reference import NEW_TOKENS, PROMPTS, SMOLLM2_QUESTIONS, build_tiny
 from shardlm.errors import UsageError
 
@@ -82,6 +84,27 @@ def test_gguf_q4_1_weights_are_held_as_the_files_blocks(smollm2_q4):
     assert all(h < 0.55 * whole for _, h, _, _, _ in pair), [h / whole for _, h, _, _, _ in pair]
 
 
+# Where the greedy tokens of two layouts may part: at a step whose two most likely tokens are
+# within TIE nats in both. Why a tie can part them: a float sum's rounding (1e-7 relative) moves an
+# activation across an int8 rounding boundary now and then, and 30 layers of that move SmolLM2's
+# logits by ~0.9 at most at a step (median over a 40-token answer; the same between the kernel's
+# tp=1 and tp=2 as between two builds of it at tp=1), the top two by less.
+TIE = 0.25
+
+
+def assert_same_up_to_a_near_tie(got, want, what: str):
+    """Per prompt: the same tokens, or the same up to a step where the two runs pick each other's
+    runner-up, within TIE of their own pick."""
+    for p, (a, b) in enumerate(zip(got, want)):
+        part = next((j for j, (x, y) in enumerate(zip(a, b)) if x[0] != y[0]), None)
+        if part is None:
+            assert len(a) == len(b), (what, p)
+            continue
+        for (token, top), other in ((a[part][0], a[part][1]), b[part][0]), ((b[part][0], b[part][1]), a[part][0]):
+            (first, lp1), (second, lp2) = top
+            assert (first, second) == (token, other) and lp1 - lp2 < TIE, (what, p, part, a[part], b[part])
+
+
 @pytest.mark.slow  # ~10 s
 def test_gguf_greedy_tokens_at_tp2_are_tp1s(smollm2_q4):
     path, prompts = smollm2_q4
@@ -95,21 +118,19 @@ def test_gguf_greedy_tokens_at_tp2_are_tp1s(smollm2_q4):
     # the float model's tokens; the second's first token is a near tie in the float model (logprobs
     # -1.883 and -1.965), which the LM head's rounded input flips, as llama.cpp's own does
     assert tokens[0] == float_tokens[0]
-    for rank, (tp_tokens, _, _) in enumerate(
-        run_ranks(2, greedy_and_logits, path, 2, prompts, 16, quantization="gguf")
-    ):
-        assert tp_tokens == tokens, f"rank {rank} of tp=2"
+    [want] = run_ranks(1, greedy_top2, path, 1, prompts, 16, quantization="gguf")
+    assert [[t for t, _ in seq] for seq in want] == tokens  # logprobs asked for change nothing
+    for rank, got in enumerate(run_ranks(2, greedy_top2, path, 2, prompts, 16, quantization="gguf")):
+        assert_same_up_to_a_near_tie(got, want, f"rank {rank} of tp=2")
 
 
 @pytest.mark.slow
 def test_gguf_greedy_tokens_at_tp3_are_tp1s(smollm2_q4):
     """tp=3 splits SmolLM2's 9 heads 3+3+3 and its MLP 512 x 3 (~15 s: three ranks load the model)."""
     path, prompts = smollm2_q4
-    [(tokens, _, _)] = run_ranks(1, greedy_and_logits, path, 1, prompts, 16, quantization="gguf")
-    for rank, (tp_tokens, _, _) in enumerate(
-        run_ranks(3, greedy_and_logits, path, 3, prompts, 16, quantization="gguf")
-    ):
-        assert tp_tokens == tokens, f"rank {rank} of tp=3"
+    [want] = run_ranks(1, greedy_top2, path, 1, prompts, 16, quantization="gguf")
+    for rank, got in enumerate(run_ranks(3, greedy_top2, path, 3, prompts, 16, quantization="gguf")):
+        assert_same_up_to_a_near_tie(got, want, f"rank {rank} of tp=3")
 
 
 def int4_layers(model: str, tp: int):

@@ -35,6 +35,20 @@ def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens:
     return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
 
 
+def greedy_top2(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
+    """Greedy tokens per prompt (one batch), each with its step's two most likely tokens and their
+    logprobs: [[(token, ((id, logprob), (id, logprob))), ...], ...]."""
+    from shardlm.engine.engine import Request
+    from shardlm.engine.sampling import SamplingParams
+
+    worker = make_worker(model, tp, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=2)
+    completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
+    return [
+        list(zip(c.token_ids, [lp.top for lp in c.logprobs])) for c in (completions[i] for i in range(len(prompts)))
+    ]
+
+
 def cache_read_logits(model: str, tp: int, prompt: list[int], **options):
     """Logits at every position of ``prompt`` fed one token a step, so each step reads every
     earlier key and value back from the KV cache (teacher-forced decoding)."""
