@@ -306,14 +306,19 @@ def zero3_exposed(
     layer is a unit whose weights are all-gathered over the dp x cp ranks (G) for its forward and
     again for its backward, and whose gradients are reduce-scattered (R) right after its backward
     (blocking, in autograd's backward of the gather); the embedding and LM head form one more unit
-    (never prefetched). With ``prefetch`` >= 1 the next layer's gather is in flight while one
+    (never prefetched), and so do an MoE layer's experts, over the ranks holding the same expert
+    slices: the trainer gathers them when it meets them, so their gathers always wait in full (not
+    so under ``reduce`` "overlapped", priced as FSDP2 and Megatron-FSDP run it: they prefetch the
+    experts with the rest of the layer). With
+    ``prefetch`` >= 1 the next layer's (dense) gather is in flight while one
     computes (``overlap.Prefetch``), so per layer only what the link needs beyond that layer's
     compute waits: on L layers of f forward and b backward each,
 
-        forward  = G + (L - 1) max(0, G - f)
-        backward = G + (L - 1) max(0, G - b) + L R
+        forward  = G + (L - 1) max(0, G - f) + E
+        backward = G + (L - 1) max(0, G - b) + L R + E
 
-    (the first gather has nothing to hide behind); deeper prefetch adds nothing once every layer
+    with G a layer's dense gather and E the stage's expert gathers (the first gather has nothing to
+    hide behind); deeper prefetch adds nothing once every layer
     is alike, since one link carries the gathers in turn. With ``prefetch`` 0 all of it waits:
     L G and L (G + R). G and R are one ring over the group (``comm.ring_gather``): the latency
     grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU.
@@ -334,18 +339,21 @@ def zero3_exposed(
     if layers == 0:
         return 0.0, 0.0
 
-    def unit(moe: bool, per_param: int) -> float:  # one layer's ring: dense parts over dp x cp, experts over
-        # their own copies
+    def unit(moe: bool, per_param: int) -> tuple[float, float]:  # one layer's rings: (its dense parts over
+        # dp x cp, its experts over their own copies)
         rl = costs.rank_layer(moe, lay.tp, lay.ep, lay.etp)
         experts = rl.experts * rl.expert_params
-        return comm.ring_gather((rl.total - experts) * per_param, dp_group, cluster) + comm.ring_gather(
+        return comm.ring_gather((rl.total - experts) * per_param, dp_group, cluster), comm.ring_gather(
             experts * per_param, edp_group, cluster
         )
 
-    def mean_layer(per_param: int) -> float:
-        return (n_dense * unit(False, per_param) + n_moe * unit(True, per_param)) / layers
+    def mean_layer(per_param: int) -> tuple[float, float]:  # (dense parts, experts) of a mean layer
+        dense, moe = unit(False, per_param), unit(True, per_param)
+        return (n_dense * dense[0] + n_moe * moe[0]) / layers, n_moe * moe[1] / layers
 
-    g, r = mean_layer(PARAM_BYTES), mean_layer(REDUCED_GRAD_BYTES)  # 16-bit weights, float32 gradients
+    (g, g_experts), r = mean_layer(PARAM_BYTES), sum(mean_layer(REDUCED_GRAD_BYTES))  # 16-bit weights, fp32 grads
+    if reduce == "overlapped":  # FSDP2 and Megatron-FSDP prefetch every unit, the experts' too
+        g, g_experts = g + g_experts, 0.0
     rest = outer_params(costs, lay, stage)
     g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
     r_rest = comm.ring_gather(rest * REDUCED_GRAD_BYTES, dp_group, cluster)
@@ -359,7 +367,8 @@ def zero3_exposed(
     else:
         e_f = layers * g
         e_b = layers * g + ((layers - 1) * max(0.0, r - b) + r if reduce == "overlapped" else layers * r)
-    return e_f + g_rest, e_b + g_rest + r_rest
+    experts = layers * g_experts  # gathered when met, forward and backward: never prefetched
+    return e_f + experts + g_rest, e_b + experts + g_rest + r_rest
 
 
 def unfused_scores_bytes(cfg, seq_len: int, a: int) -> float:

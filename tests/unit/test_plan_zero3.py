@@ -164,3 +164,37 @@ def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
     assert experts > 0 and mem == pytest.approx(
         PARAM_BYTES * (gathered + outer) + 2 * outer + ZERO3_GRAD_BYTES * rl.total
     )
+
+
+def test_zero3_moe_experts_are_gathered_when_met_so_their_gathers_always_wait():
+    """shardlm's trainer prefetches a layer's dense unit only and gathers an MoE layer's experts
+    (over the ranks holding the same expert slices) when it meets them: with compute long enough to
+    hide every prefetched gather, the experts' gathers of every layer still wait, forward and
+    backward; with no prefetch everything waits, as before. FSDP2 and Megatron-FSDP (priced under
+    --zero3-reduce overlapped) prefetch the experts with the rest."""
+    from shardlm.plan.memory import outer_params
+    from shardlm.plan.zero import REDUCED_GRAD_BYTES
+
+    moe, cluster = ModelCosts(load_model("mixtral-8x7b")[0]), _cluster(16)
+    lay = Layout(dp=16, ep=8, zero=3)  # two copies of each expert slice, one a node
+    rl, layers = moe.rank_layer(True, 1, 8, 1), moe.cfg.num_layers
+    experts = rl.experts * rl.expert_params
+    dp, edp = lay.slowest_group("dp_cp", 8), lay.slowest_group("edp", 8)
+    assert len(edp) == 2
+    g_d, g_e = (
+        comm.ring_gather(n * PARAM_BYTES, grp, cluster) for n, grp in ((rl.total - experts, dp), (experts, edp))
+    )
+    r = sum(
+        comm.ring_gather(n * REDUCED_GRAD_BYTES, grp, cluster) for n, grp in ((rl.total - experts, dp), (experts, edp))
+    )
+    rest = outer_params(moe, lay, 0)
+    g_rest, r_rest = (comm.ring_gather(rest * n, dp, cluster) for n in (PARAM_BYTES, REDUCED_GRAD_BYTES))
+    long = 1e3 * layers  # seconds of compute: every prefetched gather hides
+    e_f, e_b = training.zero3_exposed(moe, cluster, lay, 0, long, long, prefetch=1)
+    assert g_e > 0 and e_f == pytest.approx(g_d + layers * g_e + g_rest)
+    assert e_b == pytest.approx(g_d + layers * (g_e + r) + g_rest + r_rest)
+    e_f, _ = training.zero3_exposed(moe, cluster, lay, 0, long, long, prefetch=0)
+    assert e_f == pytest.approx(layers * (g_d + g_e) + g_rest)
+    # priced as FSDP2 / Megatron-FSDP (--zero3-reduce overlapped): the experts prefetched too
+    e_f, _ = training.zero3_exposed(moe, cluster, lay, 0, long, long, prefetch=1, reduce="overlapped")
+    assert e_f == pytest.approx(g_d + g_e + g_rest)
