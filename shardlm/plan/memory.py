@@ -209,9 +209,11 @@ def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) ->
     current one's: the trainer gathers them when met, ``train/zero.py``) and of its outer unit
     (gathered for the whole forward, and again for backward), the outer unit's whole 16-bit
     gradient (reduced only when the embedding's backward ends it), and the layer being
-    reduce-scattered (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"."""
+    reduce-scattered (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"
+    (priced as FSDP2 and Megatron-FSDP run it, which prefetch the experts with the rest of a layer,
+    as ``training.zero3_exposed`` does)."""
     rl = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp)
-    experts = rl.experts * rl.expert_params
+    experts = 0 if reduce == "overlapped" else rl.experts * rl.expert_params  # those gathered only when met
     layer, gathered = rl.total, (1 + prefetch) * (rl.total - experts) + experts
     outer = max(outer_params(costs, lay, 0), outer_params(costs, lay, lay.pp - 1))
     in_flight = 2 if reduce == "overlapped" else 1

@@ -164,6 +164,9 @@ def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
     assert experts > 0 and mem == pytest.approx(
         PARAM_BYTES * (gathered + outer) + 2 * outer + ZERO3_GRAD_BYTES * rl.total
     )
+    # priced as FSDP2 / Megatron-FSDP: the experts prefetched with the rest of the layer
+    mem = training_memory(moe, lay, 0.0, seq=4096, prefetch=2, zero3_reduce="overlapped").comm_buffers
+    assert mem == pytest.approx(PARAM_BYTES * (3 * rl.total + outer) + 2 * outer + 2 * ZERO3_GRAD_BYTES * rl.total)
 
 
 def test_zero3_moe_experts_are_gathered_when_met_so_their_gathers_always_wait():
