@@ -208,16 +208,19 @@ def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) ->
     the gathered 16-bit weights of 1 + ``prefetch`` layers (of an MoE layer's experts only the
     current one's: the trainer gathers them when met, ``train/zero.py``) and of its outer unit
     (gathered for the whole forward, and again for backward), the outer unit's whole 16-bit
-    gradient (reduced only when the embedding's backward ends it), and the layer being
+    gradient (on the first stage reduced only when the embedding's backward ends it; on a last
+    stage of pp > 1, holding the LM head alone, reduce-scattered right after the head's backward,
+    so with the float32 copy it sends: ``ZERO3_GRAD_BYTES``), and the layer being
     reduce-scattered (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"
     (priced as FSDP2 and Megatron-FSDP run it, which prefetch the experts with the rest of a layer,
     as ``training.zero3_exposed`` does)."""
     rl = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp)
     experts = 0 if reduce == "overlapped" else rl.experts * rl.expert_params  # those gathered only when met
     layer, gathered = rl.total, (1 + prefetch) * (rl.total - experts) + experts
-    outer = max(outer_params(costs, lay, 0), outer_params(costs, lay, lay.pp - 1))
+    first = (PARAM_BYTES + GRAD_BYTES) * outer_params(costs, lay, 0)
+    last = (PARAM_BYTES + ZERO3_GRAD_BYTES) * outer_params(costs, lay, lay.pp - 1) if lay.pp > 1 else 0.0
     in_flight = 2 if reduce == "overlapped" else 1
-    return PARAM_BYTES * (gathered + outer) + GRAD_BYTES * outer + in_flight * ZERO3_GRAD_BYTES * layer
+    return PARAM_BYTES * gathered + max(first, last) + in_flight * ZERO3_GRAD_BYTES * layer
 
 
 def training_memory(

@@ -137,7 +137,8 @@ def test_zero3_reduce_flag_is_honoured_or_refused(capsys):
 def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
     """Beyond its shards, at the start of backward: the gathered 16-bit weights of the layer and the
     1 + --prefetch layers, and of the outer unit (embedding and LM head, gathered through forward),
-    the outer unit's whole 16-bit gradient (reduced when the embedding's backward ends), and the
+    the outer unit's whole 16-bit gradient (reduced when the embedding's backward ends; at pp > 1 the
+    last stage's head right after its backward), and the
     gradient of the layer being reduce-scattered: 16 bits and its float32 copy (shardlm's trainer:
     tests/distributed/test_train.py checks it sends that copy); overlapped, a second layer's beside
     it. No gradient buckets (stage 3 has none)."""
@@ -153,8 +154,12 @@ def test_zero3_memory_holds_gathered_weights_and_the_gradients_being_reduced():
             held = PARAM_BYTES * ((1 + prefetch) * layer + outer) + 2 * outer + grads * ZERO3_GRAD_BYTES * layer
             assert mem.comm_buffers == pytest.approx(held)
     assert ZERO3_GRAD_BYTES == 6
+    # pp2: the LM head alone on the last stage, its gradient reduce-scattered right after the head's
+    # backward (16 bits and the float32 copy sent), more than the embedding's on the first
     head = training_memory(costs, Layout(dp=8, pp=2, zero=3), 0.0, seq=4096).comm_buffers
-    assert head == pytest.approx(PARAM_BYTES * (2 * layer + outer / 2) + outer + ZERO3_GRAD_BYTES * layer)
+    assert head == pytest.approx(
+        PARAM_BYTES * 2 * layer + (PARAM_BYTES + ZERO3_GRAD_BYTES) * outer / 2 + ZERO3_GRAD_BYTES * layer
+    )
     # an MoE layer's experts are gathered when met, never prefetched
     moe = ModelCosts(load_model("mixtral-8x7b")[0])
     lay, rl = Layout(dp=8, ep=8, zero=3), moe.rank_layer(True, 1, 8, 1)
