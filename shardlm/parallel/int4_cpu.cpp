@@ -497,6 +497,7 @@ inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, cons
   for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(total > 0.f ? acc[j] / total : 0.f);
 }
 
+#ifdef SHARDLM_X86
 // The same loops compiled for AVX2 and FMA (the compiler vectorises the dot products and the
 // weighted sums 8 floats wide; the build's baseline is SSE2).
 template <typename T>
@@ -508,6 +509,7 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const T* qp, const T* 
                                                           std::vector<float>& qf) {
   attend<T>(qp, kp, vp, tp, lp, op, task, H, G, D, bs, max_blocks, num_blocks, scale, window, scores, acc, qf);
 }
+#endif
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
