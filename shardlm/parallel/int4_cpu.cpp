@@ -77,8 +77,15 @@ inline int64_t slot(int64_t b, int j, int64_t B, bool paired) {
   return (b - b % 2) * kGroup + (j / 16) * 32 + (b % 2) * 16 + j % 16;
 }
 
-// One block's quantization: its 32 codes, elements 0..15 to ``first`` and 16..31 to ``second``;
-// returns sum(xq). The portable loop, then the same in AVX2 (the same values: both round half to even).
+// One block's max |x|, and its quantization: its 32 codes, elements 0..15 to ``first`` and 16..31 to
+// ``second``, returning sum(xq). The portable loops, then the same in AVX2 (the same values: both
+// round half to even); without x86 the AVX2 names are the portable loops.
+float block_amax(const float* v) {
+  float amax = 0.f;
+  for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+  return amax;
+}
+
 int quantize_block(const float* v, float inv, int8_t* first, int8_t* second) {
   int sum = 0;
   for (int j = 0; j < kGroup; ++j) {
@@ -90,7 +97,7 @@ int quantize_block(const float* v, float inv, int8_t* first, int8_t* second) {
 }
 
 #ifdef SHARDLM_X86
-__attribute__((target("avx2,fma,f16c"))) float block_amax(const float* v) {
+__attribute__((target("avx2,fma,f16c"))) float block_amax_avx2(const float* v) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
   for (int j = 8; j < kGroup; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
@@ -117,6 +124,11 @@ __attribute__((target("avx2,fma,f16c"))) int quantize_block_avx2(const float* v,
   _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(ordered, 1));
   return _mm_cvtsi128_si32(s);
 }
+#else
+float block_amax_avx2(const float* v) { return block_amax(v); }
+int quantize_block_avx2(const float* v, float inv, int8_t* first, int8_t* second) {
+  return quantize_block(v, inv, first, second);
+}
 #endif
 
 QuantRows quantize_rows(const float* xp, int64_t M, int64_t K, bool paired, bool avx2) {
@@ -134,21 +146,10 @@ QuantRows quantize_rows(const float* xp, int64_t M, int64_t K, bool paired, bool
       const float* v = xp + i * kGroup;  // block i of the flattened rows (K is whole blocks)
       int8_t* row = qp + (i / B) * K;
       const int64_t b = i % B;
-      float amax = 0.f;
-      int sum = 0;
-#ifdef SHARDLM_X86
-      if (avx2) {
-        amax = block_amax(v);
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        sum = quantize_block_avx2(v, inv, row + slot(b, 0, B, paired), row + slot(b, 16, B, paired));
-      }
-#endif
-      if (!avx2) {
-        for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        sum = quantize_block(v, inv, row + slot(b, 0, B, paired), row + slot(b, 16, B, paired));
-      }
-      const float d = amax / 127.f;
+      const float amax = avx2 ? block_amax_avx2(v) : block_amax(v);
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t *first = row + slot(b, 0, B, paired), *second = row + slot(b, 16, B, paired);
+      const int sum = avx2 ? quantize_block_avx2(v, inv, first, second) : quantize_block(v, inv, first, second);
       dp[i] = d;
       sp[i] = d * static_cast<float>(sum);
     }
