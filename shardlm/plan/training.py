@@ -347,13 +347,13 @@ def zero3_exposed(
             experts * per_param, edp_group, cluster
         )
 
-    def mean_layer(per_param: int) -> tuple[float, float]:  # (dense parts, experts) of a mean layer
+    def mean_layer(per_param: int, experts: bool) -> float:  # a mean layer's gather, with or without its experts
         dense, moe = unit(False, per_param), unit(True, per_param)
-        return (n_dense * dense[0] + n_moe * moe[0]) / layers, n_moe * moe[1] / layers
+        return (n_dense * dense[0] + n_moe * (moe[0] + experts * moe[1])) / layers
 
-    (g, g_experts), r = mean_layer(PARAM_BYTES), sum(mean_layer(REDUCED_GRAD_BYTES))  # 16-bit weights, fp32 grads
-    if reduce == "overlapped":  # FSDP2 and Megatron-FSDP prefetch every unit, the experts' too
-        g, g_experts = g + g_experts, 0.0
+    overlapped = reduce == "overlapped"  # FSDP2 and Megatron-FSDP prefetch every unit, the experts' too
+    g, r = mean_layer(PARAM_BYTES, overlapped), mean_layer(REDUCED_GRAD_BYTES, True)  # 16-bit weights, fp32 grads
+    expert_gathers = 0.0 if overlapped else n_moe * unit(True, PARAM_BYTES)[1]  # when met: never prefetched
     rest = outer_params(costs, lay, stage)
     g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
     r_rest = comm.ring_gather(rest * REDUCED_GRAD_BYTES, dp_group, cluster)
@@ -367,8 +367,7 @@ def zero3_exposed(
     else:
         e_f = layers * g
         e_b = layers * g + ((layers - 1) * max(0.0, r - b) + r if reduce == "overlapped" else layers * r)
-    experts = layers * g_experts  # gathered when met, forward and backward: never prefetched
-    return e_f + experts + g_rest, e_b + experts + g_rest + r_rest
+    return e_f + expert_gathers + g_rest, e_b + expert_gathers + g_rest + r_rest
 
 
 def unfused_scores_bytes(cfg, seq_len: int, a: int) -> float:
