@@ -23,30 +23,29 @@ def worker_device(model: str, device: str) -> str:
     return make_worker(model, 1, device=device).device.type
 
 
-def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
-    """(greedy tokens per prompt as one batch, logits at every position of the last prompt, param bytes)."""
+def greedy_completions(worker, prompts: list[list[int]], new_tokens: int, logprobs: int | None = None) -> list:
+    """The worker's greedy completion of each prompt, as one batch, in the prompts' order."""
     from shardlm.engine.engine import Request
     from shardlm.engine.sampling import SamplingParams
 
-    worker = make_worker(model, tp, **options)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=logprobs)
     completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
+    return [completions[i] for i in range(len(prompts))]
+
+
+def greedy_and_logits(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
+    """(greedy tokens per prompt as one batch, logits at every position of the last prompt, param bytes)."""
+    worker = make_worker(model, tp, **options)
+    tokens = [c.token_ids for c in greedy_completions(worker, prompts, new_tokens)]
     logits = worker.prompt_logits(prompts[-1]).cpu()  # a CUDA tensor would not cross to the test process
-    return [completions[i].token_ids for i in range(len(prompts))], logits, worker.model.param_bytes()
+    return tokens, logits, worker.model.param_bytes()
 
 
 def greedy_top2(model: str, tp: int, prompts: list[list[int]], new_tokens: int, **options):
     """Greedy tokens per prompt (one batch), each with its step's two most likely tokens and their
     logprobs: [[(token, ((id, logprob), (id, logprob))), ...], ...]."""
-    from shardlm.engine.engine import Request
-    from shardlm.engine.sampling import SamplingParams
-
-    worker = make_worker(model, tp, **options)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, logprobs=2)
-    completions, _ = worker.generate([Request(p, params, 0) for p in prompts])
-    return [
-        list(zip(c.token_ids, [lp.top for lp in c.logprobs])) for c in (completions[i] for i in range(len(prompts)))
-    ]
+    completions = greedy_completions(make_worker(model, tp, **options), prompts, new_tokens, logprobs=2)
+    return [list(zip(c.token_ids, [lp.top for lp in c.logprobs])) for c in completions]
 
 
 def cache_read_logits(model: str, tp: int, prompt: list[int], **options):
