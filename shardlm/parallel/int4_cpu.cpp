@@ -482,40 +482,77 @@ void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const
   }
 }
 
-// One (sequence, kv head, query head of its group) task a call; ``decode_attention`` splits the
-// tasks over torch's threads.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+#ifdef SHARDLM_X86
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
+#endif
+}
+
+// One (sequence, kv head, stretch of the context, share of the kv head's G query heads) task a
+// call. Its partial softmax per query head (max score, sum of weights, weighted sum of values) goes
+// to ``part``, and ``decode_attention`` merges a head's stretches (flash-decoding). A long context
+// takes all G query heads a task, so each cached key and value row is read once, not G times, and
+// is split into stretches so that one sequence's few kv heads still make work for every thread; a
+// short one (in cache either way) one query head a task, the whole context.
 template <typename T>
 inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, const T* vp, const int64_t* tp,
-                                                  const int64_t* lp, T* op, int64_t task, int64_t H, int64_t G,
-                                                  int64_t D, int64_t bs, int64_t max_blocks, int64_t num_blocks,
-                                                  float scale, int64_t window, std::vector<float>& scores,
-                                                  std::vector<float>& acc, std::vector<float>& qf) {
-  const int64_t b = task / (H * G), h = task / G % H, len = lp[b];
-  const int64_t start = window > 0 && len > window ? len - window : 0;
+                                                  const int64_t* lp, float* part, int64_t task, int64_t H, int64_t G,
+                                                  int64_t D, int64_t C, int64_t S, int64_t bs,
+                                                  int64_t max_blocks, int64_t num_blocks, float scale, int64_t window,
+                                                  T* op, std::vector<float>& scores, std::vector<float>& qf,
+                                                  std::vector<float>& own) {
+  const int64_t b = task / (H * C * S), h = task / (C * S) % H, c = task / S % C, len = lp[b];
+  const int64_t g0 = task % S * G / S, g1 = (task % S + 1) * G / S;
   TORCH_CHECK(len <= max_blocks * bs, "decode_attention: context ", len, " beyond the block table");
-  scores.resize(len - start);
-  const T* qv = qp + task * D;
-  for (int64_t j = 0; j < D; ++j) qf[j] = static_cast<float>(qv[j]) * scale;
-  float mx = -INFINITY;
-  for (int64_t p = start; p < len; ++p) {
+  const int64_t first = window > 0 && len > window ? len - window : 0, span = (len - first + C - 1) / C;
+  const int64_t p0 = std::min(len, first + c * span), p1 = std::min(len, p0 + span), n = p1 - p0;
+  scores.resize(G * std::max<int64_t>(n, 1));
+  for (int64_t g = g0; g < g1; ++g) {
+    const T* qv = qp + ((b * H + h) * G + g) * D;
+    for (int64_t j = 0; j < D; ++j) qf[g * D + j] = static_cast<float>(qv[j]) * scale;
+  }
+  for (int64_t p = p0; p < p1; ++p) {
     const int64_t block = tp[b * max_blocks + p / bs];
     TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block ", block, " outside the cache");
     const T* kv = kp + ((block * bs + p % bs) * H + h) * D;
-    float s = 0.f;
-    for (int64_t j = 0; j < D; ++j) s += qf[j] * static_cast<float>(kv[j]);
-    scores[p - start] = s;
-    mx = std::max(mx, s);
+    if (S == 1 && p + 4 < p1)  // a long context: the row 4 positions on, from memory
+      prefetch_row(kp + ((tp[b * max_blocks + (p + 4) / bs] * bs + (p + 4) % bs) * H + h) * D, D);
+    for (int64_t g = g0; g < g1; ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < D; ++j) s += qf[g * D + j] * static_cast<float>(kv[j]);
+      scores[g * n + p - p0] = s;
+    }
   }
-  float total = 0.f;
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t p = start; p < len; ++p) {
-    const float w = std::exp(scores[p - start] - mx);
-    total += w;
+  // per query head: max, sum of weights, D weighted values; in the task's own buffer when the
+  // context is one stretch, normalised into op at the end
+  float* out = C == 1 ? own.data() : part + task / S * G * (D + 2);
+  for (int64_t g = g0; g < g1; ++g) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, scores[g * n + i]);
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) total += scores[g * n + i] = std::exp(scores[g * n + i] - mx);
+    out[g * (D + 2)] = mx;
+    out[g * (D + 2) + 1] = total;
+    std::fill(out + g * (D + 2) + 2, out + (g + 1) * (D + 2), 0.f);
+  }
+  for (int64_t p = p0; p < p1; ++p) {
     const T* vv = vp + ((tp[b * max_blocks + p / bs] * bs + p % bs) * H + h) * D;
-    for (int64_t j = 0; j < D; ++j) acc[j] += w * static_cast<float>(vv[j]);
+    if (S == 1 && p + 4 < p1)  // a long context: the row 4 positions on, from memory
+      prefetch_row(vp + ((tp[b * max_blocks + (p + 4) / bs] * bs + (p + 4) % bs) * H + h) * D, D);
+    for (int64_t g = g0; g < g1; ++g) {
+      const float w = scores[g * n + p - p0];
+      float* acc = out + g * (D + 2) + 2;
+      for (int64_t j = 0; j < D; ++j) acc[j] += w * static_cast<float>(vv[j]);
+    }
   }
-  T* o = op + task * D;
-  for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(total > 0.f ? acc[j] / total : 0.f);
+  if (C > 1) return;
+  for (int64_t g = g0; g < g1; ++g) {
+    const float total = out[g * (D + 2) + 1], *acc = out + g * (D + 2) + 2;
+    T* o = op + ((b * H + h) * G + g) * D;
+    for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(total > 0.f ? acc[j] / total : 0.f);
+  }
 }
 
 #ifdef SHARDLM_X86
@@ -523,12 +560,13 @@ inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, cons
 // weighted sums 8 floats wide; the build's baseline is SSE2).
 template <typename T>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const T* qp, const T* kp, const T* vp, const int64_t* tp,
-                                                          const int64_t* lp, T* op, int64_t task, int64_t H,
-                                                          int64_t G, int64_t D, int64_t bs, int64_t max_blocks,
-                                                          int64_t num_blocks, float scale, int64_t window,
-                                                          std::vector<float>& scores, std::vector<float>& acc,
-                                                          std::vector<float>& qf) {
-  attend<T>(qp, kp, vp, tp, lp, op, task, H, G, D, bs, max_blocks, num_blocks, scale, window, scores, acc, qf);
+                                                          const int64_t* lp, float* part, int64_t task, int64_t H,
+                                                          int64_t G, int64_t D, int64_t C, int64_t S, int64_t bs,
+                                                          int64_t max_blocks, int64_t num_blocks, float scale,
+                                                          int64_t window, T* op, std::vector<float>& scores,
+                                                          std::vector<float>& qf, std::vector<float>& own) {
+  attend<T>(qp, kp, vp, tp, lp, part, task, H, G, D, C, S, bs, max_blocks, num_blocks, scale, window, op, scores, qf,
+            own);
 }
 #endif
 
@@ -545,19 +583,51 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const a
   T* op = out.data_ptr<T>();
   const bool avx2 = has_avx2();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * H * G, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores, acc(D), qf(D);
+  // Under 256 positions, one query head a task (splitting the context or grouping the heads was no
+  // faster there); from 256, all G a task and the context in stretches, enough tasks for two a
+  // thread: 0.5-0.9x the time at 400 positions, 0.2-0.5x at 2000-8000 (docs/performance.md).
+  const int64_t longest = B ? *std::max_element(lp, lp + B) : 0;
+  const bool long_context = longest >= 256;
+  const int64_t S = long_context ? 1 : G;
+  const int64_t tasks = std::max<int64_t>(B * H, 1);
+  const int64_t C = long_context ? std::max<int64_t>(1, (2 * at::get_num_threads() + tasks - 1) / tasks) : 1;
+  std::vector<float> part(C > 1 ? B * H * C * G * (D + 2) : 0);
+  at::parallel_for(0, B * H * C * S, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores, qf(G * D), own(C > 1 ? 0 : G * (D + 2));
     for (int64_t task = lo; task < hi; ++task) {
 #ifdef SHARDLM_X86
       if (avx2) {
-        attend_avx2<T>(qp, kp, vp, tp, lp, op, task, H, G, D, bs, max_blocks, num_blocks, sc, window, scores, acc, qf);
+        attend_avx2<T>(qp, kp, vp, tp, lp, part.data(), task, H, G, D, C, S, bs, max_blocks, num_blocks, sc,
+                       window, op, scores, qf, own);
         continue;
       }
 #endif
-      attend<T>(qp, kp, vp, tp, lp, op, task, H, G, D, bs, max_blocks, num_blocks, sc, window, scores, acc, qf);
+      attend<T>(qp, kp, vp, tp, lp, part.data(), task, H, G, D, C, S, bs, max_blocks, num_blocks, sc, window, op,
+                scores, qf, own);
     }
   });
   (void)avx2;
+  if (C == 1) return;
+  // merge each query head's stretches: rescale each to the largest max, then normalise
+  at::parallel_for(0, B * H * G, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(D);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t bh = i / G, g = i % G;
+      float mx = -INFINITY;
+      for (int64_t c = 0; c < C; ++c) mx = std::max(mx, part[((bh * C + c) * G + g) * (D + 2)]);
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const float* pc = part.data() + ((bh * C + c) * G + g) * (D + 2);
+        if (pc[1] == 0.f) continue;  // an empty stretch
+        const float f = std::exp(pc[0] - mx);
+        total += f * pc[1];
+        for (int64_t j = 0; j < D; ++j) acc[j] += f * pc[2 + j];
+      }
+      T* o = op + i * D;
+      for (int64_t j = 0; j < D; ++j) o[j] = static_cast<T>(total > 0.f ? acc[j] / total : 0.f);
+    }
+  });
 }
 
 // One new token per sequence: q [B, kv_heads, group, d] against the first lens[b] cached positions

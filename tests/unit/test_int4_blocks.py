@@ -245,6 +245,32 @@ def test_native_kv_write_and_decode_attention_equal_the_python_ops(dtype, window
     assert (other - want).abs().max() > 10 * tol  # a different window is caught
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_decode_attention_merges_the_stretches_of_a_long_context(threads, window):
+    """One sequence of 300 tokens and one kv head: the C++ op splits a context of 256 or more into
+    stretches (enough tasks for two a thread) and merges their partial softmaxes; equal to the
+    Python op."""
+    from shardlm.models.attention import decode_attention
+
+    if not native_kernel():
+        pytest.skip("no C++ compiler here: the Python ops run instead")
+    g = torch.Generator().manual_seed(3)
+    bs, n, group, d = 16, 300, 4, 64
+    tables = torch.randperm(24, generator=g)[None, :19]
+    cache = torch.randn(2, 24, bs, 1, d, generator=g)
+    q = torch.randn(1, 1, group, d, generator=g)
+    lens = torch.tensor([n])
+    want = decode_attention(q, cache, tables, lens, n, 0.125, window, padded=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.shardlm_int4.decode_attention(q, cache, tables, lens, 0.125, window or 0)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_without_the_kernel_layers_widen_their_weights(monkeypatch):
     """No C++ compiler: int4 and Q8_0 layers multiply their widened weights in float (exactly)."""
     from shardlm.parallel import int4
