@@ -77,6 +77,19 @@ inline int64_t slot(int64_t b, int j, int64_t B, bool paired) {
   return (b - b % 2) * kGroup + (j / 16) * 32 + (b % 2) * 16 + j % 16;
 }
 
+// Ask for the bytes [p, p + n) ahead of their use (into every cache level); a no-op without x86.
+// Always inlined: as a call inside attention's position loops it kept them from vectorising.
+inline __attribute__((always_inline)) void prefetch_bytes(const void* p, int64_t n) {
+#ifdef SHARDLM_X86
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  _mm_prefetch(c + n - 1, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
 // One block's max |x|, and its quantization: its 32 codes, elements 0..15 to ``first`` and 16..31 to
 // ``second``, returning sum(xq). The portable loops, then the same in AVX2 (the same values: both
 // round half to even); without x86 the AVX2 names are the portable loops.
@@ -211,16 +224,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 pair_dot(const uint8_t* w
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), _mm256_set1_epi16(1)));
 }
 
-// Ask for a weight row's bytes [p, p + n) a few rows ahead of its dot products: with only the
-// hardware's prefetch a decode step's int4 layers took 1.1x the time and the Q8_0 LM head 1.3x
-// (docs/performance.md).
-constexpr int64_t kAhead = 8;  // rows; 4, 8, 16 and 32 measured, 8 and up the same
-
-inline void prefetch_bytes(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-  _mm_prefetch(c + n - 1, _MM_HINT_T0);
-}
+// How many weight rows ahead of its dot products a row's bytes are asked for: the hardware's own
+// prefetch leaves a core's loads idle across the short streams of a row (codes, scales, offsets);
+// the distance was chosen by measurement (docs/performance.md, "Int4 weights and llama.cpp").
+constexpr int64_t kAhead = 8;
 
 // sum_b mins[b] * sx[b]: the offsets' share of a row's dot product, 8 blocks at a time.
 __attribute__((target("avx2,fma,f16c"))) inline float offsets(const uint16_t* mins, const float* sx, int64_t B) {
@@ -482,14 +489,6 @@ void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const
   }
 }
 
-template <typename T>
-inline void prefetch_row(const T* p, int64_t n) {
-#ifdef SHARDLM_X86
-  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
-#endif
-}
-
 // One (sequence, kv head, stretch of the context, share of the kv head's G query heads) task a
 // call. Its partial softmax per query head (max score, sum of weights, weighted sum of values) goes
 // to ``part``, and ``decode_attention`` merges a head's stretches (flash-decoding). A long context
@@ -506,6 +505,8 @@ inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, cons
   const int64_t b = task / (H * C * S), h = task / (C * S) % H, c = task / S % C, len = lp[b];
   const int64_t g0 = task % S * G / S, g1 = (task % S + 1) * G / S;
   TORCH_CHECK(len <= max_blocks * bs, "decode_attention: context ", len, " beyond the block table");
+  const auto row = [&](int64_t p) { return ((tp[b * max_blocks + p / bs] * bs + p % bs) * H + h) * D; };
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const int64_t first = window > 0 && len > window ? len - window : 0, span = (len - first + C - 1) / C;
   const int64_t p0 = std::min(len, first + c * span), p1 = std::min(len, p0 + span), n = p1 - p0;
   scores.resize(G * std::max<int64_t>(n, 1));
@@ -516,9 +517,8 @@ inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, cons
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t block = tp[b * max_blocks + p / bs];
     TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block ", block, " outside the cache");
-    const T* kv = kp + ((block * bs + p % bs) * H + h) * D;
-    if (S == 1 && p + 4 < p1)  // a long context: the row 4 positions on, from memory
-      prefetch_row(kp + ((tp[b * max_blocks + (p + 4) / bs] * bs + (p + 4) % bs) * H + h) * D, D);
+    const T* kv = kp + row(p);
+    if (S == 1 && p + 4 < p1) prefetch_bytes(kp + row(p + 4), row_bytes);  // a long context: from memory
     for (int64_t g = g0; g < g1; ++g) {
       float s = 0.f;
       for (int64_t j = 0; j < D; ++j) s += qf[g * D + j] * static_cast<float>(kv[j]);
@@ -538,9 +538,8 @@ inline __attribute__((always_inline)) void attend(const T* qp, const T* kp, cons
     std::fill(out + g * (D + 2) + 2, out + (g + 1) * (D + 2), 0.f);
   }
   for (int64_t p = p0; p < p1; ++p) {
-    const T* vv = vp + ((tp[b * max_blocks + p / bs] * bs + p % bs) * H + h) * D;
-    if (S == 1 && p + 4 < p1)  // a long context: the row 4 positions on, from memory
-      prefetch_row(vp + ((tp[b * max_blocks + (p + 4) / bs] * bs + (p + 4) % bs) * H + h) * D, D);
+    const T* vv = vp + row(p);
+    if (S == 1 && p + 4 < p1) prefetch_bytes(vp + row(p + 4), row_bytes);
     for (int64_t g = g0; g < g1; ++g) {
       const float w = scores[g * n + p - p0];
       float* acc = out + g * (D + 2) + 2;
@@ -583,14 +582,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, const a
   T* op = out.data_ptr<T>();
   const bool avx2 = has_avx2();
   const float sc = static_cast<float>(scale);
-  // Under 256 positions, one query head a task (splitting the context or grouping the heads was no
-  // faster there); from 256, all G a task and the context in stretches, enough tasks for two a
-  // thread: 0.5-0.9x the time at 400 positions, 0.2-0.5x at 2000-8000 (docs/performance.md).
+  // Attending to under 256 positions, one query head a task (splitting the context or grouping the
+  // heads was no faster there); from 256, all G a task and the context in stretches, enough tasks
+  // for two a thread (measured: docs/performance.md, "One-token attention at long contexts").
   const int64_t longest = B ? *std::max_element(lp, lp + B) : 0;
-  const bool long_context = longest >= 256;
+  const bool long_context = (window > 0 ? std::min(longest, window) : longest) >= 256;
   const int64_t S = long_context ? 1 : G;
-  const int64_t tasks = std::max<int64_t>(B * H, 1);
-  const int64_t C = long_context ? std::max<int64_t>(1, (2 * at::get_num_threads() + tasks - 1) / tasks) : 1;
+  const int64_t heads = std::max<int64_t>(B * H, 1);
+  const int64_t C = long_context ? std::max<int64_t>(1, (2 * at::get_num_threads() + heads - 1) / heads) : 1;
   std::vector<float> part(C > 1 ? B * H * C * G * (D + 2) : 0);
   at::parallel_for(0, B * H * C * S, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores, qf(G * D), own(C > 1 ? 0 : G * (D + 2));
