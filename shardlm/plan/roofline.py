@@ -172,6 +172,13 @@ class Step:
     """Unfused attention: bytes of the score matrix each query moves per head (0: fused, flash-style)."""
 
 
+def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
+    """Weights of one layer a step's matrix products use on the rank: the dense ones and the routed
+    experts some token reaches (``expected_experts_touched``)."""
+    touched = expected_experts_touched(rl.experts, cfg.num_experts, cfg.num_experts_per_tok, step.moe_tokens)
+    return rl.attn + rl.dense + rl.router + touched * rl.expert_params
+
+
 def layer_work(
     cfg: ModelConfig,
     rl: RankLayer,
@@ -189,11 +196,10 @@ def layer_work(
     h = cfg.hidden_size
     dense = rl.attn + rl.dense + rl.router
     flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)
-    wbytes: float = dense * w_bytes
+    wbytes = touched_params(cfg, rl, step) * w_bytes
     if rl.experts:
         k = cfg.num_experts_per_tok
         touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
-        wbytes += touched * rl.expert_params * w_bytes
         # (token, choice) pairs the most loaded ep rank's experts take: a grouped GEMM, each local
         # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
         routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)

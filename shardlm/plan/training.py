@@ -6,8 +6,10 @@ x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus
 Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
 (``comm.moe_boundary``: dispatch/combine, once per node with DeepEP's dispatcher), and the CP KV
 ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
-forward FLOPs and the same communication again; recomputation adds a forward (full) or the
-attention core (selective).
+forward FLOPs and the same communication again: the input gradients as the forward's products, the
+weight gradients with their add into the gradient buffer in the roofline (``GRAD_EPILOGUE_BYTES``);
+recomputation adds a forward (full) or the attention core (selective). FP8 times the linear layers'
+GEMMs at its rate and adds their operands' casts (``FP8_CAST_BYTES``) to the memory-bound traffic.
 
 The pipeline turns stage times into a step with the schedule's closed form, exact for uniform
 stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B); interleaved m(F+B) +
@@ -36,13 +38,29 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, outer_params, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, busiest_pairs, layer_work
+from shardlm.plan.roofline import ModelCosts, Step, Work, busiest_pairs, layer_work, touched_params
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
 ZERO3_REDUCE = ("blocking", "overlapped")
 """How ZeRO-3's gradient reduce-scatters meet backward (``TrainWorkload.zero3_reduce``)."""
+
+GRAD_EPILOGUE_BYTES = {"fused": lambda a: 2 * REDUCED_GRAD_BYTES, "shardlm": lambda a: a}
+"""Bytes a parameter's weight-gradient product moves into the gradient buffer, each micro-batch, by
+whose kernels (``TrainWorkload.kernels``), at ``a`` bytes an activation. fused: the product adds into
+the float32 gradient in its epilogue, reading and writing it (Megatron-LM's
+``--gradient-accumulation-fusion``, on by default, into ``main_grad``; cuBLAS GEMM with beta = 1).
+shardlm: the product writes a fresh gradient in the compute dtype, which autograd then adds into the
+gradient bucket (that add is in ``traffic``'s counted bytes). At a few hundred tokens a GEMM (an MoE
+expert's share of a micro-batch) the float32 read and write outlast the product's FLOPs."""
+
+FP8_CAST_BYTES = 4
+"""Bytes per element an FP8 GEMM's operand costs to make: a cast-transpose reads the 16-bit tensor
+once and writes its FP8 copy and its FP8 transpose (1 byte each), for the forward's input and the
+backward's output gradient, the transposes for the weight gradient (Transformer Engine's
+``fp8_autocast`` Linear layers; DeepSeek-V3 quantizes activations per 1 x 128 tile and keeps them
+in FP8 for backward, §3.3.2-3.3.3). The per-tile scales (one float32 per 128 elements) are left out."""
 
 FP8_KEEPS_AT = {"fp8": "bf16"}
 """FP8 training runs the linear layers' GEMMs in FP8 and keeps "the embedding module, the output
@@ -210,7 +228,7 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     k = cfg.num_experts_per_tok
-    f_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    f_comp = b_comp = f_attn = tp_c = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
@@ -229,11 +247,19 @@ def _stage(
         mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
+        # backward: the input gradients as the forward's products (the same FLOPs and weights), and the
+        # weight gradients, whose products add into the gradient buffer (``GRAD_EPILOGUE_BYTES``)
+        wgrad = Work(flops=mm.flops, bytes=touched_params(cfg, rl, step) * GRAD_EPILOGUE_BYTES[wl.kernels](a))
+        b_comp += n * (mm.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
+        if wl.dtype in FP8_KEEPS_AT:  # each FP8 GEMM's input cast in forward, its output's gradient in backward
+            cast_f, cast_b = _fp8_cast_widths(cfg, rl, widths[0], pairs / tokens, lay.etp)
+            f_mem += n * tokens * cast_f * FP8_CAST_BYTES / gpu.mem_Bps
+            b_mem += n * tokens * cast_b * FP8_CAST_BYTES / gpu.mem_Bps
         if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
             pair_rows = pairs * cfg.hidden_size
             f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
@@ -257,7 +283,7 @@ def _stage(
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
     layers = f_comp + f_attn + f_mem + tp_c + ep_c + cp_c  # the decoder layers' forward
     fwd = layers + head_f
-    bwd = BACKWARD_FLOPS_RATIO * (f_comp + f_attn) + b_mem + head_b + tp_c + ep_c + 2 * cp_c
+    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_c + ep_c + 2 * cp_c
     if lay.recompute == "full":  # the layers' forward again
         bwd += layers
     elif lay.recompute == "selective":
@@ -277,6 +303,32 @@ def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, f
     inter = rl.dense / (per_row * h)
     inter += pairs * cfg.moe_intermediate_size / lay.etp
     return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
+
+
+def _fp8_cast_widths(cfg, rl, hidden: float, pairs: float, etp: int) -> tuple[float, float]:
+    """(forward, backward) widths per token that an FP8 layer casts on one rank (``FP8_CAST_BYTES``
+    an element). Forward: the inputs no norm writes (a norm feeding a linear writes its FP8 copy and
+    transpose instead of its 16-bit output, Transformer Engine's LayerNormLinear): the attention
+    output into o_proj, the activation into the down projection, and each routed pair's row into its
+    expert's up projection and its activation into the down one. Backward: every linear's output
+    gradient. ``hidden``: the hidden width a rank holds per token (``_traffic_widths``); ``pairs``:
+    routed pairs per token. The router stays 16-bit; a gated MLP's gate and up projections are one
+    GEMM, as Megatron-LM's fc1."""
+    q = rl.q_heads
+    out = 2 if cfg.gated_mlp else 1  # fc1's output rows per intermediate unit
+    inter = rl.dense / ((out + 1) * cfg.hidden_size)
+    expert = cfg.moe_intermediate_size / etp
+    if cfg.is_mla:  # q_a (or q), q_b, kv_a, kv_b, o; q_b and kv_b read q_a's and kv_a's norms
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        fwd = q * cfg.v_head_dim
+        bwd = cfg.q_lora_rank + q * qk + latent + q * (cfg.qk_nope_head_dim + cfg.v_head_dim) + hidden
+    else:  # qkv, o
+        fwd = q * cfg.head_dim
+        bwd = (q + 2 * rl.kv_heads) * cfg.head_dim + hidden
+    fwd += inter + pairs * (cfg.hidden_size + expert)
+    bwd += out * inter + hidden + pairs * (out * expert + cfg.hidden_size)
+    return fwd, bwd
 
 
 def _with_zero3(

@@ -183,3 +183,59 @@ def test_moe_layers_move_their_routed_pairs(monkeypatch):
     assert pair == (8, 8)  # 4 hidden-wide 16-bit rows a pair each way
     passes = lambda r: r.forward_s + r.backward_s  # (the LM head's traffic splits as the layers' does)
     assert passes(counted) - passes(without) == pytest.approx(rows * sum(pair) / cluster.gpu.mem_Bps)
+
+
+@pytest.mark.parametrize("seq, bound", [(16, True), (8192, False)])
+def test_weight_gradients_add_into_the_float32_buffer(seq, bound, monkeypatch):
+    """Backward's weight-gradient products add into the float32 gradient each micro-batch
+    (Megatron's gradient-accumulation fusion: read and write, 8 bytes a parameter). At a few tokens
+    a micro-batch that read and write outlasts the FLOPs and the backward grows by exactly those
+    bytes at the memory's rate; at 8K tokens the FLOPs hide them."""
+    from shardlm.plan import training
+    from shardlm.plan.roofline import gemm_efficiency, touched_params
+
+    cfg, _ = load_model("llama-3-8b")
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    lay = Layout(dp=8, zero=1, micro_batch=1, num_micro=1, recompute="full")
+    wl = training.TrainWorkload(global_batch=8, seq_len=seq, kernels="fused")
+    added = training.evaluate(costs, cluster, lay, wl)
+    monkeypatch.setitem(training.GRAD_EPILOGUE_BYTES, "fused", lambda a: 0)
+    free = training.evaluate(costs, cluster, lay, wl)
+    assert added.fits and added.forward_s == free.forward_s
+    if not bound:
+        assert added.backward_s == pytest.approx(free.backward_s)
+        return
+    rl = costs.rank_layer(False, 1)
+    step = training.Step(tokens=seq, ctx=seq / 2, decode=False, seqs=1, moe_tokens=seq)
+    g = cluster.gpu  # the product's own time, which the bytes outlast:
+    flops = 2 * seq * (rl.attn + rl.dense + rl.router) / gemm_efficiency(seq, g.gemm_half_rows)
+    per_layer = touched_params(cfg, rl, step) * 8 / g.mem_Bps - flops / g.matmul_flops("bf16")
+    assert added.backward_s - free.backward_s == pytest.approx(cfg.num_layers * per_layer)
+
+
+def test_fp8_training_casts_each_gemm_operand(monkeypatch):
+    """FP8 GEMMs need FP8 operands: a cast-transpose of each input no norm writes (attention output
+    into o_proj, the activation into down_proj) in forward and of every output gradient in backward,
+    4 bytes an element (read 16-bit, write FP8 and its transpose). The passes grow by exactly those
+    bytes at the memory's rate; bf16 casts nothing."""
+    from shardlm.plan import training
+
+    cfg, _ = load_model("smollm2-135m")
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=1)
+    lay = Layout(micro_batch=4, num_micro=1)
+    tokens = 4 * 2048
+
+    def passes(dtype):
+        r = training.evaluate(costs, cluster, lay, training.TrainWorkload(global_batch=4, seq_len=2048, dtype=dtype))
+        assert r.fits
+        return r.forward_s, r.backward_s
+
+    (f8, b8), (f16, b16) = passes("fp8"), passes("bf16")
+    monkeypatch.setattr(training, "FP8_CAST_BYTES", 0)
+    (f0, b0), (g16, c16) = passes("fp8"), passes("bf16")
+    assert (f16, b16) == (g16, c16)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    per_elem = tokens * cfg.num_layers * 4 / cluster.gpu.mem_Bps
+    # the LM head's traffic splits between forward and backward as the layers' does: compare sums
+    assert (f8 + b8) - (f0 + b0) == pytest.approx(((q + i) + (q + 2 * kv + h + 2 * i + h)) * per_elem)
