@@ -114,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         type=dtype_arg,
         metavar="{" + ",".join(DTYPES) + "}",
-        help=f"weights/compute dtype (default bf16; float32 on {THIS_MACHINE})",
+        help=f"weights/compute dtype (default bf16; float32 on {THIS_MACHINE}); fp8 quantizes the linear layers "
+        "but those the model config's quantization_config keeps unquantized",
     )
     p.add_argument(
         "--memory-reserve",

@@ -36,6 +36,7 @@ from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
 from shardlm.plan.roofline import ModelCosts, Step, Work, kv_element_bytes, layer_work
 from shardlm.plan.serving import Replica, Served, closed_loop, open_loop
+from shardlm.plan.shard import NOTHING_KEPT
 
 LOGIT_BYTES = 4
 """Logits are gathered in fp32 for sampling."""
@@ -179,6 +180,7 @@ def stage_step(
             kv_bytes=kv_bytes,
             ep=lay.ep,
             half_rows=gpu.gemm_half_rows,
+            kept=costs.kept if w_bytes < C.BF16_BYTES else NOTHING_KEPT,
         )
         mm, at = work(step)
         if decode and lay.cp > 1:  # a decode token runs through the layers on its owner cp rank only
@@ -206,9 +208,10 @@ def stage_step(
         out.head += ar
     if stage == lay.pp - 1:
         last = seqs if not decode else tokens  # prefill samples only each sequence's last token
-        out.head += Work(flops=2 * last * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * w_bytes, ops=2).time(
-            gpu, dtype
-        )
+        # the LM head stays 16-bit in a quantized plan (roofline.FP8_KEEPS_AT)
+        head = 2 * last * vocab * cfg.hidden_size
+        wide = max(w_bytes, C.BF16_BYTES)
+        out.head += Work(bytes=vocab * cfg.hidden_size * wide, ops=2, wide_flops=head).time(gpu, dtype)
         out.head += comm.all_gather(last * cfg.vocab_size * LOGIT_BYTES, tp_group, cluster)
         if lay.cp > 1:  # the sampled rows' hidden states to every cp rank (an all-reduce of owned rows)
             out.cp_comm += comm.all_reduce(last * cfg.hidden_size * a_bytes, cp_group, cluster)

@@ -14,6 +14,7 @@ from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_a
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts, busiest_pairs, kv_bytes_per_token
+from shardlm.plan.shard import NOTHING_KEPT, RankLayer
 from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, model_states
 
 FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
@@ -52,22 +53,33 @@ class MemoryBreakdown:
 # ---- inference ------------------------------------------------------------------------------
 
 
-def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int) -> float:
-    """Weights on the largest rank of the largest stage."""
+def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool = False) -> float:
+    """Weights on the largest rank of the largest stage. ``quantized``: ``w_bytes`` is a quantized
+    checkpoint's linear layers' width; the embedding and LM head stay 16-bit (``roofline.FP8_KEEPS_AT``)
+    and so do the modules its quantization_config keeps (``costs.kept``, averaged over the layers)."""
     cfg = costs.cfg
-    embed = costs.vocab_rows(lay.tp) * cfg.hidden_size
+    wide = max(w_bytes, C.BF16_BYTES) if quantized else w_bytes
+    kept = costs.kept if quantized else NOTHING_KEPT
+    embed = costs.vocab_rows(lay.tp) * cfg.hidden_size * wide
+
+    def layer(rl: RankLayer) -> float:
+        mlp = rl.total - rl.attn
+        return rl.attn * (wide * kept.attention + w_bytes * (1 - kept.attention)) + mlp * (
+            wide * kept.mlp + w_bytes * (1 - kept.mlp)
+        )
+
     best = 0.0
     kinds = costs.stage_kinds(lay.pp)
     for s, (n_dense, n_moe) in enumerate(kinds):
-        p = n_dense * costs.rank_layer(False, lay.tp).total if n_dense else 0
+        b = n_dense * layer(costs.rank_layer(False, lay.tp)) if n_dense else 0.0
         if n_moe:
-            p += n_moe * costs.rank_layer(True, lay.tp, lay.ep, lay.etp).total
+            b += n_moe * layer(costs.rank_layer(True, lay.tp, lay.ep, lay.etp))
         if s == 0:
-            p += embed
+            b += embed
         if s == lay.pp - 1:
-            p += cfg.hidden_size + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
-        best = max(best, p)
-    return best * w_bytes
+            b += cfg.hidden_size * wide + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
+        best = max(best, b)
+    return best
 
 
 def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: float) -> float:
@@ -108,7 +120,7 @@ def inference_fixed(
     act = prefill_working_set(costs, lay, chunk, a_bytes, ctx=prompt_len, fused_attention=fused_attention)
     comm = 2 * chunk / lay.cp * costs.cfg.hidden_size * a_bytes if lay.world_size > 1 else 0.0
     return MemoryBreakdown(
-        weights=weight_bytes(costs, lay, w_bytes),
+        weights=weight_bytes(costs, lay, w_bytes, quantized=w_bytes < C.BF16_BYTES),
         activations=act,
         comm_buffers=comm,
         reserve=reserve,

@@ -21,9 +21,12 @@ from shardlm.parallel.pipeline import stage_layers
 from shardlm.plan import constants as C
 from shardlm.plan.hardware import GpuSpec
 from shardlm.plan.shard import (
+    NOTHING_KEPT,
+    Kept16,
     RankLayer,
     active_params,
     is_moe_layer,
+    kept_16bit,
     rank_layer,
     split_even,
     total_params,
@@ -42,17 +45,32 @@ def gemm_efficiency(rows: float, half_rows: float) -> float:
     return 1.0 if half_rows <= 0 else rows / (rows + half_rows)
 
 
+FP8_KEEPS_AT = {"fp8": "bf16"}
+"""FP8 runs the linear layers' GEMMs at its rate and the rest in 16-bit. Training keeps "the embedding
+module, the output head, MoE gating modules, normalization operators, and attention operators" in BF16
+or FP32 (DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.3.1; Transformer Engine's fp8_autocast
+likewise covers its Linear layers, not the attention core); serving engines quantize linear layers
+and leave the LM head 16-bit (vLLM's Fp8Config quantizes ``LinearBase`` layers, and its
+``ParallelLMHead`` is an embedding; TensorRT Model Optimizer's FP8 configs disable the ``*lm_head*``
+quantizer). The kept work is timed at the 16-bit rate (``Work.wide_flops``)."""
+
+
 @dataclass(frozen=True)
 class Work:
     flops: float = 0.0
     bytes: float = 0.0
     ops: int = 0
+    wide_flops: float = 0.0
+    """FLOPs that run at the 16-bit rate when the step's dtype is FP8 (``FP8_KEEPS_AT``)."""
 
     def __add__(self, o: Work) -> Work:
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops)
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops, self.wide_flops + o.wide_flops)
 
     def time(self, gpu: GpuSpec, dtype: str) -> float:
-        return max(self.flops / gpu.matmul_flops(dtype), self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s
+        compute = self.flops / gpu.matmul_flops(dtype)
+        if self.wide_flops:
+            compute += self.wide_flops / gpu.matmul_flops(FP8_KEEPS_AT.get(dtype, dtype))
+        return max(compute, self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s
 
 
 def kv_element_bytes(cfg: ModelConfig, dtype: str) -> float:
@@ -172,6 +190,11 @@ class Step:
     """Unfused attention: bytes of the score matrix each query moves per head (0: fused, flash-style)."""
 
 
+def _mixed(narrow: float, wide: float, share: float) -> float:
+    """Bytes a parameter of a module of which ``share`` is kept ``wide`` and the rest ``narrow``."""
+    return wide * share + narrow * (1 - share)
+
+
 def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
     """Weights of one layer a step's matrix products use on the rank: the dense ones and the routed
     experts some token reaches (``expected_experts_touched``)."""
@@ -189,14 +212,21 @@ def layer_work(
     kv_bytes: float,
     ep: int,
     half_rows: float,
+    kept: Kept16 = NOTHING_KEPT,
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
     the size-dependent GEMM efficiency of the device (``half_rows``), an MoE layer's experts each at
-    its own tokens, on the most loaded ep rank (``routing_imbalance``)."""
+    its own tokens, on the most loaded ep rank (``routing_imbalance``). ``kept``: the shares of
+    attention and MLP a quantized checkpoint keeps 16-bit (their bytes at 2, their FLOPs at the
+    16-bit rate), averaged over the layers."""
     h = cfg.hidden_size
-    dense = rl.attn + rl.dense + rl.router
-    flops = 2 * step.tokens * dense / gemm_efficiency(step.tokens, half_rows)
-    wbytes = touched_params(cfg, rl, step) * w_bytes
+    wide = max(w_bytes, C.BF16_BYTES)
+    attn_p, mlp_p = rl.attn, rl.dense + rl.router
+    eff = gemm_efficiency(step.tokens, half_rows)
+    flops = 2 * step.tokens * (attn_p * (1 - kept.attention) + mlp_p * (1 - kept.mlp)) / eff
+    wide_flops = 2 * step.tokens * (attn_p * kept.attention + mlp_p * kept.mlp) / eff
+    expert_p = touched_params(cfg, rl, step) - attn_p - mlp_p
+    wbytes = attn_p * _mixed(w_bytes, wide, kept.attention) + (mlp_p + expert_p) * _mixed(w_bytes, wide, kept.mlp)
     if rl.experts:
         k = cfg.num_experts_per_tok
         touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
@@ -204,9 +234,11 @@ def layer_work(
         # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
         routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)
         per_expert = routed / max(touched, 1e-9)
-        flops += 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
+        experts = 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
+        flops += experts * (1 - kept.mlp)
+        wide_flops += experts * kept.mlp
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
-    matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1)
+    matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1, wide_flops=wide_flops)
     per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)
     kv_read = (step.seqs * step.ctx if step.decode else step.tokens) * per_tok
     kv_write = step.tokens * per_tok
@@ -242,6 +274,11 @@ class ModelCosts:
                 out.append((len(layers) - moe, moe))
             self._stages[pp] = out
         return self._stages[pp]
+
+    @cached_property
+    def kept(self) -> Kept16:
+        """What a quantized plan keeps 16-bit (``shard.kept_16bit``: the config's quantization_config)."""
+        return kept_16bit(self.cfg)
 
     @cached_property
     def active_params(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from shardlm.models.config import ModelConfig
 from shardlm.parallel.pipeline import stage_layers
+from shardlm.plan.errors import PlanError
 
 
 def split_even(n: int, parts: int) -> list[int]:
@@ -169,3 +170,50 @@ def largest_layer_params(cfg: ModelConfig) -> int:
     """The biggest single module (DeepSpeed's ``largest_layer_params``): a decoder layer or the embedding."""
     kinds = {is_moe_layer(cfg, i): i for i in range(cfg.num_layers)}  # one layer of each kind
     return max([rank_layer(cfg, i, tp=1).total for i in kinds.values()] + [cfg.vocab_size * cfg.hidden_size])
+
+
+@dataclass(frozen=True)
+class Kept16:
+    """Shares of a quantized checkpoint's decoder layers whose attention and whose MLP (dense,
+    shared and routed experts) stay 16-bit: the layers its ``quantization_config`` leaves out
+    (``kept_16bit``). Serving engines quantize linear layers only, so the embedding and the LM head
+    are 16-bit in every quantized plan whatever the list says (``weight_bytes``)."""
+
+    attention: float = 0.0
+    mlp: float = 0.0
+
+
+NOTHING_KEPT = Kept16()
+"""An unquantized plan's (or a quantized checkpoint's that keeps no module 16-bit)."""
+
+KEPT_FORMS = "lm_head, [model.]layers.N, [model.]layers.N.self_attn, [model.]layers.N.mlp"
+
+
+def kept_16bit(cfg: ModelConfig) -> Kept16:
+    """Which modules a quantized checkpoint keeps in 16-bit, from its config.json's
+    ``quantization_config``: ``modules_to_not_convert`` (transformers' quantizers, e.g. fbgemm_fp8,
+    as Meta's Llama 3.1 405B FP8 keeps its attention and first and last layers,
+    https://github.com/huggingface/huggingface-llama-recipes, llama-405B-FP8.py) or ``ignore``
+    (compressed-tensors). An entry the planner cannot place is refused, not skipped."""
+    qc = cfg.extra.get("quantization_config") or {}
+    names = qc.get("modules_to_not_convert") or qc.get("ignore") or []
+    attention: set[int] = set()
+    mlp: set[int] = set()
+    for name in names:
+        parts = name.removeprefix("model.").split(".")
+        if parts == ["lm_head"]:
+            continue  # 16-bit in any case
+        if len(parts) in (2, 3) and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < cfg.num_layers:
+            layer, part = int(parts[1]), parts[2] if len(parts) == 3 else None
+            if part in (None, "self_attn"):
+                attention.add(layer)
+            if part in (None, "mlp"):
+                mlp.add(layer)
+            if part in (None, "self_attn", "mlp"):
+                continue
+        raise PlanError(
+            f"quantization_config lists {name!r} among the modules it keeps unquantized; the planner "
+            f"places only whole modules: {KEPT_FORMS} (N < {cfg.num_layers}). List whole modules, or "
+            "plan without the quantization_config"
+        )
+    return Kept16(len(attention) / cfg.num_layers, len(mlp) / cfg.num_layers)

@@ -38,7 +38,7 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, outer_params, training_memory, weight_bytes
-from shardlm.plan.roofline import ModelCosts, Step, Work, busiest_pairs, layer_work, touched_params
+from shardlm.plan.roofline import FP8_KEEPS_AT, ModelCosts, Step, Work, busiest_pairs, layer_work, touched_params
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -61,13 +61,6 @@ once and writes its FP8 copy and its FP8 transpose (1 byte each), for the forwar
 backward's output gradient, the transposes for the weight gradient (Transformer Engine's
 ``fp8_autocast`` Linear layers; DeepSeek-V3 quantizes activations per 1 x 128 tile and keeps them
 in FP8 for backward, §3.3.2-3.3.3). The per-tile scales (one float32 per 128 elements) are left out."""
-
-FP8_KEEPS_AT = {"fp8": "bf16"}
-"""FP8 training runs the linear layers' GEMMs in FP8 and keeps "the embedding module, the output
-head, MoE gating modules, normalization operators, and attention operators" in BF16 or FP32
-(DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.3.1; Transformer Engine's fp8_autocast likewise
-covers its Linear layers, not the attention core): the attention core and the LM head are timed at
-the bf16 rate."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -371,3 +371,72 @@ def test_routed_activations_count_the_pairs_a_rank_computes(tp, ep, etp, share):
     res = evaluate(_costs("qwen3-235b-a22b"), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=256, gpus_per_node=8), lay,
                    TrainWorkload(global_batch=2048, seq_len=4096))  # fmt: skip
     assert res.fits, res.memory
+
+
+def _with_quantization(tmp_path, keep: list[str], name: str = "llama-3-8b") -> str:
+    import json
+
+    from shardlm.plan.catalog import DATA
+
+    cfg = json.loads((DATA / f"model-{name}.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": keep}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_a_quantized_checkpoint_keeps_what_its_config_lists_in_16_bit(tmp_path):
+    """FP8 weights: the linear layers at 1 byte, the embedding and LM head at 2 (serving engines
+    quantize linear layers only), and the modules the config.json's quantization_config keeps
+    unquantized (fbgemm's modules_to_not_convert; compressed-tensors' ignore) at 2, counted by hand."""
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import weight_bytes
+    from shardlm.plan.roofline import ModelCosts
+
+    keep = ["model.layers.0", "layers.31.mlp", "lm_head", *(f"model.layers.{i}.self_attn" for i in range(1, 16))]
+    cfg, _ = load_model(_with_quantization(tmp_path, keep))
+    costs, lay = ModelCosts(cfg), Layout(tp=2)
+    rl = rank_layer(cfg, 0, tp=2)
+    mlp = rl.total - rl.attn
+    embed = cfg.vocab_size // 2 * cfg.hidden_size
+    L = cfg.num_layers
+    want = 2 * 2 * embed + 2 * cfg.hidden_size  # embedding, LM head, final norm
+    want += rl.attn * (16 * 2 + (L - 16)) + mlp * (2 * 2 + (L - 2))  # attention of layers 0-15, MLP of 0 and 31
+    assert weight_bytes(costs, lay, 1, quantized=True) == pytest.approx(want)
+    assert costs.kept.attention == 16 / L and costs.kept.mlp == 2 / L
+    # unquantized plans and parameter counts ignore the list
+    assert weight_bytes(costs, lay, 2) == stage_params(cfg, tp=2, pp=1)[0] * 2
+    assert weight_bytes(costs, lay, 1) == stage_params(cfg, tp=2, pp=1)[0]
+
+
+@pytest.mark.parametrize("entry", ["model.layers.3.self_attn.q_proj", "model.layers.32", "re:.*mlp"])
+def test_a_module_the_planner_cannot_place_is_refused(tmp_path, entry, capsys):
+    """A kept module the planner cannot count (a single projection, a layer past the last, a regex)
+    is refused naming it, not skipped, when a quantized plan needs the list."""
+    from shardlm.plan import cli
+
+    path = _with_quantization(tmp_path, [entry])
+    argv = ["--model", path, "--gpu", "h100-sxm", "--gpus", "1", "--dtype", "fp8"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert repr(entry) in err and "whole modules" in err
+    assert cli.main([*argv[:-2], "--dtype", "bf16"]) == 0  # a 16-bit plan does not read the list
+
+
+def test_fp8_decode_reads_the_kept_modules_and_the_head_at_16_bit(tmp_path):
+    """The time model reads what the memory counts: keeping every layer's attention in 16-bit makes
+    an FP8 decode step read those weights at 2 bytes (slower at batch 1, weight-bound)."""
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.inference import InferenceWorkload, evaluate
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.roofline import ModelCosts
+
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=8)
+    wl = InferenceWorkload(prompt_len=128, output_len=128, dtype="fp8", batch=1)
+    plain, _ = load_model("llama-3-8b")
+    kept, _ = load_model(_with_quantization(tmp_path, [f"model.layers.{i}.self_attn" for i in range(32)]))
+    a, b = (evaluate(ModelCosts(c), cluster, Layout(), wl) for c in (plain, kept))
+    rl = rank_layer(plain, 0, tp=1)
+    extra = 32 * rl.attn  # one more byte a weight
+    assert b.memory.weights - a.memory.weights == pytest.approx(extra)
+    assert b.tpot_s - a.tpot_s == pytest.approx(extra / cluster.gpu.mem_Bps)

@@ -326,10 +326,11 @@ BOUNDS = {
     # 4% / 6% with ZeRO-2's reduce-scatter every micro-batch (the trainer: once a step); 4% / 5% while the
     # all-gather after the step was taken as hidden (shardlm's trainer waits for it; docs/plan.md)
     LLAMA3: (0.04, 0.07),
-    TRTLLM: (0.18, 0.35),
-    f"{NIM}, TTFT": (0.36, 0.60),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
-    f"{NIM}, TPOT": (0.15, 0.22),
-    f"{NIM}, tok/s": (0.22, 0.29),
+    # 18% / 35% and NIM's 35% / 59%, 14% / 21%, 21% / 28% while FP8 plans read the LM head at one byte
+    TRTLLM: (0.17, 0.31),
+    f"{NIM}, TTFT": (0.32, 0.59),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
+    f"{NIM}, TPOT": (0.15, 0.21),
+    f"{NIM}, tok/s": (0.20, 0.26),
     # +11% before node-limited routing (a token over IB once per node, at most 4) halved the exposed
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
     # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts
@@ -476,6 +477,22 @@ def _kv_per_token(model: str, tp: int) -> float:
 
 
 @cache
+def _meta_405b_fp8() -> str:
+    """The llama-3.1-405b preset with the quantization_config of Meta's FP8 checkpoint
+    (meta-llama/Llama-3.1-405B-Instruct-FP8, fbgemm_fp8): layers 0 and 125 whole, the LM head and
+    every other layer's self_attn left unquantized, as the recipe that made it lists them
+    (https://github.com/huggingface/huggingface-llama-recipes, llama-405B-FP8.py)."""
+    from shardlm.plan.catalog import DATA
+
+    cfg = json.loads((DATA / "model-llama-3.1-405b.json").read_text())
+    keep = ["model.layers.0", "model.layers.125", "lm_head", *(f"model.layers.{i}.self_attn" for i in range(1, 125))]
+    cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "modules_to_not_convert": keep}
+    path = Path(tempfile.mkdtemp(prefix="plan-published-")) / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@cache
 def _costs(model: str) -> ModelCosts:
     return ModelCosts(load_model(_config(model))[0])
 
@@ -507,10 +524,11 @@ MEM_ROWS = [
            lambda: 367_404 * _kv_per_token("qwen3-235b-a22b", 4) / 2),
     # https://github.com/vllm-project/vllm/issues/6746 (2024-07-24), Meta-Llama-3.1-405B-Instruct-FP8 with
     # --tensor-parallel-size 8 on 8 H100s: "Loading model weights took 57.7520 GB" (vLLM's GB: 2^30 bytes).
-    # The planner's --dtype fp8 counts every weight at one byte; Meta's FP8 checkpoint keeps the attention
-    # layers, the first and last blocks and the embeddings in bf16 (Dubey et al. 2024 §6.2): see docs/plan.md.
+    # Meta's FP8 checkpoint keeps the attention layers and the first and last blocks in bf16 (Dubey et al.
+    # 2024 §6.2), its config.json's quantization_config listing them (_meta_405b_fp8); the embedding and
+    # LM head are 16-bit in every quantized plan (roofline.FP8_KEEPS_AT).
     MemRow(VLLM_WEIGHTS, "tp8, --dtype fp8", 57.752, "GiB",
-           lambda: weight_bytes(_costs("llama-3.1-405b"), Layout(tp=8), 1)),
+           lambda: weight_bytes(ModelCosts(load_model(_meta_405b_fp8())[0]), Layout(tp=8), 1, quantized=True)),
     # torch.cuda.max_memory_allocated() of the two training rows above (SHARDLM_H100)
     MemRow(SHARDLM_H100, "SmolLM2-135M's shape, 16 x 512", 10.437, "GiB",
            functools.partial(_one_gpu_training, "smollm2-135m", 16, 512)),
@@ -522,7 +540,9 @@ MEM_BOUNDS = {  # each source's mean and max relative error today (rounded up)
     ZERO_FIG1: (0.005, 0.014),  # the figure rounds to 0.1 GB: 1.875 -> 1.9
     KORTHIKANTI_MEM: (0.001, 0.001),
     VLLM_KV: (0.007, 0.012),
-    VLLM_WEIGHTS: (0.19, 0.19),  # the checkpoint's bf16 attention, end blocks and embeddings: see docs/plan.md
+    # 18.2% while every weight counted at one byte (the checkpoint's quantization_config unread, the
+    # embedding and LM head taken as FP8)
+    VLLM_WEIGHTS: (0.019, 0.019),
     SHARDLM_H100: (0.008, 0.011),  # -37% / -8% before the loss's working set (memory.LOSS_BYTES_PER_LOGIT)
 }
 
