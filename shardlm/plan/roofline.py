@@ -25,6 +25,7 @@ from shardlm.plan.shard import (
     Kept16,
     RankLayer,
     active_params,
+    gemm_shapes,
     is_moe_layer,
     kept_16bit,
     rank_layer,
@@ -202,6 +203,28 @@ def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
     return rl.attn + rl.dense + rl.router + touched * rl.expert_params
 
 
+def k_efficiency(k: float, k_half: float) -> float:
+    """Share of the planner's rate a GEMM with inner dimension ``k`` reaches: 1 where ``k_half`` is
+    0 (bf16), else FP8's measured curve (``constants.FP8_HALF_K``)."""
+    if k_half <= 0:
+        return 1.0
+    return C.FP8_LARGE_K_EFFICIENCY / C.MATMUL_EFFICIENCY * k / (k + k_half)
+
+
+def gemm_k_half(dtype: str) -> float:
+    """``k_efficiency``'s half-rate K for the GEMMs of a step at ``dtype``."""
+    return C.FP8_HALF_K if dtype in FP8_KEEPS_AT else 0.0
+
+
+def _k_slowdown(shapes: list[tuple[int, int]], k_half: float, grad: str) -> float:
+    """Time of a part's products over their time at a K-independent rate: each weighted by its
+    FLOPs (K x N); the forward's inner dimension is K, the input gradient's N."""
+    if k_half <= 0 or not shapes:
+        return 1.0
+    inner = (lambda kn: kn[1]) if grad == "input" else (lambda kn: kn[0])
+    return sum(k * n / k_efficiency(inner((k, n)), k_half) for k, n in shapes) / sum(k * n for k, n in shapes)
+
+
 def layer_work(
     cfg: ModelConfig,
     rl: RankLayer,
@@ -213,17 +236,30 @@ def layer_work(
     ep: int,
     half_rows: float,
     kept: Kept16 = NOTHING_KEPT,
+    k_half: float = 0.0,
+    grad: str = "",
 ) -> tuple[Work, Work]:
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
-    the size-dependent GEMM efficiency of the device (``half_rows``), an MoE layer's experts each at
-    its own tokens, on the most loaded ep rank (``routing_imbalance``). ``kept``: the shares of
-    attention and MLP a quantized checkpoint keeps 16-bit (their bytes at 2, their FLOPs at the
-    16-bit rate), averaged over the layers."""
+    the size-dependent GEMM efficiency of the device: ``half_rows`` in the token dimension, an MoE
+    layer's experts each at its own tokens, on the most loaded ep rank (``routing_imbalance``), and
+    ``k_half`` in the inner one (``k_efficiency``: FP8). ``grad``: the products of backward instead,
+    "input" (inner dimension: each product's output width) or "weight" (inner dimension: the
+    tokens). ``kept``: the shares of attention and MLP a quantized checkpoint keeps 16-bit (their
+    bytes at 2, their FLOPs at the 16-bit rate), averaged over the layers."""
     h = cfg.hidden_size
     wide = max(w_bytes, C.BF16_BYTES)
     attn_p, mlp_p = rl.attn, rl.dense + rl.router
+    shapes = gemm_shapes(cfg, rl)
+
+    def rate(tokens: float, part: str) -> float:  # time a FLOP takes over its K-independent large-GEMM time
+        if grad == "weight" and k_half > 0:  # the tokens are the inner dimension
+            return 1 / k_efficiency(tokens, k_half)
+        return _k_slowdown(shapes[part], k_half, grad) / gemm_efficiency(tokens, half_rows)
+
     eff = gemm_efficiency(step.tokens, half_rows)
-    flops = 2 * step.tokens * (attn_p * (1 - kept.attention) + mlp_p * (1 - kept.mlp)) / eff
+    narrow = attn_p * (1 - kept.attention) * rate(step.tokens, "attn")
+    narrow += rl.dense * (1 - kept.mlp) * rate(step.tokens, "dense") + rl.router * (1 - kept.mlp) / eff
+    flops = 2 * step.tokens * narrow
     wide_flops = 2 * step.tokens * (attn_p * kept.attention + mlp_p * kept.mlp) / eff
     expert_p = touched_params(cfg, rl, step) - attn_p - mlp_p
     wbytes = attn_p * _mixed(w_bytes, wide, kept.attention) + (mlp_p + expert_p) * _mixed(w_bytes, wide, kept.mlp)
@@ -234,9 +270,9 @@ def layer_work(
         # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
         routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)
         per_expert = routed / max(touched, 1e-9)
-        experts = 2 * routed * rl.expert_params / gemm_efficiency(per_expert, half_rows)
-        flops += experts * (1 - kept.mlp)
-        wide_flops += experts * kept.mlp
+        experts = 2 * routed * rl.expert_params
+        flops += experts * (1 - kept.mlp) * rate(per_expert, "expert")
+        wide_flops += experts * kept.mlp / gemm_efficiency(per_expert, half_rows)
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
     matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1, wide_flops=wide_flops)
     per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)

@@ -217,3 +217,25 @@ def kept_16bit(cfg: ModelConfig) -> Kept16:
             "plan without the quantization_config"
         )
     return Kept16(len(attention) / cfg.num_layers, len(mlp) / cfg.num_layers)
+
+
+def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, list[tuple[int, int]]]:
+    """(K, N) of each linear layer's product on the rank (input width, output width), by part:
+    ``attn`` (qkv and o; MLA's q_a, q_b, kv_a, kv_b and o), ``dense`` (the dense MLP or shared
+    experts: a gated MLP's gate and up as one product) and ``expert`` (one routed expert's)."""
+    h, q = cfg.hidden_size, rl.q_heads
+    if cfg.is_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        query = [(h, cfg.q_lora_rank), (cfg.q_lora_rank, q * qk)] if cfg.q_lora_rank else [(h, q * qk)]
+        attn = [*query, (h, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
+        attn += [(cfg.kv_lora_rank, q * (cfg.qk_nope_head_dim + cfg.v_head_dim)), (q * cfg.v_head_dim, h)]
+    else:
+        attn = [(h, (q + 2 * rl.kv_heads) * cfg.head_dim), (q * cfg.head_dim, h)]
+    up = 2 if cfg.gated_mlp else 1
+
+    def mlp(rows: int) -> list[tuple[int, int]]:
+        return [(h, up * rows), (rows, h)] if rows else []
+
+    dense_rows = rl.dense // ((up + 1) * h)
+    expert_rows = rl.expert_params // ((up + 1) * h)
+    return {"attn": attn, "dense": mlp(dense_rows), "expert": mlp(expert_rows)}

@@ -28,6 +28,7 @@ step) move the bytes shardlm's trainer was counted to move (``traffic``), at the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -38,7 +39,16 @@ from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, outer_params, training_memory, weight_bytes
-from shardlm.plan.roofline import FP8_KEEPS_AT, ModelCosts, Step, Work, busiest_pairs, layer_work, touched_params
+from shardlm.plan.roofline import (
+    FP8_KEEPS_AT,
+    ModelCosts,
+    Step,
+    Work,
+    busiest_pairs,
+    gemm_k_half,
+    layer_work,
+    touched_params,
+)
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -237,13 +247,20 @@ def _stage(
             moe_tokens=moe_tokens,
             scores_bytes=0.0 if wl.fused_attention else unfused_scores_bytes(cfg, wl.seq_len, a),
         )
-        mm, at = layer_work(cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows)
+        work = functools.partial(
+            layer_work, cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows
+        )
+        k_half = gemm_k_half(wl.dtype)
+        mm, at = work(k_half=k_half)
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
-        # backward: the input gradients as the forward's products (the same FLOPs and weights), and the
-        # weight gradients, whose products add into the gradient buffer (``GRAD_EPILOGUE_BYTES``)
-        wgrad = Work(flops=mm.flops, bytes=touched_params(cfg, rl, step) * GRAD_EPILOGUE_BYTES[wl.kernels](a))
-        b_comp += n * (mm.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
+        # backward: the input gradients (the forward's FLOPs and weight reads, inner dimension each
+        # product's output width) and the weight gradients (inner dimension the tokens), whose
+        # products add into the gradient buffer (``GRAD_EPILOGUE_BYTES``)
+        dgrad, _ = work(k_half=k_half, grad="input")
+        wflops = work(k_half=k_half, grad="weight")[0].flops
+        wgrad = Work(flops=wflops, bytes=touched_params(cfg, rl, step) * GRAD_EPILOGUE_BYTES[wl.kernels](a))
+        b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)

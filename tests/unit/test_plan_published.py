@@ -326,15 +326,17 @@ BOUNDS = {
     # 4% / 6% with ZeRO-2's reduce-scatter every micro-batch (the trainer: once a step); 4% / 5% while the
     # all-gather after the step was taken as hidden (shardlm's trainer waits for it; docs/plan.md)
     LLAMA3: (0.04, 0.07),
-    # 18% / 35% and NIM's 35% / 59%, 14% / 21%, 21% / 28% while FP8 plans read the LM head at one byte
-    TRTLLM: (0.17, 0.31),
+    # 18% / 35% and NIM's 35% / 59%, 14% / 21%, 21% / 28% while FP8 plans read the LM head at one byte;
+    # 17% / 31% before FP8's K curve (constants.FP8_HALF_K)
+    TRTLLM: (0.16, 0.26),
     f"{NIM}, TTFT": (0.32, 0.59),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
     f"{NIM}, TPOT": (0.15, 0.21),
     f"{NIM}, tok/s": (0.20, 0.26),
     # +11% before node-limited routing (a token over IB once per node, at most 4) halved the exposed
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
-    # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts
-    DSV3: (0.31, 0.31),
+    # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts;
+    # 31% before FP8's K curve
+    DSV3: (0.29, 0.29),
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     MCORE_MOE: (0.16, 0.16),  # 17% before the routed pairs' copies (plan/traffic.py)
     # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);

@@ -239,3 +239,43 @@ def test_fp8_training_casts_each_gemm_operand(monkeypatch):
     per_elem = tokens * cfg.num_layers * 4 / cluster.gpu.mem_Bps
     # the LM head's traffic splits between forward and backward as the layers' does: compare sums
     assert (f8 + b8) - (f0 + b0) == pytest.approx(((q + i) + (q + 2 * kv + h + 2 * i + h)) * per_elem)
+
+
+def test_fp8_gemms_follow_deepgemms_measured_k_curve():
+    """FP8 GEMMs on Hopper slow down at a small inner dimension K (constants.FP8_HALF_K): the curve
+    reproduces the table it is taken from (DeepGEMM's README, H800, M = 4096: TFLOPS at (N, K), each
+    over its last wave of 128 x 128 tiles on 132 SMs) within 4%, and a layer's products are timed
+    GEMM by GEMM with it: forward at each product's K, the input gradient at its N, the weight
+    gradient at the tokens. bf16 has no K term."""
+    import math
+
+    from shardlm.plan import constants as C
+    from shardlm.plan.roofline import Step, gemm_efficiency, k_efficiency, layer_work
+    from shardlm.plan.shard import gemm_shapes
+
+    gpu = load_gpu("h800-sxm")
+    for n, k, tflops in ((2112, 7168, 1058), (24576, 1536, 990), (32768, 512, 590), (7168, 16384, 1358),
+                         (4096, 7168, 1304), (7168, 2048, 1025)):  # fmt: skip
+        tiles = 4096 // 128 * math.ceil(n / 128)
+        waves = tiles / (math.ceil(tiles / 132) * 132)
+        model = gpu.matmul_flops("fp8") * gemm_efficiency(4096, C.GEMM_HALF_ROWS) * k_efficiency(k, C.FP8_HALF_K)
+        assert model * waves / 1e12 == pytest.approx(tflops, rel=0.04)
+    assert k_efficiency(2048, 0) == 1.0
+
+    cfg, _ = load_model("llama-3-8b")
+    rl = ModelCosts(cfg).rank_layer(False, 1)
+    t = 4096.0
+    step = Step(tokens=t, ctx=t / 2, decode=False, seqs=1, moe_tokens=t)
+    kw = dict(w_bytes=1, a_bytes=2, kv_bytes=2, ep=1, half_rows=C.GEMM_HALF_ROWS)
+    eff = gemm_efficiency(t, C.GEMM_HALF_ROWS)
+    shapes = gemm_shapes(cfg, rl)
+    assert sum(k * n for k, n in shapes["attn"] + shapes["dense"]) == pytest.approx(rl.attn + rl.dense, rel=1e-3)
+    for grad, inner in (("", lambda k, n: k), ("input", lambda k, n: n)):
+        got = layer_work(cfg, rl, step, k_half=C.FP8_HALF_K, grad=grad, **kw)[0].flops
+        want = sum(2 * t * k * n / k_efficiency(inner(k, n), C.FP8_HALF_K) for k, n in shapes["attn"] + shapes["dense"])
+        # (norms' parameters ride with the products, at the part's mean slowdown)
+        assert got * eff == pytest.approx(want, rel=1e-3)
+    weight = layer_work(cfg, rl, step, k_half=C.FP8_HALF_K, grad="weight", **kw)[0].flops
+    assert weight == pytest.approx(2 * t * (rl.attn + rl.dense) / k_efficiency(t, C.FP8_HALF_K))
+    bf16 = {g: layer_work(cfg, rl, step, grad=g, **kw)[0].flops for g in ("", "input", "weight")}
+    assert len(set(bf16.values())) == 1 and bf16[""] == pytest.approx(2 * t * (rl.attn + rl.dense) / eff)
