@@ -13,23 +13,6 @@ bubbles and communication included (Narayanan et al. 2021, https://arxiv.org/abs
 abstract and §5.1); the planner charges bubbles and communication separately, so the GEMM
 share alone is set higher."""
 
-FP8_HALF_K = 740
-"""Inner dimension K at which a Hopper FP8 GEMM runs at half its large-K rate: each output tile
-pays a fixed prologue and epilogue beside its K / 128 steps of math, which FP8's doubled rate makes
-a larger share. From DeepGEMM's published H800 table (https://github.com/deepseek-ai/DeepGEMM,
-README "Normal GEMMs for dense models", M = 4096, fine-grained scaling, at DeepSeek-V3's shapes):
-590, 990, 1025, 1304 and 1358 TFLOPS at K = 512, 1536, 2048, 7168 and 16384, which after each
-shape's partly filled last wave of 128 x 128 tiles on 132 SMs are R K / (K + 740) with R = 1463
-TFLOPS (within 3%). Its grouped GEMMs follow the same curve (1297 TFLOPS at K = 7168, 1099 at
-2048)."""
-
-FP8_LARGE_K_EFFICIENCY = 0.76
-"""Share of the FP8 datasheet peak that curve tends to at large K and M: 1463 of 1979 TFLOPS over
-M = 4096's efficiency (GEMM_HALF_ROWS): 0.74 / 0.97. FP8 GEMMs are timed at
-``gpu.matmul_flops("fp8") x FP8_LARGE_K_EFFICIENCY / MATMUL_EFFICIENCY x K / (K + FP8_HALF_K)``;
-bf16 keeps one K-independent MATMUL_EFFICIENCY (shardlm's bf16 products on an H100 reached 85% of
-peak at K = 2048, docs/performance.md)."""
-
 HBM_EFFICIENCY = 0.80
 """Fraction of datasheet memory bandwidth a streaming kernel reaches: 750 of 900 GB/s (83%)
 measured on V100 by Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via

@@ -65,12 +65,21 @@ class GpuSpec:
     """Fixed dispatch cost per operator (zero on GPUs with CUDA graphs; measured on CPU)."""
     gemm_half_rows: float = C.GEMM_HALF_ROWS
     """GEMM rows at which the matmul rate is half its large-GEMM value (0: no size effect)."""
+    gemm_half_k: dict[str, float] = field(default_factory=dict)
+    """Per dtype, the inner dimension K at which a GEMM runs at half its large-K rate: each output
+    tile pays a fixed prologue and epilogue beside its K-steps of math (``roofline.k_efficiency``);
+    from the catalog's measured tables, absent (no K effect) where none was collected."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
     source: str = ""
     """Where the numbers come from."""
     calibrated: dict = field(default_factory=dict, compare=False, repr=False)
     """Raw measurements when the spec comes from calibration (this-machine)."""
+
+    def half_k(self, dtype: str) -> float:
+        """``gemm_half_k`` for ``dtype`` (0: none measured)."""
+        base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        return self.gemm_half_k.get(base, 0.0)
 
     def matmul_flops(self, dtype: str) -> float:
         if dtype in self.flops:
@@ -120,6 +129,7 @@ def load_gpu(name: str) -> GpuSpec:
         gpus_per_node=g["gpus_per_node"],
         host_Bps=g.get("pcie_gbs", 0) / 2 * 1e9,
         source=g["_source"],
+        gemm_half_k=dict(g.get("gemm_half_k", {})),
     )
 
 

@@ -34,7 +34,7 @@ from shardlm.plan.disagg import Split, served, split
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, inference_fixed, kv_bytes_per_seq_token
-from shardlm.plan.roofline import ModelCosts, Step, Work, gemm_k_half, kv_element_bytes, layer_work
+from shardlm.plan.roofline import ModelCosts, Step, Work, kv_element_bytes, layer_work
 from shardlm.plan.serving import Replica, Served, closed_loop, open_loop
 from shardlm.plan.shard import NOTHING_KEPT
 
@@ -181,7 +181,7 @@ def stage_step(
             ep=lay.ep,
             half_rows=gpu.gemm_half_rows,
             kept=costs.kept if w_bytes < C.BF16_BYTES else NOTHING_KEPT,
-            k_half=gemm_k_half(dtype),
+            k_half=gpu.half_k(dtype),
         )
         mm, at = work(step)
         if decode and lay.cp > 1:  # a decode token runs through the layers on its owner cp rank only

@@ -204,16 +204,9 @@ def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
 
 
 def k_efficiency(k: float, k_half: float) -> float:
-    """Share of the planner's rate a GEMM with inner dimension ``k`` reaches: 1 where ``k_half`` is
-    0 (bf16), else FP8's measured curve (``constants.FP8_HALF_K``)."""
-    if k_half <= 0:
-        return 1.0
-    return C.FP8_LARGE_K_EFFICIENCY / C.MATMUL_EFFICIENCY * k / (k + k_half)
-
-
-def gemm_k_half(dtype: str) -> float:
-    """``k_efficiency``'s half-rate K for the GEMMs of a step at ``dtype``."""
-    return C.FP8_HALF_K if dtype in FP8_KEEPS_AT else 0.0
+    """Share of the large-K rate a GEMM with inner dimension ``k`` reaches: k / (k + ``k_half``)
+    (``GpuSpec.gemm_half_k``, measured per GPU and dtype); 1 where ``k_half`` is 0."""
+    return 1.0 if k_half <= 0 else k / (k + k_half)
 
 
 def _k_slowdown(shapes: list[tuple[int, int]], k_half: float, grad: str) -> float:
@@ -242,7 +235,7 @@ def layer_work(
     """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
     the size-dependent GEMM efficiency of the device: ``half_rows`` in the token dimension, an MoE
     layer's experts each at its own tokens, on the most loaded ep rank (``routing_imbalance``), and
-    ``k_half`` in the inner one (``k_efficiency``: FP8). ``grad``: the products of backward instead,
+    ``k_half`` in the inner one (``k_efficiency``: the GPU's measured curve). ``grad``: backward's products,
     "input" (inner dimension: each product's output width) or "weight" (inner dimension: the
     tokens). ``kept``: the shares of attention and MLP a quantized checkpoint keeps 16-bit (their
     bytes at 2, their FLOPs at the 16-bit rate), averaged over the layers."""

@@ -45,7 +45,6 @@ from shardlm.plan.roofline import (
     Step,
     Work,
     busiest_pairs,
-    gemm_k_half,
     layer_work,
     touched_params,
 )
@@ -250,7 +249,7 @@ def _stage(
         work = functools.partial(
             layer_work, cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows
         )
-        k_half = gemm_k_half(wl.dtype)
+        k_half = gpu.half_k(wl.dtype)
         mm, at = work(k_half=k_half)
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)

@@ -325,28 +325,30 @@ BOUNDS = {
     KORTHIKANTI: (0.08, 0.13),  # 7% / 12% before the traffic was counted (it predicts a little lower)
     # 4% / 6% with ZeRO-2's reduce-scatter every micro-batch (the trainer: once a step); 4% / 5% while the
     # all-gather after the step was taken as hidden (shardlm's trainer waits for it; docs/plan.md)
-    LLAMA3: (0.04, 0.07),
+    # 4% / 7% before the measured K curves (GpuSpec.gemm_half_k: the attention output's K = 2048 a rank)
+    LLAMA3: (0.05, 0.09),
     # 18% / 35% and NIM's 35% / 59%, 14% / 21%, 21% / 28% while FP8 plans read the LM head at one byte;
-    # 17% / 31% before FP8's K curve (constants.FP8_HALF_K)
-    TRTLLM: (0.16, 0.26),
-    f"{NIM}, TTFT": (0.32, 0.59),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
-    f"{NIM}, TPOT": (0.15, 0.21),
-    f"{NIM}, tok/s": (0.20, 0.26),
+    # 17% / 31% and NIM's 32% / 59%, 15% / 21%, 20% / 26% before the measured K curves (GpuSpec.gemm_half_k)
+    TRTLLM: (0.11, 0.20),
+    f"{NIM}, TTFT": (0.28, 0.56),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
+    f"{NIM}, TPOT": (0.12, 0.21),
+    f"{NIM}, tok/s": (0.16, 0.26),
     # +11% before node-limited routing (a token over IB once per node, at most 4) halved the exposed
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
     # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts;
-    # 31% before FP8's K curve
-    DSV3: (0.29, 0.29),
+    # 31% before the measured K curves
+    DSV3: (0.26, 0.26),
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
-    MCORE_MOE: (0.16, 0.16),  # 17% before the routed pairs' copies (plan/traffic.py)
+    # 17% before the routed pairs' copies (plan/traffic.py); 16% before the measured K curves
+    MCORE_MOE: (0.13, 0.13),
     # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);
     # 51% / 102% with the DeepEP rows priced as every pair's all-to-all; 47% / 102% before uneven
     # interleaving chunks (the rows fell back to zero-bubble); 41% / 88% before the routed pairs'
     # copies and the FSDP row's overlapped reduce-scatters (-39% -> -29%); 34% / 81% before the weight
     # gradients' float32 read and write (training.GRAD_EPILOGUE_BYTES: tp4 ep8's 512 tokens an expert)
-    QWEN3_MCORE: (0.33, 0.75),
+    QWEN3_MCORE: (0.31, 0.71),  # 33% / 75% before the measured K curves
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
-    SHARDLM_H100: (0.19, 0.33),
+    SHARDLM_H100: (0.15, 0.29),  # 19% / 33% before the measured K curves
 }
 
 
