@@ -14,7 +14,7 @@ from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_a
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import ModelCosts, busiest_pairs, kv_bytes_per_token
-from shardlm.plan.shard import NOTHING_KEPT, RankLayer
+from shardlm.plan.shard import NOTHING_KEPT, RankLayer, mixed_bytes
 from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, model_states
 
 FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
@@ -64,9 +64,7 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool =
 
     def layer(rl: RankLayer) -> float:
         mlp = rl.total - rl.attn
-        return rl.attn * (wide * kept.attention + w_bytes * (1 - kept.attention)) + mlp * (
-            wide * kept.mlp + w_bytes * (1 - kept.mlp)
-        )
+        return rl.attn * mixed_bytes(w_bytes, wide, kept.attention) + mlp * mixed_bytes(w_bytes, wide, kept.mlp)
 
     best = 0.0
     kinds = costs.stage_kinds(lay.pp)

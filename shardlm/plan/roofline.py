@@ -28,6 +28,7 @@ from shardlm.plan.shard import (
     gemm_shapes,
     is_moe_layer,
     kept_16bit,
+    mixed_bytes,
     rank_layer,
     split_even,
     total_params,
@@ -191,11 +192,6 @@ class Step:
     """Unfused attention: bytes of the score matrix each query moves per head (0: fused, flash-style)."""
 
 
-def _mixed(narrow: float, wide: float, share: float) -> float:
-    """Bytes a parameter of a module of which ``share`` is kept ``wide`` and the rest ``narrow``."""
-    return wide * share + narrow * (1 - share)
-
-
 def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
     """Weights of one layer a step's matrix products use on the rank: the dense ones and the routed
     experts some token reaches (``expected_experts_touched``)."""
@@ -255,7 +251,9 @@ def layer_work(
     flops = 2 * step.tokens * narrow
     wide_flops = 2 * step.tokens * (attn_p * kept.attention + mlp_p * kept.mlp) / eff
     expert_p = touched_params(cfg, rl, step) - attn_p - mlp_p
-    wbytes = attn_p * _mixed(w_bytes, wide, kept.attention) + (mlp_p + expert_p) * _mixed(w_bytes, wide, kept.mlp)
+    wbytes = attn_p * mixed_bytes(w_bytes, wide, kept.attention) + (mlp_p + expert_p) * mixed_bytes(
+        w_bytes, wide, kept.mlp
+    )
     if rl.experts:
         k = cfg.num_experts_per_tok
         touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)

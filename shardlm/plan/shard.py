@@ -186,6 +186,13 @@ class Kept16:
 NOTHING_KEPT = Kept16()
 """An unquantized plan's (or a quantized checkpoint's that keeps no module 16-bit)."""
 
+
+def mixed_bytes(narrow: float, wide: float, share: float) -> float:
+    """Bytes a parameter of a module kind costs when ``share`` of it is kept ``wide`` (``Kept16``) and
+    the rest is ``narrow``."""
+    return wide * share + narrow * (1 - share)
+
+
 KEPT_FORMS = "lm_head, [model.]layers.N, [model.]layers.N.self_attn, [model.]layers.N.mlp"
 
 
