@@ -24,7 +24,7 @@ from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.traffic import KERNELS
-from shardlm.plan.training import ZERO3_REDUCE, TrainWorkload
+from shardlm.plan.training import GRAD_REDUCE_BYTES, ZERO3_REDUCE, TrainWorkload
 
 TRAIN_ONLY = (
     "global_batch",
@@ -217,6 +217,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default) or overlapped (on their own stream behind the next layers' backward, as FSDP2 and "
         "Megatron-FSDP: for comparing with such runs, shardlm does not reduce so)",
     )
+    t.add_argument(
+        "--grad-reduce",
+        choices=tuple(GRAD_REDUCE_BYTES),
+        help="the dtype gradients cross the data-parallel group in: fp32 (as shardlm's trainer; default) or "
+        "bf16 (as Megatron-LM's --grad-reduce-in-bf16: for comparing with such runs, shardlm does not reduce so)",
+    )
     p.add_argument(
         "--dispatcher",
         choices=DISPATCHERS,
@@ -384,6 +390,7 @@ def build_request(args):
             kernels=args.kernels or "shardlm",
             dispatcher=args.dispatcher or "shardlm",
             zero3_reduce=args.zero3_reduce or "blocking",
+            grad_reduce=args.grad_reduce or "fp32",
         )
         return PlanRequest(train=True, training=wl, **common)
 

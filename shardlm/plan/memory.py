@@ -213,7 +213,9 @@ def outer_params(costs: ModelCosts, lay: Layout, stage: int) -> float:
     return embed * (first + (last and (not costs.cfg.tie_word_embeddings or lay.pp > 1)))
 
 
-def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) -> float:
+def zero3_buffers(
+    costs: ModelCosts, lay: Layout, prefetch: int, reduce: str, reduced: int = REDUCED_GRAD_BYTES
+) -> float:
     """What a ZeRO-3 rank holds beyond its shards at the activations' peak (the start of backward):
     the gathered 16-bit weights of 1 + ``prefetch`` layers (of an MoE layer's experts only the
     current one's: the trainer gathers them when met, ``train/zero.py``) and of its outer unit
@@ -223,14 +225,16 @@ def zero3_buffers(costs: ModelCosts, lay: Layout, prefetch: int, reduce: str) ->
     so with the float32 copy it sends: ``ZERO3_GRAD_BYTES``), and the layer being
     reduce-scattered (``ZERO3_GRAD_BYTES``), a second beside it when ``reduce`` is "overlapped"
     (priced as FSDP2 and Megatron-FSDP run it, which prefetch the experts with the rest of a layer,
-    as ``training.zero3_exposed`` does)."""
+    as ``training.zero3_exposed`` does). ``reduced``: the bytes a gradient is sent in; a 16-bit
+    gradient is sent as it is (no float32 copy beside it)."""
+    sent = GRAD_BYTES + (reduced if reduced != GRAD_BYTES else 0)  # a layer's gradient while it is sent
     rl = costs.rank_layer(costs.cfg.is_moe, lay.tp, lay.ep, lay.etp)
     experts = 0 if reduce == "overlapped" else rl.experts * rl.expert_params  # those gathered only when met
     layer, gathered = rl.total, (1 + prefetch) * (rl.total - experts) + experts
     first = (PARAM_BYTES + GRAD_BYTES) * outer_params(costs, lay, 0)
-    last = (PARAM_BYTES + ZERO3_GRAD_BYTES) * outer_params(costs, lay, lay.pp - 1) if lay.pp > 1 else 0.0
+    last = (PARAM_BYTES + sent) * outer_params(costs, lay, lay.pp - 1) if lay.pp > 1 else 0.0
     in_flight = 2 if reduce == "overlapped" else 1
-    return PARAM_BYTES * gathered + max(first, last) + in_flight * ZERO3_GRAD_BYTES * layer
+    return PARAM_BYTES * gathered + max(first, last) + in_flight * sent * layer
 
 
 def training_memory(
@@ -242,6 +246,7 @@ def training_memory(
     fused_attention: bool = True,
     prefetch: int = 1,
     zero3_reduce: str = "blocking",
+    grad_reduce_bytes: int = REDUCED_GRAD_BYTES,
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
@@ -254,7 +259,7 @@ def training_memory(
     edp = lay.dp * lay.tp // (lay.ep * lay.etp) * lay.cp  # copies of each expert
     expert_states = model_states(expert_share, dp=edp, stage=lay.zero)
     if lay.zero == 3:
-        comm = zero3_buffers(costs, lay, prefetch, zero3_reduce)
+        comm = zero3_buffers(costs, lay, prefetch, zero3_reduce, grad_reduce_bytes)
     else:
         comm = 2 * C.DDP_BUCKET_BYTES if lay.dp * lay.cp > 1 else 0.0  # two gradient buckets in flight
     return MemoryBreakdown(

@@ -54,12 +54,18 @@ BACKWARD_FLOPS_RATIO = 2.0
 """Backward = 2x forward FLOPs (gradients w.r.t. inputs and weights; Kaplan et al. 2020 §2.1)."""
 ZERO3_REDUCE = ("blocking", "overlapped")
 """How ZeRO-3's gradient reduce-scatters meet backward (``TrainWorkload.zero3_reduce``)."""
+GRAD_REDUCE_BYTES = {"fp32": REDUCED_GRAD_BYTES, "bf16": 2}
+"""Bytes a parameter's gradient crosses the data-parallel group in (``TrainWorkload.grad_reduce``):
+fp32 as shardlm's trainer sends it (``zero.REDUCED_GRAD_BYTES``) and Megatron-LM does by default
+for bf16 training; bf16 as Megatron-LM's ``--grad-reduce-in-bf16`` (which the Megatron-FSDP user
+guide recommends, docs/discussions/megatron-fsdp-user-guide) and FSDP2's ``reduce_dtype=bfloat16``."""
 
-GRAD_EPILOGUE_BYTES = {"fused": lambda a: 2 * REDUCED_GRAD_BYTES, "shardlm": lambda a: a}
+GRAD_EPILOGUE_BYTES = {"fused": lambda a, g: 2 * g, "shardlm": lambda a, g: a}
 """Bytes a parameter's weight-gradient product moves into the gradient buffer, each micro-batch, by
-whose kernels (``TrainWorkload.kernels``), at ``a`` bytes an activation. fused: the product adds into
-the float32 gradient in its epilogue, reading and writing it (Megatron-LM's
-``--gradient-accumulation-fusion``, on by default, into ``main_grad``; cuBLAS GEMM with beta = 1).
+whose kernels (``TrainWorkload.kernels``), at ``a`` bytes an activation and ``g`` a reduced gradient.
+fused: the product adds into the gradient buffer in its epilogue, reading and writing it (Megatron-LM's
+``--gradient-accumulation-fusion``, on by default, into ``main_grad``, float32 unless the gradients are
+reduced in bf16; cuBLAS GEMM with beta = 1).
 shardlm: the product writes a fresh gradient in the compute dtype, which autograd then adds into the
 gradient bucket (that add is in ``traffic``'s counted bytes). At a few hundred tokens a GEMM (an MoE
 expert's share of a micro-batch) the float32 read and write outlast the product's FLOPs."""
@@ -95,6 +101,9 @@ class TrainWorkload:
     """ZeRO-3's gradient reduce-scatters (``ZERO3_REDUCE``): blocking, each in its layer's backward
     as shardlm's trainer runs them, or overlapped on their own stream behind the next layers'
     backward (FSDP2, Megatron-FSDP's ``--overlap-grad-reduce``)."""
+    grad_reduce: str = "fp32"
+    """The dtype gradients cross the data-parallel group in (``GRAD_REDUCE_BYTES``): fp32 as shardlm's
+    trainer sends them, or bf16 as a peer may (Megatron-LM's ``--grad-reduce-in-bf16``)."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
@@ -102,6 +111,11 @@ class TrainWorkload:
             raise PlanError(
                 f"zero3_reduce={self.zero3_reduce!r} is not one of {', '.join(ZERO3_REDUCE)} (blocking: as "
                 "shardlm's trainer; overlapped: as FSDP2 and Megatron-FSDP)"
+            )
+        if self.grad_reduce not in GRAD_REDUCE_BYTES:
+            raise PlanError(
+                f"grad_reduce={self.grad_reduce!r} is not one of {', '.join(GRAD_REDUCE_BYTES)} (fp32: as "
+                "shardlm's trainer; bf16: as Megatron-LM's --grad-reduce-in-bf16)"
             )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
@@ -144,6 +158,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         fused_attention=wl.fused_attention,
         prefetch=wl.prefetch,
         zero3_reduce=wl.zero3_reduce,
+        grad_reduce_bytes=GRAD_REDUCE_BYTES[wl.grad_reduce],
     )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
@@ -177,7 +192,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     # data-parallel gradient sync over dp x cp replicas of each weight, in float32 as the trainer sends it
     params = weight_bytes(costs, lay, 1)
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
-    grad_bytes = params * REDUCED_GRAD_BYTES
+    grad_bytes = params * GRAD_REDUCE_BYTES[wl.grad_reduce]
     dp_c = gathered = 0.0
     if len(dp_group) > 1 and lay.zero == 0:  # gradients accumulate locally; one all-reduce
         dp_c = comm.all_reduce(grad_bytes, dp_group, cluster)
@@ -258,7 +273,8 @@ def _stage(
         # products add into the gradient buffer (``GRAD_EPILOGUE_BYTES``)
         dgrad, _ = work(k_half=k_half, grad="input")
         wflops = work(k_half=k_half, grad="weight")[0].flops
-        wgrad = Work(flops=wflops, bytes=touched_params(cfg, rl, step) * GRAD_EPILOGUE_BYTES[wl.kernels](a))
+        epilogue = GRAD_EPILOGUE_BYTES[wl.kernels](a, GRAD_REDUCE_BYTES[wl.grad_reduce])
+        wgrad = Work(flops=wflops, bytes=touched_params(cfg, rl, step) * epilogue)
         b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
@@ -348,7 +364,9 @@ def _with_zero3(
     fwd, bwd, tp_c, ep_c, cp_c = t
     if lay.zero < 3 or lay.dp * lay.cp == 1:
         return fwd, bwd, tp_c, ep_c, cp_c, 0.0
-    e_f, e_b = zero3_exposed(costs, cluster, lay, stage, fwd, bwd, wl.prefetch, wl.zero3_reduce)
+    e_f, e_b = zero3_exposed(
+        costs, cluster, lay, stage, fwd, bwd, wl.prefetch, wl.zero3_reduce, GRAD_REDUCE_BYTES[wl.grad_reduce]
+    )
     return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, e_f + e_b
 
 
@@ -361,6 +379,7 @@ def zero3_exposed(
     bwd: float,
     prefetch: int,
     reduce: str = "blocking",
+    grad_bytes: int = REDUCED_GRAD_BYTES,
 ) -> tuple[float, float]:
     """ZeRO-3's communication one micro-batch waits for on ``stage`` (forward, backward), as
     shardlm's trainer runs it (shardlm/train/zero.py; Rajbhandari et al. 2019 §5.3): each decoder
@@ -383,7 +402,8 @@ def zero3_exposed(
     is alike, since one link carries the gathers in turn. With ``prefetch`` 0 all of it waits:
     L G and L (G + R). G and R are one ring over the group (``comm.ring_gather``): the latency
     grows with the group (n - 1 steps), and across nodes the bytes go at one NIC's rate per GPU.
-    G moves the 16-bit weights, R the float32 gradients (``zero.REDUCED_GRAD_BYTES``): twice G's bytes.
+    G moves the 16-bit weights, R the gradients at ``grad_bytes`` a parameter (``GRAD_REDUCE_BYTES``:
+    float32 as shardlm's trainer sends them, twice G's bytes).
 
     ``reduce`` "overlapped" (FSDP2, Megatron-FSDP): each reduce-scatter runs on its own stream
     while the layers below compute their backward. The one link then carries a layer's R and the
@@ -413,11 +433,11 @@ def zero3_exposed(
         return (n_dense * dense[0] + n_moe * (moe[0] + experts * moe[1])) / layers
 
     overlapped = reduce == "overlapped"  # FSDP2 and Megatron-FSDP prefetch every unit, the experts' too
-    g, r = mean_layer(PARAM_BYTES, overlapped), mean_layer(REDUCED_GRAD_BYTES, True)  # 16-bit weights, fp32 grads
+    g, r = mean_layer(PARAM_BYTES, overlapped), mean_layer(grad_bytes, True)  # 16-bit weights, reduced grads
     expert_gathers = 0.0 if overlapped else n_moe * unit(True, PARAM_BYTES)[1]  # when met: never prefetched
     rest = outer_params(costs, lay, stage)
     g_rest = comm.ring_gather(rest * PARAM_BYTES, dp_group, cluster)
-    r_rest = comm.ring_gather(rest * REDUCED_GRAD_BYTES, dp_group, cluster)
+    r_rest = comm.ring_gather(rest * grad_bytes, dp_group, cluster)
     f, b = fwd / layers, bwd / layers
     if prefetch >= 1:
         e_f = g + (layers - 1) * max(0.0, g - f)

@@ -64,6 +64,7 @@ class Row:
     flops_per_token: float = 0.0  # "TFLOP/s/GPU" counted as the source counts it (0: Megatron's GPT formula)
     dispatcher: str = "shardlm"  # MoE: how the source's tokens crossed nodes (plan/comm.py DISPATCHERS)
     zero3_reduce: str = "blocking"  # ZeRO-3: how the source's reduce-scatters met backward (training.ZERO3_REDUCE)
+    grad_reduce: str = "fp32"  # the dtype the source's gradients crossed dp in (training.GRAD_REDUCE_BYTES)
 
 
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
@@ -257,6 +258,10 @@ ROWS += [
             seq_len=4096,
             dispatcher=dispatcher,  # the all-to-all row: every pair, as shardlm's
             zero3_reduce="overlapped",  # the Megatron-FSDP row: --overlap-grad-reduce (model_configs/.../Qwen3-235B-A22B.yaml)
+            # and, Megatron-FSDP's only, --grad-reduce-in-bf16: its user guide's recommended flags
+            # (Megatron-LM docs/discussions/megatron-fsdp-user-guide, as its DeepSeek-V3 example script
+            # runs); the source's table does not list the row's flags (fp32: -29%)
+            grad_reduce="bf16" if zero == 3 else "fp32",
         )
         for what, tp, pp, vpp, ep, mb, zero, rc, dispatcher, step in (
             (
@@ -346,7 +351,8 @@ BOUNDS = {
     # interleaving chunks (the rows fell back to zero-bubble); 41% / 88% before the routed pairs'
     # copies and the FSDP row's overlapped reduce-scatters (-39% -> -29%); 34% / 81% before the weight
     # gradients' float32 read and write (training.GRAD_EPILOGUE_BYTES: tp4 ep8's 512 tokens an expert)
-    QWEN3_MCORE: (0.31, 0.71),  # 33% / 75% before the measured K curves
+    # 33% / 75% before the measured K curves; 31% / 71% with the FSDP row's gradients reduced in fp32
+    QWEN3_MCORE: (0.27, 0.71),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     SHARDLM_H100: (0.15, 0.29),  # 19% / 33% before the measured K curves
 }
@@ -404,6 +410,7 @@ def _predict(row: Row) -> float:
         kernels=row.kernels,
         dispatcher=row.dispatcher,
         zero3_reduce=row.zero3_reduce,
+        grad_reduce=row.grad_reduce,
     )
     pins = dict(row.pins)
     try:

@@ -206,3 +206,42 @@ def test_zero3_moe_experts_are_gathered_when_met_so_their_gathers_always_wait():
     # priced as FSDP2 / Megatron-FSDP (--zero3-reduce overlapped): the experts prefetched too
     e_f, _ = training.zero3_exposed(moe, cluster, lay, 0, long, long, prefetch=1, reduce="overlapped")
     assert e_f == pytest.approx(g_d + g_e + g_rest)
+
+
+def test_gradients_reduced_in_bf16_move_half_the_bytes_and_are_marked(capsys):
+    """--grad-reduce bf16 (Megatron-LM's --grad-reduce-in-bf16) sends each gradient in 2 bytes: ZeRO-1's
+    reduce-scatter moves half of fp32's, ZeRO-3's reduce-scatters too, and a ZeRO-3 layer being sent
+    holds no float32 copy beside its 16-bit gradient. shardlm's trainer reduces in float32, so a
+    layout priced so is marked; a dtype it does not know is refused."""
+    from shardlm.plan import cli, constants
+    from shardlm.plan.memory import weight_bytes, zero3_buffers
+    from shardlm.plan.planner import PlanRequest, plan
+    from shardlm.plan.training import TrainWorkload, evaluate, zero3_exposed
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=16, gpus_per_node=8)
+    lay = Layout(dp=16, zero=1, micro_batch=1, num_micro=1)
+    dp = lay.slowest_group("dp_cp", 8)
+    params = weight_bytes(costs, lay, 1)
+    with pytest.MonkeyPatch.context() as mp:  # nothing hidden behind backward: the traffic itself
+        mp.setattr(constants, "DP_OVERLAP_FRACTION", 0.0)
+        for reduce, per in (("fp32", 4), ("bf16", 2)):
+            res = evaluate(costs, cluster, lay, TrainWorkload(global_batch=16, seq_len=2048, grad_reduce=reduce))
+            want = comm.reduce_scatter(per * params, dp, cluster) + comm.all_gather(PARAM_BYTES * params, dp, cluster)
+            assert res.fits and res.comm_s["dp"] == pytest.approx(want)
+    z3 = Layout(dp=16, zero=3, micro_batch=1, num_micro=1)
+    long = 10.0  # layers that hide every gather: what is left is the reduce-scatters
+    f32, b16 = (zero3_exposed(costs, cluster, z3, 0, long, long, prefetch=1, grad_bytes=g)[1] for g in (4, 2))
+    assert b16 < f32
+    rl = costs.rank_layer(False, 1)
+    assert zero3_buffers(costs, z3, 1, "blocking", 4) - zero3_buffers(costs, z3, 1, "blocking", 2) == pytest.approx(
+        4 * rl.total
+    )
+    wl = TrainWorkload(global_batch=64, seq_len=2048, grad_reduce="bf16")
+    res = plan(PlanRequest(model="llama-3-8b", gpu="h100-sxm", gpus=16, train=True, training=wl, fixed=dict(dp=16)))
+    assert "16-bit gradient reductions" in (res.not_as_modelled(res.best) or "")
+    with pytest.raises(PlanError, match="grad_reduce='fp16' is not one of fp32, bf16"):
+        TrainWorkload(global_batch=64, seq_len=2048, grad_reduce="fp16")
+    argv = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--train", "--dp", "16"]
+    assert cli.main([*argv, "--grad-reduce", "bf16"]) == 0
+    assert "16-bit gradient reductions (--grad-reduce bf16" in capsys.readouterr().out
