@@ -164,7 +164,7 @@ def int4_layers(model: str, tp: int):
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])  # tp=3: ~10 s more
-def test_int4_layers_match_their_dequantized_weights_at_tp1_and(qwen3, tp):
+def test_int4_layers_match_their_dequantized_weights_at_one_rank_and_at_tp(qwen3, tp):
     whole_run = run_ranks(1, int4_layers, str(qwen3.path), 1)
     results = run_ranks(tp, int4_layers, str(qwen3.path), tp)
     for size, run in ((1, whole_run), (tp, results)):
