@@ -39,6 +39,7 @@ TRAIN_ONLY = (
     "prefetch",
     "kernels",
     "zero3_reduce",
+    "grad_reduce",
 )
 INFER_ONLY = (
     "prompt_len",

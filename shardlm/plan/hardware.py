@@ -38,6 +38,11 @@ class Link:
     """Achievable bytes per second in one direction."""
 
 
+def _catalog_dtype(dtype: str) -> str:
+    """The catalog's name for ``dtype`` (torch's ``bfloat16`` is ``bf16``)."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GpuSpec:
     name: str
@@ -78,13 +83,12 @@ class GpuSpec:
 
     def half_k(self, dtype: str) -> float:
         """``gemm_half_k`` for ``dtype`` (0: none measured)."""
-        base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
-        return self.gemm_half_k.get(base, 0.0)
+        return self.gemm_half_k.get(_catalog_dtype(dtype), 0.0)
 
     def matmul_flops(self, dtype: str) -> float:
         if dtype in self.flops:
             return self.flops[dtype]
-        base = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        base = _catalog_dtype(dtype)
         if base in self.flops:
             return self.flops[base]
         raise PlanError(

@@ -245,3 +245,5 @@ def test_gradients_reduced_in_bf16_move_half_the_bytes_and_are_marked(capsys):
     argv = ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "16", "--train", "--dp", "16"]
     assert cli.main([*argv, "--grad-reduce", "bf16"]) == 0
     assert "16-bit gradient reductions (--grad-reduce bf16" in capsys.readouterr().out
+    assert cli.main([a for a in argv if a != "--train"] + ["--grad-reduce", "bf16"]) == 2  # serving sends no gradients
+    assert "--grad-reduce is a training flag; add --train or drop it" in capsys.readouterr().err
