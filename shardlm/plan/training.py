@@ -7,7 +7,7 @@ Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs 
 (``comm.moe_boundary``: dispatch/combine, once per node with DeepEP's dispatcher), and the CP KV
 ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
 forward FLOPs and the same communication again: the input gradients as the forward's products, the
-weight gradients with their add into the gradient buffer in the roofline (``GRAD_EPILOGUE_BYTES``);
+weight gradients with their add into the gradient buffer in the roofline (``grad_epilogue_bytes``);
 recomputation adds a forward (full) or the attention core (selective). FP8 times the linear layers'
 GEMMs at its rate and adds their operands' casts (``FP8_CAST_BYTES``) to the memory-bound traffic.
 
@@ -48,6 +48,7 @@ from shardlm.plan.roofline import (
     layer_work,
     touched_params,
 )
+from shardlm.plan.shard import gemm_shapes
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -60,15 +61,18 @@ fp32 as shardlm's trainer sends it (``zero.REDUCED_GRAD_BYTES``) and Megatron-LM
 for bf16 training; bf16 as Megatron-LM's ``--grad-reduce-in-bf16`` (which the Megatron-FSDP user
 guide recommends, docs/discussions/megatron-fsdp-user-guide) and FSDP2's ``reduce_dtype=bfloat16``."""
 
-GRAD_EPILOGUE_BYTES = {"fused": lambda a, g: 2 * g, "shardlm": lambda a, g: a}
-"""Bytes a parameter's weight-gradient product moves into the gradient buffer, each micro-batch, by
-whose kernels (``TrainWorkload.kernels``), at ``a`` bytes an activation and ``g`` a reduced gradient.
-fused: the product adds into the gradient buffer in its epilogue, reading and writing it (Megatron-LM's
-``--gradient-accumulation-fusion``, on by default, into ``main_grad``, float32 unless the gradients are
-reduced in bf16; cuBLAS GEMM with beta = 1).
-shardlm: the product writes a fresh gradient in the compute dtype, which autograd then adds into the
-gradient bucket (that add is in ``traffic``'s counted bytes). At a few hundred tokens a GEMM (an MoE
-expert's share of a micro-batch) the float32 read and write outlast the product's FLOPs."""
+
+def grad_epilogue_bytes(kernels: str, a: int, g: int) -> int:
+    """Bytes a parameter's weight-gradient product moves into the gradient buffer each micro-batch,
+    by whose kernels (``TrainWorkload.kernels``), at ``a`` bytes an activation and ``g`` a reduced
+    gradient. fused: the product adds into the gradient buffer in its epilogue, reading and writing it
+    (Megatron-LM's ``--gradient-accumulation-fusion``, on by default, into ``main_grad``, float32
+    unless the gradients are reduced in bf16; cuBLAS GEMM with beta = 1). shardlm: the product writes
+    a fresh gradient in the compute dtype, which autograd then adds into the gradient bucket (that add
+    is in ``traffic``'s counted bytes). At a few hundred tokens a GEMM (an MoE expert's share of a
+    micro-batch) the float32 read and write outlast the product's FLOPs."""
+    return 2 * g if kernels == "fused" else a
+
 
 FP8_CAST_BYTES = 4
 """Bytes per element an FP8 GEMM's operand costs to make: a cast-transpose reads the 16-bit tensor
@@ -270,10 +274,10 @@ def _stage(
         f_comp += n * mm.time(gpu, wl.dtype)
         # backward: the input gradients (the forward's FLOPs and weight reads, inner dimension each
         # product's output width) and the weight gradients (inner dimension the tokens), whose
-        # products add into the gradient buffer (``GRAD_EPILOGUE_BYTES``)
+        # products add into the gradient buffer (``grad_epilogue_bytes``)
         dgrad, _ = work(k_half=k_half, grad="input")
         wflops = work(k_half=k_half, grad="weight")[0].flops
-        epilogue = GRAD_EPILOGUE_BYTES[wl.kernels](a, GRAD_REDUCE_BYTES[wl.grad_reduce])
+        epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=wflops, bytes=touched_params(cfg, rl, step) * epilogue)
         b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
@@ -282,7 +286,7 @@ def _stage(
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         if wl.dtype in FP8_KEEPS_AT:  # each FP8 GEMM's input cast in forward, its output's gradient in backward
-            cast_f, cast_b = _fp8_cast_widths(cfg, rl, widths[0], pairs / tokens, lay.etp)
+            cast_f, cast_b = _fp8_cast_widths(cfg, rl, pairs / tokens)
             f_mem += n * tokens * cast_f * FP8_CAST_BYTES / gpu.mem_Bps
             b_mem += n * tokens * cast_b * FP8_CAST_BYTES / gpu.mem_Bps
         if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
@@ -330,29 +334,19 @@ def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, f
     return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
 
 
-def _fp8_cast_widths(cfg, rl, hidden: float, pairs: float, etp: int) -> tuple[float, float]:
+def _fp8_cast_widths(cfg, rl, pairs: float) -> tuple[float, float]:
     """(forward, backward) widths per token that an FP8 layer casts on one rank (``FP8_CAST_BYTES``
-    an element). Forward: the inputs no norm writes (a norm feeding a linear writes its FP8 copy and
-    transpose instead of its 16-bit output, Transformer Engine's LayerNormLinear): the attention
-    output into o_proj, the activation into the down projection, and each routed pair's row into its
-    expert's up projection and its activation into the down one. Backward: every linear's output
-    gradient. ``hidden``: the hidden width a rank holds per token (``_traffic_widths``); ``pairs``:
-    routed pairs per token. The router stays 16-bit; a gated MLP's gate and up projections are one
-    GEMM, as Megatron-LM's fc1."""
-    q = rl.q_heads
-    out = 2 if cfg.gated_mlp else 1  # fc1's output rows per intermediate unit
-    inter = rl.dense / ((out + 1) * cfg.hidden_size)
-    expert = cfg.moe_intermediate_size / etp
-    if cfg.is_mla:  # q_a (or q), q_b, kv_a, kv_b, o; q_b and kv_b read q_a's and kv_a's norms
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        fwd = q * cfg.v_head_dim
-        bwd = cfg.q_lora_rank + q * qk + latent + q * (cfg.qk_nope_head_dim + cfg.v_head_dim) + hidden
-    else:  # qkv, o
-        fwd = q * cfg.head_dim
-        bwd = (q + 2 * rl.kv_heads) * cfg.head_dim + hidden
-    fwd += inter + pairs * (cfg.hidden_size + expert)
-    bwd += out * inter + hidden + pairs * (out * expert + cfg.hidden_size)
+    an element), from its products' (K, N) (``shard.gemm_shapes``). Forward: the inputs no norm
+    writes (a norm feeding a linear writes its FP8 copy and transpose instead of its 16-bit output,
+    Transformer Engine's LayerNormLinear): the last product of the attention (o_proj, reading the
+    attention output) and of the MLP (the down projection, reading the activation), and both of each
+    routed pair's expert (its row copied into expert order, its activation). Backward: every product's
+    output gradient. ``pairs``: routed pairs per token; the router stays 16-bit."""
+    shapes = gemm_shapes(cfg, rl)
+    fwd = sum(shapes[part][-1][0] for part in ("attn", "dense") if shapes[part]) + pairs * sum(
+        k for k, _ in shapes["expert"]
+    )
+    bwd = sum(n for part in ("attn", "dense") for _, n in shapes[part]) + pairs * sum(n for _, n in shapes["expert"])
     return fwd, bwd
 
 

@@ -350,7 +350,7 @@ BOUNDS = {
     # 51% / 102% with the DeepEP rows priced as every pair's all-to-all; 47% / 102% before uneven
     # interleaving chunks (the rows fell back to zero-bubble); 41% / 88% before the routed pairs'
     # copies and the FSDP row's overlapped reduce-scatters (-39% -> -29%); 34% / 81% before the weight
-    # gradients' float32 read and write (training.GRAD_EPILOGUE_BYTES: tp4 ep8's 512 tokens an expert)
+    # gradients' float32 read and write (training.grad_epilogue_bytes: tp4 ep8's 512 tokens an expert)
     # 33% / 75% before the measured K curves; 31% / 71% with the FSDP row's gradients reduced in fp32
     QWEN3_MCORE: (0.27, 0.71),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
