@@ -205,13 +205,74 @@ def k_efficiency(k: float, k_half: float) -> float:
     return 1.0 if k_half <= 0 else k / (k + k_half)
 
 
-def _k_slowdown(shapes: list[tuple[int, int]], k_half: float, grad: str) -> float:
+@cache
+def _k_slowdown(shapes: tuple[tuple[int, int], ...], k_half: float, grad: str) -> float:
     """Time of a part's products over their time at a K-independent rate: each weighted by its
-    FLOPs (K x N); the forward's inner dimension is K, the input gradient's N."""
+    FLOPs (K x N); the forward's inner dimension is K, the input gradient's N. Cached: a search asks
+    for the same few parts at every layout."""
     if k_half <= 0 or not shapes:
         return 1.0
     inner = (lambda kn: kn[1]) if grad == "input" else (lambda kn: kn[0])
     return sum(k * n / k_efficiency(inner((k, n)), k_half) for k, n in shapes) / sum(k * n for k, n in shapes)
+
+
+def _products(
+    cfg: ModelConfig,
+    rl: RankLayer,
+    step: Step,
+    *,
+    ep: int,
+    half_rows: float,
+    kept: Kept16,
+    k_half: float,
+    grads: tuple[str, ...],
+) -> list[tuple[float, float]]:
+    """(FLOPs at the step's rate, FLOPs at the 16-bit rate) of one layer's products on the largest
+    rank, in large-GEMM-equivalent FLOPs, for each pass in ``grads``: "" the forward (inner dimension
+    each product's K), "input" the input gradients (its N), "weight" the weight gradients (the tokens).
+    The token dimension slows small GEMMs by ``half_rows``, the inner one by ``k_half``
+    (``k_efficiency``, the GPU's measured curve); an MoE layer's experts each run at their own tokens,
+    on the most loaded ep rank (``routing_imbalance``); ``kept`` is timed at the 16-bit rate without
+    the K term."""
+    shapes = gemm_shapes(cfg, rl)
+    eff = gemm_efficiency(step.tokens, half_rows)
+    routed = per_expert = 0.0
+    if rl.experts:
+        k = cfg.num_experts_per_tok
+        touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
+        # (token, choice) pairs the most loaded ep rank's experts take: a grouped GEMM, each local
+        # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
+        routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)
+        per_expert = routed / max(touched, 1e-9)
+    wide = 2 * step.tokens * (rl.attn * kept.attention + (rl.dense + rl.router) * kept.mlp) / eff
+    if routed:
+        wide += 2 * routed * rl.expert_params * kept.mlp / gemm_efficiency(per_expert, half_rows)
+    out = []
+    for grad in grads:
+
+        def rate(tokens: float, part: str) -> float:  # a FLOP's time over its large-GEMM time
+            if grad == "weight" and k_half > 0:  # the tokens are the inner dimension
+                return 1 / k_efficiency(tokens, k_half)
+            return _k_slowdown(shapes[part], k_half, grad) / gemm_efficiency(tokens, half_rows)
+
+        narrow = rl.attn * (1 - kept.attention) * rate(step.tokens, "attn")
+        narrow += rl.dense * (1 - kept.mlp) * rate(step.tokens, "dense") + rl.router * (1 - kept.mlp) / eff
+        flops = 2 * step.tokens * narrow
+        if routed:
+            flops += 2 * routed * rl.expert_params * (1 - kept.mlp) * rate(per_expert, "expert")
+        out.append((flops, wide))
+    return out
+
+
+def backward_products(
+    cfg: ModelConfig, rl: RankLayer, step: Step, *, ep: int, half_rows: float, k_half: float = 0.0
+) -> tuple[float, float]:
+    """FLOPs of one layer's input-gradient and weight-gradient products on the largest rank, each
+    timed at its own inner dimension (``_products``)."""
+    (dgrad, _), (wgrad, _) = _products(
+        cfg, rl, step, ep=ep, half_rows=half_rows, kept=NOTHING_KEPT, k_half=k_half, grads=("input", "weight")
+    )
+    return dgrad, wgrad
 
 
 def layer_work(
@@ -226,44 +287,18 @@ def layer_work(
     half_rows: float,
     kept: Kept16 = NOTHING_KEPT,
     k_half: float = 0.0,
-    grad: str = "",
 ) -> tuple[Work, Work]:
-    """(matmul work, attention-core work) of one layer on the largest rank; FLOPs are charged at
-    the size-dependent GEMM efficiency of the device: ``half_rows`` in the token dimension, an MoE
-    layer's experts each at its own tokens, on the most loaded ep rank (``routing_imbalance``), and
-    ``k_half`` in the inner one (``k_efficiency``: the GPU's measured curve). ``grad``: backward's products,
-    "input" (inner dimension: each product's output width) or "weight" (inner dimension: the
-    tokens). ``kept``: the shares of attention and MLP a quantized checkpoint keeps 16-bit (their
-    bytes at 2, their FLOPs at the 16-bit rate), averaged over the layers."""
+    """(matmul work, attention-core work) of one layer's forward on the largest rank: the products'
+    FLOPs as ``_products`` charges them, the weights they read (``kept``: the shares of attention and
+    MLP a quantized checkpoint keeps 16-bit, their bytes at 2, averaged over the layers)."""
     h = cfg.hidden_size
     wide = max(w_bytes, C.BF16_BYTES)
+    ((flops, wide_flops),) = _products(cfg, rl, step, ep=ep, half_rows=half_rows, kept=kept, k_half=k_half, grads=("",))
     attn_p, mlp_p = rl.attn, rl.dense + rl.router
-    shapes = gemm_shapes(cfg, rl)
-
-    def rate(tokens: float, part: str) -> float:  # time a FLOP takes over its K-independent large-GEMM time
-        if grad == "weight" and k_half > 0:  # the tokens are the inner dimension
-            return 1 / k_efficiency(tokens, k_half)
-        return _k_slowdown(shapes[part], k_half, grad) / gemm_efficiency(tokens, half_rows)
-
-    eff = gemm_efficiency(step.tokens, half_rows)
-    narrow = attn_p * (1 - kept.attention) * rate(step.tokens, "attn")
-    narrow += rl.dense * (1 - kept.mlp) * rate(step.tokens, "dense") + rl.router * (1 - kept.mlp) / eff
-    flops = 2 * step.tokens * narrow
-    wide_flops = 2 * step.tokens * (attn_p * kept.attention + mlp_p * kept.mlp) / eff
     expert_p = touched_params(cfg, rl, step) - attn_p - mlp_p
     wbytes = attn_p * mixed_bytes(w_bytes, wide, kept.attention) + (mlp_p + expert_p) * mixed_bytes(
         w_bytes, wide, kept.mlp
     )
-    if rl.experts:
-        k = cfg.num_experts_per_tok
-        touched = expected_experts_touched(rl.experts, cfg.num_experts, k, step.moe_tokens)
-        # (token, choice) pairs the most loaded ep rank's experts take: a grouped GEMM, each local
-        # expert at M = its own tokens (weight-bandwidth bound at small M: ``touched`` experts' bytes)
-        routed = busiest_pairs(step.moe_tokens, ep, cfg.num_experts, k)
-        per_expert = routed / max(touched, 1e-9)
-        experts = 2 * routed * rl.expert_params
-        flops += experts * (1 - kept.mlp) * rate(per_expert, "expert")
-        wide_flops += experts * kept.mlp / gemm_efficiency(per_expert, half_rows)
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
     matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1, wide_flops=wide_flops)
     per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)

@@ -226,7 +226,7 @@ def kept_16bit(cfg: ModelConfig) -> Kept16:
     return Kept16(len(attention) / cfg.num_layers, len(mlp) / cfg.num_layers)
 
 
-def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, list[tuple[int, int]]]:
+def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, tuple[tuple[int, int], ...]]:
     """(K, N) of each linear layer's product on the rank (input width, output width), by part:
     ``attn`` (qkv and o; MLA's q_a, q_b, kv_a, kv_b and o), ``dense`` (the dense MLP or shared
     experts: a gated MLP's gate and up as one product) and ``expert`` (one routed expert's)."""
@@ -240,9 +240,9 @@ def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, list[tuple[int, in
         attn = [(h, (q + 2 * rl.kv_heads) * cfg.head_dim), (q * cfg.head_dim, h)]
     up = 2 if cfg.gated_mlp else 1
 
-    def mlp(rows: int) -> list[tuple[int, int]]:
-        return [(h, up * rows), (rows, h)] if rows else []
+    def mlp(rows: int) -> tuple[tuple[int, int], ...]:
+        return ((h, up * rows), (rows, h)) if rows else ()
 
     dense_rows = rl.dense // ((up + 1) * h)
     expert_rows = rl.expert_params // ((up + 1) * h)
-    return {"attn": attn, "dense": mlp(dense_rows), "expert": mlp(expert_rows)}
+    return {"attn": tuple(attn), "dense": mlp(dense_rows), "expert": mlp(expert_rows)}

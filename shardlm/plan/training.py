@@ -28,7 +28,6 @@ step) move the bytes shardlm's trainer was counted to move (``traffic``), at the
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from shardlm.plan.roofline import (
     ModelCosts,
     Step,
     Work,
+    backward_products,
     busiest_pairs,
     layer_work,
     touched_params,
@@ -265,20 +265,19 @@ def _stage(
             moe_tokens=moe_tokens,
             scores_bytes=0.0 if wl.fused_attention else unfused_scores_bytes(cfg, wl.seq_len, a),
         )
-        work = functools.partial(
-            layer_work, cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows
-        )
         k_half = gpu.half_k(wl.dtype)
-        mm, at = work(k_half=k_half)
+        mm, at = layer_work(
+            cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half
+        )
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
-        # backward: the input gradients (the forward's FLOPs and weight reads, inner dimension each
-        # product's output width) and the weight gradients (inner dimension the tokens), whose
-        # products add into the gradient buffer (``grad_epilogue_bytes``)
-        dgrad, _ = work(k_half=k_half, grad="input")
-        wflops = work(k_half=k_half, grad="weight")[0].flops
+        # backward: the input gradients (the forward's weight reads, inner dimension each product's
+        # output width) and the weight gradients (inner dimension the tokens), whose products add
+        # into the gradient buffer (``grad_epilogue_bytes``)
+        d_flops, w_flops = backward_products(cfg, rl, step, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half)
+        dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops)
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
-        wgrad = Work(flops=wflops, bytes=touched_params(cfg, rl, step) * epilogue)
+        wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue)
         b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's

@@ -253,7 +253,7 @@ def test_gemms_follow_the_measured_k_curves():
     import statistics
 
     from shardlm.plan import constants as C
-    from shardlm.plan.roofline import Step, gemm_efficiency, k_efficiency, layer_work
+    from shardlm.plan.roofline import Step, backward_products, gemm_efficiency, k_efficiency, layer_work
     from shardlm.plan.shard import gemm_shapes
 
     def same_shape(model: list[float], published: list[float]) -> None:
@@ -274,17 +274,18 @@ def test_gemms_follow_the_measured_k_curves():
     rl = ModelCosts(cfg).rank_layer(False, 1)
     t = 4096.0
     step = Step(tokens=t, ctx=t / 2, decode=False, seqs=1, moe_tokens=t)
-    kw = dict(w_bytes=1, a_bytes=2, kv_bytes=2, ep=1, half_rows=C.GEMM_HALF_ROWS)
+    kw = dict(ep=1, half_rows=C.GEMM_HALF_ROWS)
     eff = gemm_efficiency(t, C.GEMM_HALF_ROWS)
     shapes = gemm_shapes(cfg, rl)
     assert sum(k * n for k, n in shapes["attn"] + shapes["dense"]) == pytest.approx(rl.attn + rl.dense, rel=1e-3)
     k_half = h100.half_k("fp8")
-    for grad, inner in (("", lambda k, n: k), ("input", lambda k, n: n)):
-        got = layer_work(cfg, rl, step, k_half=k_half, grad=grad, **kw)[0].flops
+    forward = layer_work(cfg, rl, step, w_bytes=1, a_bytes=2, kv_bytes=2, k_half=k_half, **kw)[0].flops
+    dgrad, weight = backward_products(cfg, rl, step, k_half=k_half, **kw)
+    for got, inner in ((forward, lambda k, n: k), (dgrad, lambda k, n: n)):
         want = sum(2 * t * k * n / k_efficiency(inner(k, n), k_half) for k, n in shapes["attn"] + shapes["dense"])
         # (norms' parameters ride with the products, at the part's mean slowdown)
         assert got * eff == pytest.approx(want, rel=1e-3)
-    weight = layer_work(cfg, rl, step, k_half=k_half, grad="weight", **kw)[0].flops
     assert weight == pytest.approx(2 * t * (rl.attn + rl.dense) / k_efficiency(t, k_half))
-    bf16 = {g: layer_work(cfg, rl, step, grad=g, **kw)[0].flops for g in ("", "input", "weight")}
-    assert len(set(bf16.values())) == 1 and bf16[""] == pytest.approx(2 * t * (rl.attn + rl.dense) / eff)
+    bf16 = {layer_work(cfg, rl, step, w_bytes=2, a_bytes=2, kv_bytes=2, **kw)[0].flops}
+    bf16 |= set(backward_products(cfg, rl, step, **kw))
+    assert len(bf16) == 1 and bf16.pop() == pytest.approx(2 * t * (rl.attn + rl.dense) / eff)
