@@ -38,8 +38,9 @@ GEMM_HALF_ROWS = 128
 """Rows (tokens) at which a GPU GEMM reaches half of its large-size efficiency: small GEMMs fill
 few tensor-core tiles and wait on memory (NVIDIA, "Matrix Multiplication Background User's
 Guide", https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/
-§2-4: throughput falls steeply once a dimension drops below a few hundred). CPUs have no
-such tiles; the calibrated profile uses 0."""
+§2-4: throughput falls steeply once a dimension drops below a few hundred). A rule of thumb, kept
+for GPUs with no measured fixed GEMM time (``GpuSpec.gemm_fixed_us``, which replaces it where the
+catalog has one). CPUs have no such tiles; the calibrated profile uses 0."""
 
 COLLECTIVE_LAUNCH_S = 5e-6
 """Fixed cost of launching one collective kernel on a GPU (order of magnitude of CUDA

@@ -74,6 +74,11 @@ class GpuSpec:
     """Per dtype, the inner dimension K at which a GEMM runs at half its large-K rate: each output
     tile pays a fixed prologue and epilogue beside its K-steps of math (``roofline.k_efficiency``);
     from the catalog's measured tables, absent (no K effect) where none was collected."""
+    gemm_fixed_us: dict[str, float] = field(default_factory=dict)
+    """Per dtype, the time in microseconds a GEMM takes beyond its FLOPs at the large-GEMM rate: launch,
+    the first tiles' fill and the last wave's drain, the same for a GEMM of any size
+    (``roofline.Work.gemms``); measured from the catalog's tables, 0 where none was collected. Where it
+    is measured the tables need no rows term: ``gemm_half_rows`` is 0."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
     source: str = ""
@@ -84,6 +89,10 @@ class GpuSpec:
     def half_k(self, dtype: str) -> float:
         """``gemm_half_k`` for ``dtype`` (0: none measured)."""
         return self.gemm_half_k.get(_catalog_dtype(dtype), 0.0)
+
+    def gemm_fixed_s(self, dtype: str) -> float:
+        """``gemm_fixed_us`` for ``dtype``, in seconds (0: none measured)."""
+        return self.gemm_fixed_us.get(_catalog_dtype(dtype), 0.0) * 1e-6
 
     def matmul_flops(self, dtype: str) -> float:
         if dtype in self.flops:
@@ -134,6 +143,8 @@ def load_gpu(name: str) -> GpuSpec:
         host_Bps=g.get("pcie_gbs", 0) / 2 * 1e9,
         source=g["_source"],
         gemm_half_k=dict(g.get("gemm_half_k", {})),
+        gemm_fixed_us=dict(g.get("gemm_fixed_us", {})),
+        gemm_half_rows=0.0 if "gemm_fixed_us" in g else C.GEMM_HALF_ROWS,
     )
 
 

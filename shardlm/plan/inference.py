@@ -212,7 +212,7 @@ def stage_step(
         # the LM head stays 16-bit in a quantized plan (roofline.FP8_KEEPS_AT)
         head = 2 * last * vocab * cfg.hidden_size
         wide = max(w_bytes, C.BF16_BYTES)
-        out.head += Work(bytes=vocab * cfg.hidden_size * wide, ops=2, wide_flops=head).time(gpu, dtype)
+        out.head += Work(bytes=vocab * cfg.hidden_size * wide, ops=2, wide_flops=head, gemms=1).time(gpu, dtype)
         out.head += comm.all_gather(last * cfg.vocab_size * LOGIT_BYTES, tp_group, cluster)
         if lay.cp > 1:  # the sampled rows' hidden states to every cp rank (an all-reduce of owned rows)
             out.cp_comm += comm.all_reduce(last * cfg.hidden_size * a_bytes, cp_group, cluster)

@@ -64,12 +64,20 @@ class Work:
     ops: int = 0
     wide_flops: float = 0.0
     """FLOPs that run at the 16-bit rate when the step's dtype is FP8 (``FP8_KEEPS_AT``)."""
+    gemms: float = 0.0
+    """GEMM kernels the FLOPs run as, each paying the GPU's fixed time (``GpuSpec.gemm_fixed_s``)."""
 
     def __add__(self, o: Work) -> Work:
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops, self.wide_flops + o.wide_flops)
+        return Work(
+            self.flops + o.flops,
+            self.bytes + o.bytes,
+            self.ops + o.ops,
+            self.wide_flops + o.wide_flops,
+            self.gemms + o.gemms,
+        )
 
     def time(self, gpu: GpuSpec, dtype: str) -> float:
-        compute = self.flops / gpu.matmul_flops(dtype)
+        compute = self.flops / gpu.matmul_flops(dtype) + self.gemms * gpu.gemm_fixed_s(dtype)
         if self.wide_flops:
             compute += self.wide_flops / gpu.matmul_flops(FP8_KEEPS_AT.get(dtype, dtype))
         return max(compute, self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s
@@ -199,6 +207,19 @@ def touched_params(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
     return rl.attn + rl.dense + rl.router + touched * rl.expert_params
 
 
+def gemm_count(cfg: ModelConfig, rl: RankLayer, step: Step) -> float:
+    """GEMM kernels one pass of a layer's products launches on the rank: attention's and the dense
+    MLP's (``gemm_shapes``), the router's, and each touched expert's own (a grouped GEMM on Hopper runs
+    one GEMM an expert: Transformer Engine's grouped linear issues a cuBLAS call per expert across its
+    streams, and shardlm's experts loop one product per expert)."""
+    shapes = gemm_shapes(cfg, rl)
+    count: float = len(shapes["attn"]) + len(shapes["dense"]) + (1 if rl.router else 0)
+    if rl.experts:
+        touched = expected_experts_touched(rl.experts, cfg.num_experts, cfg.num_experts_per_tok, step.moe_tokens)
+        count += touched * len(shapes["expert"])
+    return count
+
+
 def k_efficiency(k: float, k_half: float) -> float:
     """Share of the large-K rate a GEMM with inner dimension ``k`` reaches: k / (k + ``k_half``)
     (``GpuSpec.gemm_half_k``, measured per GPU and dtype); 1 where ``k_half`` is 0."""
@@ -300,7 +321,9 @@ def layer_work(
         w_bytes, wide, kept.mlp
     )
     act = step.tokens * h * a_bytes * 8  # residual stream in/out of the ~8 elementwise ops
-    matmul = Work(flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1, wide_flops=wide_flops)
+    matmul = Work(
+        flops=flops, bytes=wbytes + act, ops=OPS_PER_LAYER - 1, wide_flops=wide_flops, gemms=gemm_count(cfg, rl, step)
+    )
     per_tok = kv_bytes_per_token(cfg, rl, kv_bytes)
     kv_read = (step.seqs * step.ctx if step.decode else step.tokens) * per_tok
     kv_write = step.tokens * per_tok

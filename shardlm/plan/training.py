@@ -275,9 +275,9 @@ def _stage(
         # output width) and the weight gradients (inner dimension the tokens), whose products add
         # into the gradient buffer (``grad_epilogue_bytes``)
         d_flops, w_flops = backward_products(cfg, rl, step, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half)
-        dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops)
+        dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops, gemms=mm.gemms)
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
-        wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue)
+        wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
         b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
@@ -305,7 +305,8 @@ def _stage(
     head_f = head_b = 0.0  # the LM head and loss (never recomputed)
     if stage == lay.pp - 1:  # over every token
         vocab = costs.vocab_rows(lay.tp)
-        head = Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a).time(gpu, high)
+        head_work = Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a, gemms=1)
+        head = head_work.time(gpu, high)
         ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends

@@ -330,14 +330,17 @@ BOUNDS = {
     KORTHIKANTI: (0.08, 0.13),  # 7% / 12% before the traffic was counted (it predicts a little lower)
     # 4% / 6% with ZeRO-2's reduce-scatter every micro-batch (the trainer: once a step); 4% / 5% while the
     # all-gather after the step was taken as hidden (shardlm's trainer waits for it; docs/plan.md)
-    # 4% / 7% before the measured K curves (GpuSpec.gemm_half_k: the attention output's K = 2048 a rank)
-    LLAMA3: (0.05, 0.09),
+    # 4% / 7% before the measured K curves (GpuSpec.gemm_half_k: the attention output's K = 2048 a rank);
+    # 5% / 9% before each GEMM's measured fixed time replaced the rows rule (GpuSpec.gemm_fixed_us)
+    LLAMA3: (0.05, 0.08),
     # 18% / 35% and NIM's 35% / 59%, 14% / 21%, 21% / 28% while FP8 plans read the LM head at one byte;
-    # 17% / 31% and NIM's 32% / 59%, 15% / 21%, 20% / 26% before the measured K curves (GpuSpec.gemm_half_k)
-    TRTLLM: (0.11, 0.20),
-    f"{NIM}, TTFT": (0.28, 0.56),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
-    f"{NIM}, TPOT": (0.12, 0.21),
-    f"{NIM}, tok/s": (0.16, 0.26),
+    # 17% / 31% and NIM's 32% / 59%, 15% / 21%, 20% / 26% before the measured K curves (GpuSpec.gemm_half_k);
+    # 11% / 20% and NIM's 28% / 56%, 12% / 21%, 16% / 26% while the rows rule slowed decode batches of
+    # ~1,000 rows to 0.89 of the large rate (the measured tables: ~0.96; GpuSpec.gemm_fixed_us replaced it)
+    TRTLLM: (0.14, 0.28),
+    f"{NIM}, TTFT": (0.29, 0.57),  # low at C = 5-50: fixed-length clients arrive in waves (docs/plan.md)
+    f"{NIM}, TPOT": (0.13, 0.21),
+    f"{NIM}, tok/s": (0.17, 0.26),
     # +11% before node-limited routing (a token over IB once per node, at most 4) halved the exposed
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
     # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts;
@@ -351,10 +354,12 @@ BOUNDS = {
     # interleaving chunks (the rows fell back to zero-bubble); 41% / 88% before the routed pairs'
     # copies and the FSDP row's overlapped reduce-scatters (-39% -> -29%); 34% / 81% before the weight
     # gradients' float32 read and write (training.grad_epilogue_bytes: tp4 ep8's 512 tokens an expert)
-    # 33% / 75% before the measured K curves; 31% / 71% with the FSDP row's gradients reduced in fp32
-    QWEN3_MCORE: (0.27, 0.71),
+    # 33% / 75% before the measured K curves; 31% / 71% with the FSDP row's gradients reduced in fp32;
+    # 26% / 71% before each GEMM's measured fixed time (GpuSpec.gemm_fixed_us: 16 experts a rank at ep8)
+    QWEN3_MCORE: (0.24, 0.62),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
-    SHARDLM_H100: (0.15, 0.29),  # 19% / 33% before the measured K curves
+    # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
+    SHARDLM_H100: (0.13, 0.24),
 }
 
 
