@@ -46,6 +46,13 @@ class LayerShape:
     """Dropout after attention softmax and after each block (GPT-3 yes, Llama no)."""
     flash: bool = False
     """Fused attention: a float32 log-sum-exp per head and token instead of the softmax."""
+    fused_activation: bool = False
+    """The gated activation is one kernel that keeps only its input (gate and up) for backward
+    (Megatron's fused SwiGLU, Transformer Engine's); shardlm's eager trainer also keeps silu(gate)."""
+    fp8_inputs: bool = False
+    """FP8 linear layers keep their inputs' FP8 copies for backward, 1 byte an element (Transformer
+    Engine; DeepSeek-V3 §3.3): the QKV, fc1 and down-projection inputs; the attention output
+    projection keeps its FP8 copy beside the 16-bit output fused attention keeps."""
 
     @classmethod
     def gpt(cls, hidden: int, heads: int) -> LayerShape:
@@ -62,16 +69,21 @@ def layer_activation_bytes(
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)  # only the layer input (16-bit)
     mask = 1 if shape.dropout else 0
-    # replicated under TP unless SP splits them along the sequence (Table 2 "10" units)
-    replicated = sbh * (2 + 2 + mask + 2 + 2 + mask)  # LN in, QKV in, attn-out mask, LN in, fc1 in, mlp mask
+    linear_in = 1 if shape.fp8_inputs else 2  # a linear layer's saved input (its FP8 copy under FP8)
+    # replicated under TP unless SP splits them along the sequence (Table 2 "10" units): LN in, QKV in,
+    # attn-out mask, LN in, fc1 in, mlp mask
+    replicated = sbh * (2 + linear_in + mask + 2 + linear_in + mask)
     # split by TP (Table 2 "24" units for GPT): Q, K, V, attention-output-proj input, MLP hidden
     sb = s * b
     split = sb * (2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * shape.q_dim)
-    if shape.gated:  # gate, up, silu(gate), and their product (the down-projection input);
-        # selective recomputation keeps only gate and up and recomputes the activation
-        split += sb * shape.ffn * (2 + 2 + (0 if recompute == "selective" else 2 + 2))
-    else:  # fc1 output (GELU input) and GELU output
-        split += sb * shape.ffn * (2 + 2)
+    if shape.fp8_inputs:  # the output projection's FP8 copy of the attention output
+        split += sb * shape.q_dim
+    if shape.gated:  # gate, up, silu(gate) (not under a fused activation), and their product (the
+        # down-projection input); selective recomputation keeps only gate and up and recomputes the rest
+        act = 0 if recompute == "selective" else (0 if shape.fused_activation else 2) + linear_in
+        split += sb * shape.ffn * (2 + 2 + act)
+    else:  # fc1 output (GELU input) and GELU output (the fc2 input)
+        split += sb * shape.ffn * (2 + linear_in)
     # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b;
     # fused attention: its log-sum-exp, 4 bytes per head and token
     if shape.flash:

@@ -13,7 +13,7 @@ from shardlm.plan import constants as C
 from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
-from shardlm.plan.roofline import ModelCosts, busiest_pairs, kv_bytes_per_token
+from shardlm.plan.roofline import FP8_KEEPS_AT, ModelCosts, busiest_pairs, kv_bytes_per_token
 from shardlm.plan.shard import NOTHING_KEPT, RankLayer, mixed_bytes
 from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, model_states
 
@@ -128,7 +128,11 @@ def inference_fixed(
 # ---- training -------------------------------------------------------------------------------
 
 
-def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> LayerShape:
+def layer_shape(
+    costs: ModelCosts, moe: bool, fused_attention: bool = True, *, kernels: str = "shardlm", dtype: str = "bf16"
+) -> LayerShape:
+    """One layer's shape for the activation count; ``kernels`` "fused" keeps the gated activation's
+    input only, an FP8 ``dtype`` keeps the linear layers' inputs in FP8 (``LayerShape``)."""
     cfg = costs.cfg
     if cfg.is_mla:
         q_dim = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -146,6 +150,8 @@ def layer_shape(costs: ModelCosts, moe: bool, fused_attention: bool = True) -> L
         gated=cfg.gated_mlp,
         dropout=cfg.dropout,
         flash=fused_attention,
+        fused_activation=kernels == "fused",
+        fp8_inputs=dtype in FP8_KEEPS_AT,
     )
 
 
@@ -158,16 +164,25 @@ def routed_pairs(cfg, lay: Layout, tokens: float, held: float = 1) -> float:
     return busiest_pairs(lay.moe_tokens(tokens) * held, lay.ep, cfg.num_experts, cfg.num_experts_per_tok) / held
 
 
-def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool = True) -> float:
+def training_activation_bytes(
+    costs: ModelCosts,
+    lay: Layout,
+    seq: int,
+    fused_attention: bool = True,
+    *,
+    kernels: str = "shardlm",
+    dtype: str = "bf16",
+) -> float:
     """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4)."""
     cfg = costs.cfg
+    shape = {moe: layer_shape(costs, moe, fused_attention, kernels=kernels, dtype=dtype) for moe in (False, True)}
     s = seq // lay.cp
     total = 0.0
     n_dense, n_moe = costs.stage_kinds(lay.pp)[0]
 
     def per_layer(moe: bool) -> float:
         return layer_activation_bytes(
-            layer_shape(costs, moe, fused_attention),
+            shape[moe],
             seq=s,
             micro_batch=lay.micro_batch,
             tp=lay.tp,
@@ -180,9 +195,13 @@ def training_activation_bytes(costs: ModelCosts, lay: Layout, seq: int, fused_at
     flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
     if n_moe:
         per = per_layer(True)
-        if lay.recompute != "full":  # routed experts: gate, up, silu, product for each pair this rank computes
+        if lay.recompute != "full":  # routed experts: gate, up, silu, product for each pair this rank computes,
+            # and its input and output rows (as the layer's own MLP: LayerShape's fused_activation, fp8_inputs)
             rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
-            per += routed_pairs(cfg, lay, s * lay.micro_batch, n_moe * flight) * (8 * rows + 4 * cfg.hidden_size)
+            linear_in = 1 if shape[True].fp8_inputs else 2
+            per_row = 2 + 2 + (0 if shape[True].fused_activation else 2) + linear_in
+            pair = per_row * rows + (linear_in + 2) * cfg.hidden_size
+            per += routed_pairs(cfg, lay, s * lay.micro_batch, n_moe * flight) * pair
         total += n_moe * per
     return total * flight
 
@@ -247,6 +266,8 @@ def training_memory(
     prefetch: int = 1,
     zero3_reduce: str = "blocking",
     grad_reduce_bytes: int = REDUCED_GRAD_BYTES,
+    kernels: str = "shardlm",
+    dtype: str = "bf16",
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
@@ -266,24 +287,27 @@ def training_memory(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,
         optimizer=0.0 if lay.offload else dense_states.optimizer + expert_states.optimizer,  # offload: on the host
-        activations=_peak_activations(costs, lay, seq, fused_attention),
+        activations=_peak_activations(costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype),
         comm_buffers=comm,
         reserve=reserve,
     )
 
 
-def _peak_activations(costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool) -> float:
+def _peak_activations(
+    costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool, *, kernels: str, dtype: str
+) -> float:
     """The larger of the first stage's activations at its peak and the last stage's: its layers'
     activations for the micro-batches in flight there (1F1B and ZB-H1: one, its backward follows
     its forward at once; GPipe: all; interleaved: ((v - 1) p + 1) / v stage-equivalents), the
     float32 softmax each of those keeps for the loss's backward, and one loss's working set."""
-    first = training_activation_bytes(costs, lay, seq, fused_attention)
+    saved = dict(kernels=kernels, dtype=dtype)
+    first = training_activation_bytes(costs, lay, seq, fused_attention, **saved)
     if lay.pp == 1:
         return first + loss_bytes(costs, lay, seq)
     p, v = lay.pp, lay.virtual
     flight = {"gpipe": lay.num_micro, "interleaved": ((v - 1) * p + 1) / v}.get(lay.schedule, 1)
     one = replace(lay, pp=1, num_micro=1)
-    per_layer = training_activation_bytes(costs, one, seq, fused_attention) / costs.cfg.num_layers
+    per_layer = training_activation_bytes(costs, one, seq, fused_attention, **saved) / costs.cfg.num_layers
     last_layers = sum(costs.stage_kinds(lay.pp)[-1])
     loss = loss_bytes(costs, lay, seq)
     softmax = loss * C.FP32_BYTES / LOSS_BYTES_PER_LOGIT  # kept per micro-batch until its backward

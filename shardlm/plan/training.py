@@ -163,6 +163,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         prefetch=wl.prefetch,
         zero3_reduce=wl.zero3_reduce,
         grad_reduce_bytes=GRAD_REDUCE_BYTES[wl.grad_reduce],
+        kernels=wl.kernels,
+        dtype=wl.dtype,
     )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)

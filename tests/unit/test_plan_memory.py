@@ -179,6 +179,36 @@ def test_full_recomputation_keeps_the_layer_input_only():
     assert layer_activation_bytes(shape, seq=s, micro_batch=b, tp=4, sp=True, recompute="full") == 2 * sbh / 4
 
 
+def test_fused_activation_and_fp8_keep_fewer_bytes_so_nvidias_70b_layout_fits():
+    """Megatron's fused SwiGLU keeps only its input (gate and up) where shardlm's eager trainer also
+    keeps silu(gate); FP8 linears keep their inputs' FP8 copies (1 byte: the QKV, fc1 and down
+    inputs), and the output projection one beside the 16-bit attention output. Counted so, the
+    layout NVIDIA ran Llama 3 70B in on 80 GB H100s (FP8, tp4 pp8 vp5, no recomputation:
+    Megatron-Bridge's performance summary) fits; counted as shardlm saves bf16 it did not."""
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import layer_shape
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    costs, (s, b, t) = _costs("llama-3-70b"), (8192, 1, 4)
+    eager, fused = layer_shape(costs, False), layer_shape(costs, False, kernels="fused")
+    fp8 = layer_shape(costs, False, kernels="fused", dtype="fp8")
+
+    def count(shape, recompute="none"):
+        return layer_activation_bytes(shape, seq=s, micro_batch=b, tp=t, sp=True, recompute=recompute)
+
+    sb, h, q, f = s * b, eager.hidden, eager.q_dim, eager.ffn
+    assert count(eager) - count(fused) == sb * f * 2 / t  # silu(gate)
+    assert count(fused) - count(fp8) == sb * 2 * h / t - sb * q / t + sb * f / t  # QKV, fc1 in; o's copy; down in
+    assert count(eager, "selective") == count(fused, "selective")  # the activation recomputed: gate, up only
+    assert count(eager, "full") == count(fp8, "full")  # the layer input, 16-bit
+    lay = Layout(tp=4, pp=8, dp=2, sp=True, zero=1, micro_batch=1, num_micro=64, schedule="interleaved", virtual=5)
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=64, gpus_per_node=8)
+    wl = TrainWorkload(global_batch=128, seq_len=s, dtype="fp8", kernels="fused")
+    assert evaluate(costs, cluster, lay, wl).fits
+    assert not evaluate(costs, cluster, lay, TrainWorkload(global_batch=128, seq_len=s)).fits  # bf16, eager
+
+
 def test_unfused_attention_keeps_the_scores():
     from shardlm.plan.hardware import Cluster, load_gpu
     from shardlm.plan.layout import Layout
