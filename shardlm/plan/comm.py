@@ -173,7 +173,14 @@ def moe_dispatch(
 
 
 def moe_boundary(
-    cfg: ModelConfig, cluster: Cluster, lay: Layout, tokens: float, a_bytes: float, dispatcher: str = "shardlm"
+    cfg: ModelConfig,
+    cluster: Cluster,
+    lay: Layout,
+    tokens: float,
+    a_bytes: float,
+    dispatcher: str = "shardlm",
+    *,
+    gemm_bytes: float | None = None,
 ) -> float:
     """One MoE layer's token trip (forward) on a rank holding ``tokens`` tokens of ``a_bytes``
     elements, as ``parallel/expert.py``'s all_to_all path runs it at inference and in training:
@@ -184,7 +191,11 @@ def moe_boundary(
     the tp group, which holds every token already: no token moves (the block's all-reduce is the
     layer's tp all-reduce). Each of these collectives' autograd dual moves the same bytes (split ->
     all-gather, all-gather -> reduce-scatter, all-to-all -> the reverse all-to-all), so a training
-    backward costs this again."""
+    backward costs this again. With DeepEP and FP8 GEMMs (``gemm_bytes`` 1) the dispatch moves FP8 and
+    the combine 16-bit, each way (DeepSeek-V3 §3.3.3: the activation before the up-projections, and
+    the gradient before the down-projections, quantized before their dispatch; both combines in
+    BF16); the all-to-all dispatcher sends the 16-bit activations (Megatron casts to FP8 inside the
+    experts' linear layers)."""
     if not experts_span_replicas(lay.tp, lay.ep, lay.etp):
         return 0.0
     per_node = cluster.gpus_per_node
@@ -195,7 +206,11 @@ def moe_boundary(
     if lay.ep > 1:
         limit = node_limit(cfg, lay.nodes_spanned("ep", per_node))
         ep_group = lay.slowest_group("ep", per_node)
-        t += 2 * moe_dispatch(share * lay.etp, cfg.num_experts_per_tok, limit, ep_group, cluster, dispatcher)
+        dispatch = share
+        if dispatcher == "deepep" and gemm_bytes is not None and gemm_bytes < a_bytes:
+            dispatch = share * gemm_bytes / a_bytes
+        for trip in (dispatch, share):  # dispatch, combine
+            t += moe_dispatch(trip * lay.etp, cfg.num_experts_per_tok, limit, ep_group, cluster, dispatcher)
     if lay.tp > 1:
         t += all_gather(share * lay.tp, lay.slowest_group("tp", per_node), cluster)
     return t

@@ -191,7 +191,7 @@ def stage_step(
         out.attention += n * t_attn
         out.tp_comm += n * 2 * ar
         if moe:
-            out.ep_comm += n * comm.moe_boundary(cfg, cluster, lay, tokens, a_bytes, dispatcher)
+            out.ep_comm += n * comm.moe_boundary(cfg, cluster, lay, tokens, a_bytes, dispatcher, gemm_bytes=w_bytes)
         if lay.cp > 1 and not decode and cp_attention == "ring":  # K/V hops, overlapped with attention
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a_bytes  # this rank's tokens, heads not expanded
             out.cp_comm += n * max(0.0, (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster) - t_attn)

@@ -168,7 +168,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
-    a = C.DTYPE_BYTES[wl.dtype]
+    # activations, their collectives, the attention core and the LM head stay 16-bit under FP8, which
+    # runs only the linear layers' GEMMs at one byte (FP8_KEEPS_AT; as inference's a_bytes)
+    a = max(C.BF16_BYTES, C.DTYPE_BYTES[wl.dtype])
     tokens = lay.micro_batch * wl.seq_len / lay.cp
     # one stage of each kind: its dense and MoE layer counts, and whether it runs the LM head
     stages = {(kinds, s == lay.pp - 1): s for s, kinds in enumerate(costs.stage_kinds(lay.pp))}.values()
@@ -245,8 +247,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
 def _stage(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float, a: int
 ) -> tuple[float, float, float, float, float]:
-    """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage."""
+    """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage, its activations at
+    ``a`` bytes and its linear layers' weights at the step's dtype."""
     cfg, gpu = costs.cfg, cluster.gpu
+    w = C.DTYPE_BYTES[wl.dtype]
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
@@ -269,7 +273,7 @@ def _stage(
         )
         k_half = gpu.half_k(wl.dtype)
         mm, at = layer_work(
-            cfg, rl, step, w_bytes=a, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half
+            cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half
         )
         t_attn = at.time(gpu, high)
         f_comp += n * mm.time(gpu, wl.dtype)
@@ -296,7 +300,7 @@ def _stage(
             b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
         tp_c += n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
-            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher)
+            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)

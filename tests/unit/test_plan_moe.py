@@ -159,3 +159,37 @@ def test_training_and_inference_cost_the_moe_boundary_alike():
     inside = Layout(tp=8, dp=2, ep=8)
     assert inference.evaluate(costs, cluster, inside, wl_inf, batch=64).decode_parts.ep_comm == 0
     assert training.evaluate(costs, cluster, inside.with_(zero=1), wl_train).comm_s["ep"] == 0
+
+
+def test_fp8_training_moves_16_bit_activations_and_deepep_dispatches_fp8():
+    """FP8 runs the linear layers' GEMMs at one byte; the activations between them stay 16-bit, and
+    so do their collectives: the tp all-reduces, the pipeline's sends, the all-to-all dispatcher's
+    pairs (Megatron casts inside the experts' linear layers). DeepEP under FP8 dispatches the FP8
+    copy and combines in 16 bits, each way (DeepSeek-V3 §3.3.3): its dispatch halves, its combine
+    does not."""
+    cfg, _ = load_model("deepseek-v3")
+    costs = ModelCosts(cfg)
+    cluster = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=256, gpus_per_node=8)
+    lay = Layout(tp=2, pp=2, dp=64, ep=64, sp=True, zero=1, micro_batch=1, num_micro=8, recompute="full")
+
+    def comm_s(dtype: str, dispatcher: str) -> dict[str, float]:
+        wl = TrainWorkload(global_batch=512, seq_len=4096, dtype=dtype, dispatcher=dispatcher)
+        result = training.evaluate(costs, cluster, lay, wl)
+        assert result.fits
+        return result.comm_s
+
+    for dispatcher in ("shardlm", "deepep"):
+        bf16, fp8 = comm_s("bf16", dispatcher), comm_s("fp8", dispatcher)
+        assert fp8["tp"] == bf16["tp"] and fp8["pp"] == bf16["pp"]
+        assert (fp8["ep"] == bf16["ep"]) == (dispatcher == "shardlm")
+    tokens = 4096.0
+    half = comm.moe_boundary(cfg, cluster, lay, tokens, 2, "deepep", gemm_bytes=1)
+    both16, both8 = (
+        comm.moe_boundary(cfg, cluster, lay, tokens, 2, "deepep"),
+        comm.moe_boundary(cfg, cluster, lay, tokens, 1, "deepep"),
+    )
+    g16, g8 = (comm.all_gather(tokens * cfg.hidden_size * b, lay.slowest_group("tp", 8), cluster) for b in (2, 1))
+    assert half == pytest.approx((both16 - g16) / 2 + (both8 - g8) / 2 + g16)  # FP8 dispatch, 16-bit combine
+    assert comm.moe_boundary(cfg, cluster, lay, tokens, 2, "shardlm", gemm_bytes=1) == comm.moe_boundary(
+        cfg, cluster, lay, tokens, 2, "shardlm"
+    )

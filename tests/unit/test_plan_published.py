@@ -384,8 +384,10 @@ BOUNDS = {
     # all-to-all; DualPipe's overlap of the rest is not modelled (docs/plan.md)
     # 47% before the traffic was counted; 42% before the routed pairs' copies; 37% before FP8's casts;
     # 31% before the measured K curves; 25% before the fused activation's and FP8's saved inputs were
-    # counted as such (memory.layer_shape), when its unpinned recomputation had to be selective to fit
-    DSV3: (0.29, 0.29),
+    # counted as such (memory.layer_shape), when its unpinned recomputation had to be selective to fit;
+    # 28% while FP8 training's activations crossed its all-to-all at one byte both ways (DeepEP: FP8
+    # dispatch, 16-bit combine)
+    DSV3: (0.13, 0.13),
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     # 17% before the routed pairs' copies (plan/traffic.py); 16% before the measured K curves
     MCORE_MOE: (0.13, 0.13),
@@ -400,11 +402,13 @@ BOUNDS = {
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
     SHARDLM_H100: (0.13, 0.24),
-    # added 2026-11-27: +19% (8B, FSDP), +6%, +8% with TP's collectives exposed (the recipes overlap them);
-    # 70B's layout (no recomputation) did not fit before the fused activation and FP8 copies were counted
-    NEMO_DENSE: (0.12, 0.19),
-    # the all-to-all exposed (the recipe overlaps it with another micro-batch's compute)
-    NEMO_MOE: (0.30, 0.30),
+    # added 2026-11-27: +19% (8B, FSDP), -11%, -12% with TP's collectives exposed (the recipes overlap
+    # them); +6%, +8% while FP8 training moved one-byte activations; 70B's layout (no recomputation) did
+    # not fit before the fused activation and FP8 copies were counted
+    NEMO_DENSE: (0.14, 0.19),
+    # the all-to-all exposed (the recipe overlaps it with another micro-batch's compute); +30% while FP8
+    # training moved one-byte activations
+    NEMO_MOE: (0.14, 0.14),
 }
 
 
