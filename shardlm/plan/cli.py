@@ -39,6 +39,7 @@ TRAIN_ONLY = (
     "prefetch",
     "kernels",
     "zero3_reduce",
+    "tp_overlap",
     "grad_reduce",
 )
 INFER_ONLY = (
@@ -219,6 +220,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Megatron-FSDP: for comparing with such runs, shardlm does not reduce so)",
     )
     t.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        default=None,
+        help="TP's collectives pipelined with the GEMMs beside them, as Megatron-LM's --tp-comm-overlap (for "
+        "comparing with such runs: shardlm's trainer waits for each)",
+    )
+    t.add_argument(
         "--grad-reduce",
         choices=tuple(GRAD_REDUCE_BYTES),
         help="the dtype gradients cross the data-parallel group in: fp32 (as shardlm's trainer; default) or "
@@ -392,6 +400,7 @@ def build_request(args):
             dispatcher=args.dispatcher or "shardlm",
             zero3_reduce=args.zero3_reduce or "blocking",
             grad_reduce=args.grad_reduce or "fp32",
+            tp_overlap=bool(args.tp_overlap),
         )
         return PlanRequest(train=True, training=wl, **common)
 

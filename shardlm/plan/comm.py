@@ -216,6 +216,16 @@ def moe_boundary(
     return t
 
 
+def pipelined(collective_s: float, gemm_s: float, chunks: int) -> float:
+    """Exposed time of a collective pipelined with a GEMM in ``chunks`` pieces, each moved while the
+    GEMM works on the one before (Megatron-LM's ``--tp-comm-overlap``: Transformer Engine's
+    userbuffers split a TP layer's GEMM into tp chunks): max(c, g) + min(c, g) / chunks against the
+    GEMM's g alone, one piece never hidden and the rest as far as the GEMM lasts."""
+    if collective_s <= 0:
+        return 0.0
+    return max(0.0, collective_s - gemm_s) + min(collective_s, gemm_s) / max(chunks, 1)
+
+
 def send_recv(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     if nbytes <= 0:
         return 0.0

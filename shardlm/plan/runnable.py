@@ -46,9 +46,12 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
 def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | None:
     """The faster mechanism ``work`` prices ``lay`` with that shardlm lacks, so that it runs the
     layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
-    (``--zero3-reduce overlapped``, ``--grad-reduce bf16``, ``--dispatcher deepep``, ``--kernels fused``)."""
+    (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--dispatcher deepep``,
+    ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
+    if train and lay.tp > 1 and work.tp_overlap:  # parallel/tensor.py waits for each collective
+        return "TP collectives pipelined with the GEMMs (--tp-overlap; shardlm's trainer waits for each)"
     if train and lay.dp * lay.cp > 1 and work.grad_reduce == "bf16":  # train/unit.py full_grad: float32
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py

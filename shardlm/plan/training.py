@@ -108,6 +108,10 @@ class TrainWorkload:
     grad_reduce: str = "fp32"
     """The dtype gradients cross the data-parallel group in (``GRAD_REDUCE_BYTES``): fp32 as shardlm's
     trainer sends them, or bf16 as a peer may (Megatron-LM's ``--grad-reduce-in-bf16``)."""
+    tp_overlap: bool = False
+    """TP's collectives pipelined with the GEMMs beside them (``comm.pipelined``), as Megatron-LM's
+    ``--tp-comm-overlap`` runs them (Transformer Engine's userbuffers: each GEMM in tp chunks, one
+    exchanged while another computes); False: each waited for, as shardlm's trainer does."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
@@ -255,7 +259,7 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     k = cfg.num_experts_per_tok
-    f_comp = b_comp = f_attn = tp_c = ep_c = cp_c = 0.0
+    f_comp = b_comp = f_attn = tp_f = tp_b = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
@@ -275,8 +279,8 @@ def _stage(
         mm, at = layer_work(
             cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half
         )
-        t_attn = at.time(gpu, high)
-        f_comp += n * mm.time(gpu, wl.dtype)
+        t_attn, t_mm = at.time(gpu, high), mm.time(gpu, wl.dtype)
+        f_comp += n * t_mm
         # backward: the input gradients (the forward's weight reads, inner dimension each product's
         # output width) and the weight gradients (inner dimension the tokens), whose products add
         # into the gradient buffer (``grad_epilogue_bytes``)
@@ -284,7 +288,8 @@ def _stage(
         dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops, gemms=mm.gemms)
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
-        b_comp += n * (dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype))
+        t_back = dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype)
+        b_comp += n * t_back
         f_attn += n * t_attn
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
@@ -298,7 +303,11 @@ def _stage(
             pair_rows = pairs * cfg.hidden_size
             f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
             b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
-        tp_c += n * 2 * ar
+        if wl.tp_overlap:  # each pass's collectives pipelined with that pass's GEMMs
+            tp_f += n * comm.pipelined(2 * ar, t_mm, lay.tp)
+            tp_b += n * comm.pipelined(2 * ar, t_back, lay.tp)
+        else:
+            tp_f, tp_b = tp_f + n * 2 * ar, tp_b + n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
@@ -316,14 +325,14 @@ def _stage(
         ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
-    layers = f_comp + f_attn + f_mem + tp_c + ep_c + cp_c  # the decoder layers' forward
+    layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c  # the decoder layers' forward
     fwd = layers + head_f
-    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_c + ep_c + 2 * cp_c
+    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c
     if lay.recompute == "full":  # the layers' forward again
         bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
-    return fwd, bwd, tp_c, ep_c, cp_c
+    return fwd, bwd, (tp_f + tp_b) / 2, ep_c, cp_c
 
 
 def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, float, float]:

@@ -67,6 +67,7 @@ class Row:
     dispatcher: str = "shardlm"  # MoE: how the source's tokens crossed nodes (plan/comm.py DISPATCHERS)
     zero3_reduce: str = "blocking"  # ZeRO-3: how the source's reduce-scatters met backward (training.ZERO3_REDUCE)
     grad_reduce: str = "fp32"  # the dtype the source's gradients crossed dp in (training.GRAD_REDUCE_BYTES)
+    tp_overlap: bool = False  # the source pipelined TP's collectives with its GEMMs (--tp-overlap)
 
 
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
@@ -324,9 +325,9 @@ ROWS += [
     # and *_llm_pretrain.py): the distributed optimizer, gradients reduced in bf16
     # (grad_reduce_in_fp32 = False), no recomputation; the MoE row's token dispatcher all-to-all (no
     # DeepEP) with forced-balanced routing ("In MoE training benchmarks, we force-balance the token
-    # distribution among experts"). Not modelled and so priced exposed: the dense rows' TP overlap
-    # (tp_comm_overlap with userbuffers) and the MoE row's all-to-all overlap
-    # (overlap_moe_expert_parallel_comm). Llama 3 8B's row (FSDP in the table) ran Megatron-FSDP
+    # distribution among experts"); the 70B and 405B rows overlap TP's collectives with the GEMMs
+    # (tp_comm_overlap, userbuffers: --tp-overlap), the MoE row does not (tp_comm_overlap=False). Not
+    # modelled and so priced exposed: the MoE row's all-to-all overlap (overlap_moe_expert_parallel_comm). Llama 3 8B's row (FSDP in the table) ran Megatron-FSDP
     # (optim_grads_params) before 2025-11-21 and plain DDP with 5 of 32 layers recomputed after; the
     # table's FSDP is pinned. GPT-OSS 120B (attention sinks, alternating windows) and Qwen3-30B-A3B
     # (its table row's micro-batch and interleaving differ from the tagged recipe) are left out.
@@ -346,6 +347,7 @@ ROWS += [
             dtype="fp8",
             zero3_reduce="overlapped",  # Megatron-FSDP's overlapped reduce-scatters (the 8B row)
             grad_reduce="bf16",
+            tp_overlap=ep == 1,
         )
         for what, model, gpus, gbs, seq, tp, pp, cp, vp, ep, zero, tok_s in (
             ("Llama 3 8B, 8 GPUs, FSDP", "llama-3-8b", 8, 128, 8192, 1, 1, 1, 1, 1, 3, 14_451),
@@ -402,10 +404,10 @@ BOUNDS = {
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
     SHARDLM_H100: (0.13, 0.24),
-    # added 2026-11-27: +19% (8B, FSDP), -11%, -12% with TP's collectives exposed (the recipes overlap
-    # them); +6%, +8% while FP8 training moved one-byte activations; 70B's layout (no recomputation) did
-    # not fit before the fused activation and FP8 copies were counted
-    NEMO_DENSE: (0.14, 0.19),
+    # added 2026-11-27: +19% (8B, FSDP), +0%, +4% (--tp-overlap, as the recipes); -11%, -12% with TP's
+    # collectives exposed; +6%, +8% while FP8 training moved one-byte activations; 70B's layout (no
+    # recomputation) did not fit before the fused activation and FP8 copies were counted
+    NEMO_DENSE: (0.08, 0.19),
     # the all-to-all exposed (the recipe overlaps it with another micro-batch's compute); +30% while FP8
     # training moved one-byte activations
     NEMO_MOE: (0.14, 0.14),
@@ -465,6 +467,7 @@ def _predict(row: Row) -> float:
         dispatcher=row.dispatcher,
         zero3_reduce=row.zero3_reduce,
         grad_reduce=row.grad_reduce,
+        tp_overlap=row.tp_overlap,
     )
     pins = dict(row.pins)
     try:

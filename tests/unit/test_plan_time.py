@@ -330,3 +330,42 @@ def test_each_gemm_pays_the_measured_fixed_time():
             max(mm.flops / h100.matmul_flops("bf16") + mm.gemms * fixed, mm.bytes / h100.mem_Bps)
         )
     assert Work(flops=1e9, gemms=3).time(a100, "bf16") == Work(flops=1e9).time(a100, "bf16")
+
+
+def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
+    """--tp-overlap (Megatron-LM's --tp-comm-overlap) prices each pass's TP collectives pipelined with
+    that pass's GEMMs in tp chunks: max(c, g) + min(c, g) / tp against g, so all but one chunk hides
+    while the GEMMs last. Without it they are waited for, as shardlm's trainer does; a layout priced
+    with it is marked not runnable as modelled, and the flag is a training one."""
+    from shardlm.plan import cli, training
+    from shardlm.plan.planner import PlanRequest, plan
+
+    assert comm.pipelined(1.0, 3.0, 4) == 0.25 and comm.pipelined(3.0, 1.0, 4) == 2.25
+    assert comm.pipelined(0.0, 1.0, 4) == 0.0
+    cfg, _ = load_model("llama-3-70b")
+    costs = ModelCosts(cfg)
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=64, gpus_per_node=8)
+    lay = Layout(tp=4, pp=8, dp=2, sp=True, zero=1, micro_batch=1, num_micro=64, recompute="selective")
+    waited = training.evaluate(costs, cluster, lay, training.TrainWorkload(global_batch=128, seq_len=8192))
+    piped = training.evaluate(
+        costs, cluster, lay, training.TrainWorkload(global_batch=128, seq_len=8192, tp_overlap=True)
+    )
+    assert waited.fits and piped.fits
+    assert 0 < piped.comm_s["tp"] < 0.5 * waited.comm_s["tp"]
+    assert piped.step_s < waited.step_s
+    hidden = waited.comm_s["tp"] - piped.comm_s["tp"]  # per micro-batch: m x 2 x the stage's mean pass
+    assert waited.step_s - piped.step_s == pytest.approx(hidden, rel=0.25)
+    res = plan(
+        PlanRequest(
+            model="llama-3-70b",
+            gpu="h100-sxm",
+            gpus=64,
+            train=True,
+            training=training.TrainWorkload(global_batch=128, seq_len=8192, tp_overlap=True),
+            fixed=dict(tp=4, pp=8),
+        )
+    )
+    assert "TP collectives pipelined with the GEMMs" in (res.not_as_modelled(res.best) or "")
+    argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--tp", "4", "--pp", "8"]
+    assert cli.main([*argv, "--tp-overlap"]) == 2
+    assert "--tp-overlap is a training flag; add --train or drop it" in capsys.readouterr().err
