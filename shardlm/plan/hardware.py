@@ -195,9 +195,12 @@ class Cluster:
             raise PlanError(f"--gpus-per-node {self.gpus_per_node}: need at least one GPU per node")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             below = self.num_gpus // self.gpus_per_node * self.gpus_per_node
+            fill = next(n for n in range(self.gpus_per_node, 0, -1) if self.num_gpus % n == 0)
             raise PlanError(
                 f"--gpus {self.num_gpus} is not a whole number of nodes of {self.gpus_per_node}; "
-                f"use a multiple of {self.gpus_per_node} (e.g. {below} or {below + self.gpus_per_node})"
+                f"use a multiple of {self.gpus_per_node} (e.g. {below} or {below + self.gpus_per_node}), or, when "
+                f"each node (NVLink domain) holds fewer of the job's GPUs, say how many with --gpus-per-node "
+                f"(e.g. {fill})"
             )
 
     @property

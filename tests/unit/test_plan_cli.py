@@ -149,6 +149,8 @@ def test_training_search_speed():
         (["--model", "llama-3-8b", "--gpu", "a100-80g", "--gpus", "8", "--dtype", "fp8"], "no fp8"),
         (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "3"], "divide --gpus 8"),
         (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "12", "--gpus-per-node", "8"], "whole number of nodes"),
+        # 256 GB200s run as four NVLink domains of 64 (NVIDIA's Megatron-Bridge rows): the message says how
+        (["--model", "llama-3-8b", "--gpu", "gb200", "--gpus", "256"], "say how many with --gpus-per-node (e.g. 64)"),
         (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--max-tpot-ms", "0.01"], "meets the limits"),
         (["--model", "llama-3-8b", "--gpu", "h100", "--gpus", "0"], "positive integer"),
         (["--model", "./nope/config.json", "--gpu", "h100", "--gpus", "8"], "does not exist"),
