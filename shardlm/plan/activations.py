@@ -54,6 +54,19 @@ class LayerShape:
     Engine; DeepSeek-V3 §3.3): the QKV, fc1 and down-projection inputs; the attention output
     projection keeps its FP8 copy beside the 16-bit output fused attention keeps."""
 
+    @property
+    def linear_in(self) -> int:
+        """Bytes an element of a linear layer's saved input takes (its FP8 copy under FP8)."""
+        return 1 if self.fp8_inputs else 2
+
+    def gated_row_bytes(self, recompute: str) -> int:
+        """Bytes a gated MLP keeps for backward per intermediate unit and token: gate and up, then
+        silu(gate) (not under a fused activation) and their product (the down projection's input);
+        selective recomputation keeps only gate and up and recomputes the rest."""
+        if recompute == "selective":
+            return 2 + 2
+        return 2 + 2 + (0 if self.fused_activation else 2) + self.linear_in
+
     @classmethod
     def gpt(cls, hidden: int, heads: int) -> LayerShape:
         """The layer Korthikanti et al. count: MHA, 4h GELU MLP, dropout."""
@@ -69,7 +82,7 @@ def layer_activation_bytes(
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)  # only the layer input (16-bit)
     mask = 1 if shape.dropout else 0
-    linear_in = 1 if shape.fp8_inputs else 2  # a linear layer's saved input (its FP8 copy under FP8)
+    linear_in = shape.linear_in
     # replicated under TP unless SP splits them along the sequence (Table 2 "10" units): LN in, QKV in,
     # attn-out mask, LN in, fc1 in, mlp mask
     replicated = sbh * (2 + linear_in + mask + 2 + linear_in + mask)
@@ -78,10 +91,8 @@ def layer_activation_bytes(
     split = sb * (2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * shape.q_dim)
     if shape.fp8_inputs:  # the output projection's FP8 copy of the attention output
         split += sb * shape.q_dim
-    if shape.gated:  # gate, up, silu(gate) (not under a fused activation), and their product (the
-        # down-projection input); selective recomputation keeps only gate and up and recomputes the rest
-        act = 0 if recompute == "selective" else (0 if shape.fused_activation else 2) + linear_in
-        split += sb * shape.ffn * (2 + 2 + act)
+    if shape.gated:
+        split += sb * shape.ffn * shape.gated_row_bytes(recompute)
     else:  # fc1 output (GELU input) and GELU output (the fc2 input)
         split += sb * shape.ffn * (2 + linear_in)
     # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b;

@@ -360,6 +360,12 @@ def build_request(args):
         fixed["virtual"] = args.vpp
     if args.sp is not None:
         fixed["sp"] = args.sp == "on"
+    if args.train and args.tp_overlap and (fixed.get("tp") == 1 or fixed.get("sp") is False):
+        pinned = "--tp 1" if fixed.get("tp") == 1 else "--sp off"
+        raise PlanError(
+            f"--tp-overlap pipelines TP's collectives under sequence parallelism (as Megatron-LM requires), "
+            f"but {pinned} is pinned; drop one of them"
+        )
     if getattr(args, "attention_dp", None) is not None:
         fixed["attention_dp"] = args.attention_dp == "on"
     if getattr(args, "offload", None):

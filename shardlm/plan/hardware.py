@@ -69,7 +69,8 @@ class GpuSpec:
     op_overhead_s: float = C.GPU_OP_OVERHEAD_S
     """Fixed dispatch cost per operator (zero on GPUs with CUDA graphs; measured on CPU)."""
     gemm_half_rows: float = C.GEMM_HALF_ROWS
-    """GEMM rows at which the matmul rate is half its large-GEMM value (0: no size effect)."""
+    """GEMM rows at which the matmul rate is half its large-GEMM value (0: no size effect), for the
+    dtypes with no measured fixed GEMM time (``half_rows``)."""
     gemm_half_k: dict[str, float] = field(default_factory=dict)
     """Per dtype, the inner dimension K at which a GEMM runs at half its large-K rate: each output
     tile pays a fixed prologue and epilogue beside its K-steps of math (``roofline.k_efficiency``);
@@ -78,7 +79,7 @@ class GpuSpec:
     """Per dtype, the time in microseconds a GEMM takes beyond its FLOPs at the large-GEMM rate: launch,
     the first tiles' fill and the last wave's drain, the same for a GEMM of any size
     (``roofline.Work.gemms``); measured from the catalog's tables, 0 where none was collected. Where it
-    is measured the tables need no rows term: ``gemm_half_rows`` is 0."""
+    is measured the tables need no rows term (``half_rows``)."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
     source: str = ""
@@ -89,6 +90,11 @@ class GpuSpec:
     def half_k(self, dtype: str) -> float:
         """``gemm_half_k`` for ``dtype`` (0: none measured)."""
         return self.gemm_half_k.get(_catalog_dtype(dtype), 0.0)
+
+    def half_rows(self, dtype: str) -> float:
+        """The rows rule for ``dtype``: ``gemm_half_rows``, or 0 where its fixed GEMM time is measured
+        (which the measured tables show replaces it)."""
+        return 0.0 if self.gemm_fixed_s(dtype) else self.gemm_half_rows
 
     def gemm_fixed_s(self, dtype: str) -> float:
         """``gemm_fixed_us`` for ``dtype``, in seconds (0: none measured)."""
@@ -144,7 +150,6 @@ def load_gpu(name: str) -> GpuSpec:
         source=g["_source"],
         gemm_half_k=dict(g.get("gemm_half_k", {})),
         gemm_fixed_us=dict(g.get("gemm_fixed_us", {})),
-        gemm_half_rows=0.0 if "gemm_fixed_us" in g else C.GEMM_HALF_ROWS,
     )
 
 

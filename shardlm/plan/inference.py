@@ -179,7 +179,7 @@ def stage_step(
             a_bytes=a_bytes,
             kv_bytes=kv_bytes,
             ep=lay.ep,
-            half_rows=gpu.gemm_half_rows,
+            half_rows=gpu.half_rows(dtype),
             kept=costs.kept if w_bytes < C.BF16_BYTES else NOTHING_KEPT,
             k_half=gpu.half_k(dtype),
         )

@@ -195,12 +195,12 @@ def training_activation_bytes(
     flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
     if n_moe:
         per = per_layer(True)
-        if lay.recompute != "full":  # routed experts: gate, up, silu, product for each pair this rank computes,
-            # and its input and output rows (as the layer's own MLP: LayerShape's fused_activation, fp8_inputs)
+        if lay.recompute != "full":  # routed experts: what a gated MLP keeps for each pair this rank
+            # computes (LayerShape.gated_row_bytes; selective recomputation leaves the experts' activation
+            # kept: the trainer sets it on the dense MLP only), and the pair's input and output rows
             rows = costs.rank_layer(True, lay.tp, lay.ep, lay.etp).expert_params // (3 * cfg.hidden_size)
-            linear_in = 1 if shape[True].fp8_inputs else 2
-            per_row = 2 + 2 + (0 if shape[True].fused_activation else 2) + linear_in
-            pair = per_row * rows + (linear_in + 2) * cfg.hidden_size
+            moe_shape = shape[True]
+            pair = moe_shape.gated_row_bytes("none") * rows + (moe_shape.linear_in + 2) * cfg.hidden_size
             per += routed_pairs(cfg, lay, s * lay.micro_batch, n_moe * flight) * pair
         total += n_moe * per
     return total * flight

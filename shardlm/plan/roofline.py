@@ -1,8 +1,8 @@
 """Per-layer compute and memory traffic, and their roofline time (Williams, Waterman &
 Patterson 2009, "Roofline: An Insightful Visual Performance Model", CACM 52(4)).
 
-Each piece of work is ``max(FLOPs / achievable FLOP/s, bytes / achievable bytes/s)`` plus a
-fixed dispatch cost per operator. The two pieces of a layer that stress different limits
+Each piece of work is ``max(FLOPs / achievable FLOP/s + GEMM kernels x the GPU's fixed GEMM time,
+bytes / achievable bytes/s)`` plus a fixed dispatch cost per operator. The two pieces of a layer that stress different limits
 are timed apart: the weight matmuls (weight bytes vs 2 x tokens x params FLOPs) and the
 attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs). An MoE layer's
 experts run as a grouped GEMM, each at M = its own tokens, reading only the experts some token

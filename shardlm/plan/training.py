@@ -5,8 +5,10 @@ x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus
 (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of the same volume;
 Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
 (``comm.moe_boundary``: dispatch/combine, once per node with DeepEP's dispatcher), and the CP KV
-ring or Ulysses' all-to-alls (hidden behind attention when it can be). Backward costs twice the
-forward FLOPs and the same communication again: the input gradients as the forward's products, the
+ring or Ulysses' all-to-alls (hidden behind attention when it can be); TP's collectives are
+waited for, or under ``tp_overlap`` pipelined with their blocks' GEMMs (``comm.pipelined``).
+Activations and their collectives stay 16-bit under FP8. Backward costs twice the forward FLOPs
+and the same communication again: the input gradients as the forward's products, the
 weight gradients with their add into the gradient buffer in the roofline (``grad_epilogue_bytes``);
 recomputation adds a forward (full) or the attention core (selective). FP8 times the linear layers'
 GEMMs at its rate and adds their operands' casts (``FP8_CAST_BYTES``) to the memory-bound traffic.
@@ -111,7 +113,9 @@ class TrainWorkload:
     tp_overlap: bool = False
     """TP's collectives pipelined with the GEMMs beside them (``comm.pipelined``), as Megatron-LM's
     ``--tp-comm-overlap`` runs them (Transformer Engine's userbuffers: each GEMM in tp chunks, one
-    exchanged while another computes); False: each waited for, as shardlm's trainer does."""
+    exchanged while another computes; sequence parallelism required, layouts without it wait): the
+    attention block's with its QKV and output projections, a dense MLP's with its own; an MoE block's
+    experts have no such overlap. False: each waited for, as shardlm's trainer does."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
@@ -239,7 +243,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         forward_s=fwd,
         backward_s=bwd,
         comm_s={
-            "tp": m * 2 * tp_c,
+            "tp": m * tp_c,
             "ep": m * 2 * ep_c,
             "cp": m * 3 * cp_c,
             "dp": dp_exposed + m * z3_c,
@@ -251,8 +255,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
 def _stage(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float, a: int
 ) -> tuple[float, float, float, float, float]:
-    """(forward, backward, tp, ep, cp communication) of one micro-batch on one stage, its activations at
-    ``a`` bytes and its linear layers' weights at the step's dtype."""
+    """(forward, backward, tp communication of both passes, ep and cp communication of one pass) of one
+    micro-batch on one stage, its activations at ``a`` bytes and its linear layers' weights at the
+    step's dtype."""
     cfg, gpu = costs.cfg, cluster.gpu
     w = C.DTYPE_BYTES[wl.dtype]
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
@@ -277,21 +282,21 @@ def _stage(
         )
         k_half = gpu.half_k(wl.dtype)
         mm, at = layer_work(
-            cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half
+            cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.half_rows(wl.dtype), k_half=k_half
         )
         t_attn, t_mm = at.time(gpu, high), mm.time(gpu, wl.dtype)
+        pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         f_comp += n * t_mm
         # backward: the input gradients (the forward's weight reads, inner dimension each product's
         # output width) and the weight gradients (inner dimension the tokens), whose products add
         # into the gradient buffer (``grad_epilogue_bytes``)
-        d_flops, w_flops = backward_products(cfg, rl, step, ep=lay.ep, half_rows=gpu.gemm_half_rows, k_half=k_half)
+        d_flops, w_flops = backward_products(cfg, rl, step, ep=lay.ep, half_rows=gpu.half_rows(wl.dtype), k_half=k_half)
         dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops, gemms=mm.gemms)
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
         t_back = dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype)
         b_comp += n * t_back
         f_attn += n * t_attn
-        pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
         f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
         b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
@@ -303,11 +308,18 @@ def _stage(
             pair_rows = pairs * cfg.hidden_size
             f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
             b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
-        if wl.tp_overlap:  # each pass's collectives pipelined with that pass's GEMMs
-            tp_f += n * comm.pipelined(2 * ar, t_mm, lay.tp)
-            tp_b += n * comm.pipelined(2 * ar, t_back, lay.tp)
+        if wl.tp_overlap and lay.sp:  # each block's collectives pipelined with that block's GEMMs
+            share = _attention_share(rl, pairs / tokens)
+
+            def exposed(t_pass: float) -> float:  # attention's with its projections, a dense MLP's with its own
+                mlp = ar if moe else comm.pipelined(ar, (1 - share) * t_pass, lay.tp)
+                return comm.pipelined(ar, share * t_pass, lay.tp) + mlp
+
+            tp_f += n * exposed(t_mm)
+            tp_b += n * exposed(t_back)
         else:
-            tp_f, tp_b = tp_f + n * 2 * ar, tp_b + n * 2 * ar
+            tp_f += n * 2 * ar
+            tp_b += n * 2 * ar
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
@@ -332,7 +344,13 @@ def _stage(
         bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
-    return fwd, bwd, (tp_f + tp_b) / 2, ep_c, cp_c
+    return fwd, bwd, tp_f + tp_b, ep_c, cp_c
+
+
+def _attention_share(rl, pairs: float) -> float:
+    """Attention's share of a layer's product FLOPs on the rank: its projections against the dense
+    MLP, the router and ``pairs`` routed (token, choice) pairs a token of the rank."""
+    return rl.attn / (rl.attn + rl.dense + rl.router + pairs * rl.expert_params)
 
 
 def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, float, float]:

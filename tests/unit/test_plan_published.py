@@ -347,7 +347,7 @@ ROWS += [
             dtype="fp8",
             zero3_reduce="overlapped",  # Megatron-FSDP's overlapped reduce-scatters (the 8B row)
             grad_reduce="bf16",
-            tp_overlap=ep == 1,
+            tp_overlap=tp > 1 and ep == 1,  # the 70B and 405B recipes (tp_comm_overlap)
         )
         for what, model, gpus, gbs, seq, tp, pp, cp, vp, ep, zero, tok_s in (
             ("Llama 3 8B, 8 GPUs, FSDP", "llama-3-8b", 8, 128, 8192, 1, 1, 1, 1, 1, 3, 14_451),
@@ -404,7 +404,8 @@ BOUNDS = {
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
     SHARDLM_H100: (0.13, 0.24),
-    # added 2026-11-27: +19% (8B, FSDP), +0%, +4% (--tp-overlap, as the recipes); -11%, -12% with TP's
+    # added 2026-11-27: +19% (8B, FSDP), -0%, +3% (--tp-overlap, as the recipes; +0%, +4% while it hid a
+    # layer's collectives behind all its GEMMs); -11%, -12% with TP's
     # collectives exposed; +6%, +8% while FP8 training moved one-byte activations; 70B's layout (no
     # recomputation) did not fit before the fused activation and FP8 copies were counted
     NEMO_DENSE: (0.08, 0.19),

@@ -297,8 +297,8 @@ def test_each_gemm_pays_the_measured_fixed_time():
     (GpuSpec.gemm_fixed_us): the catalog's Hopper bf16 value reproduces XLA's measured sm_90 table
     (matmul_interpolator_data.h, TFLOPS at (M, N, K); the table's own large-GEMM rate of its fit,
     880 TFLOPS) within 26% from 256 to 4,096 a side, where the same curve without it is off by up to
-    3.8x. Measured GPUs drop the rows rule of thumb (gemm_half_rows), which the fixed time replaces;
-    the others keep it. A layer pays it once a GEMM kernel: attention's, the dense MLP's, the
+    3.8x. A dtype with a measured fixed time drops the rows rule of thumb (GpuSpec.half_rows), which
+    the fixed time replaces; the others keep it. A layer pays it once a GEMM kernel: attention's, the dense MLP's, the
     router's and each touched expert's own, in every pass."""
     from shardlm.plan import constants as C
     from shardlm.plan.roofline import Step, Work, gemm_count, layer_work
@@ -315,8 +315,9 @@ def test_each_gemm_pays_the_measured_fixed_time():
 
     assert all(abs(error(*mnk, fixed)) < 0.26 for mnk in xla)
     assert sum(abs(error(*mnk, 0.0)) > 0.5 for mnk in xla) >= 5
-    assert h100.gemm_half_rows == 0 and fixed == pytest.approx(5.9e-6)
-    assert a100.gemm_half_rows == C.GEMM_HALF_ROWS and a100.gemm_fixed_s("bf16") == 0
+    assert h100.half_rows("bf16") == 0 and fixed == pytest.approx(5.9e-6)
+    assert h100.half_rows("fp32") == C.GEMM_HALF_ROWS and h100.gemm_fixed_s("fp32") == 0  # none measured
+    assert a100.half_rows("bf16") == C.GEMM_HALF_ROWS and a100.gemm_fixed_s("bf16") == 0
 
     cfg, _ = load_model("qwen3-235b-a22b")
     costs = ModelCosts(cfg)
@@ -333,10 +334,13 @@ def test_each_gemm_pays_the_measured_fixed_time():
 
 
 def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
-    """--tp-overlap (Megatron-LM's --tp-comm-overlap) prices each pass's TP collectives pipelined with
-    that pass's GEMMs in tp chunks: max(c, g) + min(c, g) / tp against g, so all but one chunk hides
-    while the GEMMs last. Without it they are waited for, as shardlm's trainer does; a layout priced
-    with it is marked not runnable as modelled, and the flag is a training one."""
+    """--tp-overlap (Megatron-LM's --tp-comm-overlap) prices each block's TP collectives pipelined with
+    that block's GEMMs in tp chunks: max(c, g) + min(c, g) / tp against g, so all but one chunk hides
+    while the GEMMs last: attention's with its projections, a dense MLP's with its own; an MoE block's
+    wait (no userbuffers in the experts' grouped GEMMs), and so does every layout without sequence
+    parallelism (Megatron requires it). Without the flag they are waited for, as shardlm's trainer
+    does; a layout priced with it is marked not runnable as modelled; the flag is a training one, and
+    refused beside a pinned --tp 1 or --sp off."""
     from shardlm.plan import cli, training
     from shardlm.plan.planner import PlanRequest, plan
 
@@ -352,6 +356,22 @@ def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
     )
     assert waited.fits and piped.fits
     assert 0 < piped.comm_s["tp"] < 0.5 * waited.comm_s["tp"]
+    no_sp = lay.with_(sp=False)
+    assert (
+        training.evaluate(
+            costs, cluster, no_sp, training.TrainWorkload(global_batch=128, seq_len=8192, tp_overlap=True)
+        ).comm_s
+        == training.evaluate(costs, cluster, no_sp, training.TrainWorkload(global_batch=128, seq_len=8192)).comm_s
+    )
+    moe_costs = ModelCosts(load_model("qwen3-235b-a22b")[0])
+    moe = Layout(tp=2, pp=8, dp=4, ep=8, sp=True, zero=1, micro_batch=1, num_micro=16, recompute="full")
+    moe_cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=64, gpus_per_node=8)
+    moe_wl = training.TrainWorkload(global_batch=64, seq_len=4096)
+    moe_waited = training.evaluate(moe_costs, moe_cluster, moe, moe_wl).comm_s["tp"]
+    moe_piped = training.evaluate(moe_costs, moe_cluster, moe, dataclasses.replace(moe_wl, tp_overlap=True)).comm_s[
+        "tp"
+    ]
+    assert moe_waited / 2 < moe_piped < moe_waited  # attention's half hides, the experts' block waits
     assert piped.step_s < waited.step_s
     hidden = waited.comm_s["tp"] - piped.comm_s["tp"]  # per micro-batch: m x 2 x the stage's mean pass
     assert waited.step_s - piped.step_s == pytest.approx(hidden, rel=0.25)
@@ -369,3 +389,7 @@ def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
     argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--tp", "4", "--pp", "8"]
     assert cli.main([*argv, "--tp-overlap"]) == 2
     assert "--tp-overlap is a training flag; add --train or drop it" in capsys.readouterr().err
+    for pin in (["--sp", "off"], ["--tp", "1", "--pp", "8"]):
+        argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--tp-overlap", *pin]
+        assert cli.main(argv) == 2
+        assert "--tp-overlap pipelines TP's collectives under sequence parallelism" in capsys.readouterr().err
