@@ -50,7 +50,7 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
     ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
-    if train and lay.tp > 1 and work.tp_overlap:  # parallel/tensor.py waits for each collective
+    if train and lay.tp > 1 and lay.sp and work.tp_overlap:  # parallel/tensor.py waits for each collective
         return "TP collectives pipelined with the GEMMs (--tp-overlap; shardlm's trainer waits for each)"
     if train and lay.dp * lay.cp > 1 and work.grad_reduce == "bf16":  # train/unit.py full_grad: float32
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"

@@ -308,18 +308,10 @@ def _stage(
             pair_rows = pairs * cfg.hidden_size
             f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
             b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
-        if wl.tp_overlap and lay.sp:  # each block's collectives pipelined with that block's GEMMs
-            share = _attention_share(rl, pairs / tokens)
-
-            def exposed(t_pass: float) -> float:  # attention's with its projections, a dense MLP's with its own
-                mlp = ar if moe else comm.pipelined(ar, (1 - share) * t_pass, lay.tp)
-                return comm.pipelined(ar, share * t_pass, lay.tp) + mlp
-
-            tp_f += n * exposed(t_mm)
-            tp_b += n * exposed(t_back)
-        else:
-            tp_f += n * 2 * ar
-            tp_b += n * 2 * ar
+        overlap = wl.tp_overlap and lay.sp  # Megatron's userbuffers need sequence parallelism
+        share = _attention_share(rl, pairs / tokens)
+        tp_f += n * _tp_exposed(ar, t_mm, share, lay.tp, moe, overlap)
+        tp_b += n * _tp_exposed(ar, t_back, share, lay.tp, moe, overlap)
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
@@ -345,6 +337,16 @@ def _stage(
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_f + tp_b, ep_c, cp_c
+
+
+def _tp_exposed(ar: float, t_pass: float, share: float, tp: int, moe: bool, overlap: bool) -> float:
+    """One pass's exposed TP time for a layer of two blocks, each with one all-reduce's worth of
+    collectives ``ar``: waited for, or (``overlap``) pipelined with the block's GEMMs, attention's
+    ``share`` of the pass's ``t_pass`` and the dense MLP's rest; an MoE block's always wait."""
+    if not overlap:
+        return 2 * ar
+    mlp = ar if moe else comm.pipelined(ar, (1 - share) * t_pass, tp)
+    return comm.pipelined(ar, share * t_pass, tp) + mlp
 
 
 def _attention_share(rl, pairs: float) -> float:

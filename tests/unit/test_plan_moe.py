@@ -193,3 +193,16 @@ def test_fp8_training_moves_16_bit_activations_and_deepep_dispatches_fp8():
     assert comm.moe_boundary(cfg, cluster, lay, tokens, 2, "shardlm", gemm_bytes=1) == comm.moe_boundary(
         cfg, cluster, lay, tokens, 2, "shardlm"
     )
+    # serving FP8 weights through DeepEP dispatches FP8 too: its decode step's trip is the mixed one
+    serve = Layout(tp=1, dp=16, ep=16)
+    two_nodes = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=16, gpus_per_node=8)
+    fp8 = inference.evaluate(
+        costs,
+        two_nodes,
+        serve,
+        InferenceWorkload(prompt_len=1024, output_len=128, dtype="fp8", dispatcher="deepep"),
+        64,
+    )
+    mixed = comm.moe_boundary(cfg, two_nodes, serve, 64, 2, "deepep", gemm_bytes=1)
+    assert fp8.fits and fp8.decode_parts.ep_comm == pytest.approx((cfg.num_layers - cfg.first_k_dense) * mixed)
+    assert mixed < comm.moe_boundary(cfg, two_nodes, serve, 64, 2, "deepep")

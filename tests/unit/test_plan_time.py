@@ -343,6 +343,7 @@ def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
     refused beside a pinned --tp 1 or --sp off."""
     from shardlm.plan import cli, training
     from shardlm.plan.planner import PlanRequest, plan
+    from shardlm.plan.runnable import not_as_modelled
 
     assert comm.pipelined(1.0, 3.0, 4) == 0.25 and comm.pipelined(3.0, 1.0, 4) == 2.25
     assert comm.pipelined(0.0, 1.0, 4) == 0.0
@@ -386,6 +387,9 @@ def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
         )
     )
     assert "TP collectives pipelined with the GEMMs" in (res.not_as_modelled(res.best) or "")
+    piped_wl = training.TrainWorkload(global_batch=128, seq_len=8192, tp_overlap=True)
+    assert not_as_modelled(cfg, lay, piped_wl, train=True, cluster=cluster)  # priced faster than shardlm runs
+    assert not_as_modelled(cfg, no_sp, piped_wl, train=True, cluster=cluster) is None  # priced as it runs
     argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--tp", "4", "--pp", "8"]
     assert cli.main([*argv, "--tp-overlap"]) == 2
     assert "--tp-overlap is a training flag; add --train or drop it" in capsys.readouterr().err
