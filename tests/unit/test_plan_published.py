@@ -44,6 +44,7 @@ NEMO_DENSE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, FP8, de
 NEMO_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, FP8, MoE"
 NEMO_BW_DENSE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200 and GB200, FP8, dense"
 NEMO_BW_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200, FP8, MoE"
+NEMO_2604_MOE = "Megatron-Bridge performance summary, NeMo 26.04.01, DGX-H100 and DGX-B200, FP8, MoE"
 TINYLLAMA = "llama:2048,5632,22,32,4,32000"
 """TinyLlama-1.1B's shape: hidden, intermediate, layers, heads, KV heads, vocabulary."""
 
@@ -391,6 +392,40 @@ ROWS += [
             ("B200: Qwen3-235B, pp8 vp2 ep8", "qwen3-235b-a22b", "b200", 64, 1024, 4096, 1, 1, 8, 1, 2, 8, 3_269),
         )
     ),
+    # The same summary five months on (its archive, "26.04.01 NeMo Container"), the MoE rows on GPUs the
+    # catalog holds, each with its recipe at the release tag v0.4.2 (scripts/performance/configs/
+    # {qwen,deepseek}/*_workload_base_configs.py, the "V2" variants the table ran): no recomputation
+    # but DeepSeek-V3's (MLA's up-projections and its MLPs: not planner options, none pinned),
+    # gradients reduced in bf16, forced-balanced routing. Qwen3 on H100: the all-to-all dispatcher,
+    # its overlap on (moe_a2a_overlap, not modelled: priced exposed); Qwen3 on B200: the all-to-all
+    # dispatcher, no overlap, no CUDA graphs; DeepSeek-V3 on B200: DeepEP, the all-to-all overlap and
+    # CUDA graphs of attention, router and preprocessing (neither modelled). DeepSeek-V3's B200 layout
+    # moved from 25.11's pp16 ep8 (2,139 above) to pp8 vp2 ep32 (docs/plan.md: the planner prices that
+    # move the other way). The GB200 rows are left out: the source does not say how many of a job's
+    # GPUs share an NVLink domain (--gpus-per-node).
+    *(
+        Row(
+            NEMO_2604_MOE,
+            what,
+            model,
+            gpu,
+            256,
+            tok_s,
+            "tok/s/GPU",
+            dict(tp=tp, pp=pp, dp=256 // (tp * pp), ep=ep, micro_batch=1, zero=1, recompute="none")
+            | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {}),
+            global_batch=gbs,
+            seq_len=4096,
+            dtype="fp8",
+            grad_reduce="bf16",
+            dispatcher=dispatcher,
+        )
+        for what, model, gpu, gbs, tp, pp, vp, ep, dispatcher, tok_s in (
+            ("H100: Qwen3-235B, tp2 pp8 vp4 ep32", "qwen3-235b-a22b", "h100-sxm", 8192, 2, 8, 4, 32, "shardlm", 1_712),
+            ("B200: Qwen3-235B, pp8 ep8", "qwen3-235b-a22b", "b200", 8192, 1, 8, 1, 8, "shardlm", 3_776),
+            ("B200: DeepSeek-V3, pp8 vp2 ep32, DeepEP", "deepseek-v3", "b200", 4096, 1, 8, 2, 32, "deepep", 3_328),
+        )
+    ),
 ]
 
 # each source's mean and max relative error today (rounded up); a change that raises one fails
@@ -451,6 +486,8 @@ BOUNDS = {
     NEMO_BW_DENSE: (0.24, 0.39),
     # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it)
     NEMO_BW_MOE: (0.98, 1.00),
+    # added 2026-11-27 (stop 44): Qwen3 H100 -19% (its overlap exposed), B200 +76%; DeepSeek-V3 B200 -17%
+    NEMO_2604_MOE: (0.38, 0.77),
 }
 
 
