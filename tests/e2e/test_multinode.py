@@ -83,6 +83,7 @@ def test_generate_tp2_pp2_across_hosts_gives_hfs_tokens(hosts, tiny):
     assert set(groups) == {("0", "1", "shared memory"), ("2", "3", "shared memory")}  # tp, one host each
 
 
+@pytest.mark.slow  # ~17 s; make test keeps tp2 pp2 across the hosts
 def test_generate_dp2_with_a_replica_per_host_gives_hfs_tokens(hosts, tiny):
     """dp across the hosts (the outermost axis), tp=2 inside each: a replica per host, each
     generating for two of the four prompts, and HF's greedy tokens for every prompt."""
@@ -145,6 +146,7 @@ def test_moe_generate_with_ep_across_hosts_gives_hfs_tokens(hosts, tmp_path, tmp
     assert len(printed) == 1 and json.loads(printed[0]) == ref.tokens
 
 
+@pytest.mark.slow  # ~25 s; make test keeps dp2 tp3 zero3 across the hosts
 def test_train_pp2_tp3_zero_bubble_across_hosts_takes_one_hosts_steps(hosts, tiny, tmp_path):
     """A pipeline stage per host (pp across, tp=3 inside) under ZB-H1: the hidden states and their
     gradients cross the hosts point to point, and the losses are one process's."""
@@ -190,6 +192,7 @@ def test_a_lost_host_ends_generation_with_one_line(hosts, tiny):
     assert not hosts.pids("A") and not hosts.pids("B")
 
 
+@pytest.mark.slow  # ~13 s; make test keeps a lost host in generation, serving and a partition in training
 def test_a_lost_host_ends_training_mid_step_with_one_line(hosts, tiny, tmp_path):
     """Host B's processes killed between training steps (its rank mid-way into the next): host A's
     rank says which host and ranks were lost within seconds, exits non-zero, and nothing is left."""
