@@ -195,17 +195,21 @@ def _main(argv: list[str] | None) -> int:
         print(f"shardlm: error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:  # under torchrun a rank that lost a peer says which rank it is
+        from shardlm.launch import relayed_failure
+
         who = f"rank {os.environ['RANK']}: " if isinstance(e, PeerLost) and "RANK" in os.environ else ""
-        print(f"shardlm: error: {who}{e}", file=sys.stderr)
+        print(f"shardlm: error: {who}{relayed_failure(e) or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardlm: interrupted; all ranks stopped", file=sys.stderr)
         return 130
     except RuntimeError as e:  # under torchrun a collective raises where a peer is lost
-        from shardlm.launch import peer_failure
+        from shardlm.launch import lost_ranks, peer_failure
+        from shardlm.parallel.shm_segment import give_up_everywhere
 
         if (line := peer_failure(e)) is None:
             raise
+        give_up_everywhere(lost_ranks(e))  # this host's peers waiting on this rank name the lost host too
         print(f"shardlm: error: rank {os.environ.get('RANK', '?')}: {line}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. piped into `head`

@@ -202,6 +202,30 @@ def _not_joined(text: str, rank: int) -> str | None:
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for (send|recv) operation")
 
 
+def lost_ranks(error: BaseException) -> list[int]:
+    """The global ranks of the host a collective's error says is gone ([] where it names none known)."""
+    m = _PEER_ADDRESS.search(str(error)) if _PEER_LOST.search(str(error)) else None
+    return [r for r, (_, a) in enumerate(HOSTS) if m and a == m.group(1)]
+
+
+def _host(ranks: list[int], address: str = "?") -> str:
+    """'host NAME (ADDRESS, ranks [...])' for the global ranks of one host, or the bare address."""
+    if not ranks:
+        return f"the peer at {address}"
+    name, address = HOSTS[ranks[0]]
+    return f"host {name} ({address}, ranks {[r for r, (_, a) in enumerate(HOSTS) if a == address]})"
+
+
+def relayed_failure(error: BaseException) -> str | None:
+    """One line for a shared-memory collective that failed because a peer on this host gave up on a
+    lost host (``shm_segment.give_up_everywhere``): that host, as the peer's own line names it; None
+    for any other error."""
+    lost = getattr(error, "lost", None)
+    if not lost or not HOSTS or max(lost) >= len(HOSTS):
+        return None
+    return f"lost {_host(lost)}, found by a rank of this host that then stopped; the run stops"
+
+
 def peer_failure(error: BaseException) -> str | None:
     """One line for a collective that failed because a peer rank is gone (its host died, its
     network went down, or it did not answer within the timeout), naming the host and ranks where
@@ -209,9 +233,7 @@ def peer_failure(error: BaseException) -> str | None:
     text = str(error)
     if _PEER_LOST.search(text) is not None:
         m = _PEER_ADDRESS.search(text)
-        address = m.group(1) if m else "?"
-        ranks = [r for r, (_, a) in enumerate(HOSTS) if a == address]
-        host = f"host {HOSTS[ranks[0]][0]} ({address}, ranks {ranks})" if ranks else f"the peer at {address}"
+        host = _host(lost_ranks(error), m.group(1) if m else "?")
         return f"lost {host}: its connection closed (the ranks there died or the host went down); the run stops"
     if (m := _TIMED_OUT.search(text)) is not None:
         seconds = int(m.group(1)) / 1000

@@ -2,7 +2,8 @@
 
 Layout (every rank maps the same file; offsets in bytes)::
 
-    [64 j, 64 j + 24)           rank j's control line: seq, abort, sleeping (int64 each)
+    [64 j, 64 j + 64)           rank j's control line: seq, abort, sleeping, then 5 words of the
+                                global ranks it found lost (a bit a rank, ranks < 315) (int64 each)
     [hdr + (2 j + p) C, +C)     rank j's slot for parity p (C = slot_bytes, page-aligned)
 
 A collective is a sequence of *rounds*. In round s a rank writes its part into its own
@@ -33,9 +34,12 @@ outnumber the cores block in the kernel instead of spinning against each other. 
 ``sched_yield`` phase between the two: it hands the core to another process for a whole time
 slice, while a woken sleeper is scheduled at once; docs/performance.md, "Fast collectives".)
 
-Every 50 ms of waiting a rank checks that the ranks it waits for are alive
-(``/proc/PID/stat``: gone, zombie or a reused pid is dead), whether one gave up (its
-abort flag), and the group's timeout: a dead peer gives an error that names it.
+Every 50 ms of waiting a rank checks whether a peer gave up (its abort flag), that the ranks
+it waits for are alive (``/proc/PID/stat``: gone, zombie or a reused pid is dead), and the
+group's timeout: a dead peer gives an error that names it. A rank that ends on a lost peer
+elsewhere (another host's, over gloo) gives up on its groups here first (``give_up_everywhere``),
+with the global ranks it found lost, so that a peer waiting for it names the lost host too, not
+the local rank that exited.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 
 import torch
 
@@ -61,7 +66,27 @@ class CollectiveError(RuntimeError):
 
 
 class PeerFailure(CollectiveError, PeerLost):
-    """A peer of the group died, gave up or timed out: the message says which; the run cannot go on."""
+    """A peer of the group died, gave up or timed out: the message says which; the run cannot go on.
+    ``lost``: the global ranks a peer that gave up had found lost ([] when it did not say)."""
+
+    def __init__(self, message: str, lost: list[int] | None = None):
+        super().__init__(message)
+        self.lost = lost or []
+
+
+LOST_WORDS, LOST_BITS = 5, 63
+"""Words of a control line (after seq, abort, sleeping) that carry the global ranks its rank found
+lost, 63 bits a signed word: ranks 0-314; a larger one is left out (a peer reads a plain give-up
+where none is left)."""
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's mapped segments (give_up_everywhere)
+
+
+def give_up_everywhere(lost: list[int]) -> None:
+    """Mark every shared-memory group of this process given up, with the global ranks ``lost`` it
+    found lost elsewhere (a host gone): its peers, waiting on it here, then name those ranks
+    instead of this one when it exits (``Segment._check``)."""
+    for seg in list(_LIVE):
+        seg.give_up(lost)
 
 
 def fence() -> None:
@@ -124,6 +149,7 @@ class Segment:
         cores = len(os.sched_getaffinity(0))
         self.spin_s = 30e-6 if n <= cores else 2e-6  # spinning steals a core a peer may need
         self.broken: str | None = None
+        _LIVE.add(self)
 
     def publish(self, seq: int) -> None:
         ctl = self.ctl
@@ -180,19 +206,22 @@ class Segment:
             pass
 
     def _check(self, pending: list[int], seq: int, op: str, waited: float) -> None:
-        """Raise if a pending peer is dead, if a peer gave up, or after the group's timeout."""
+        """Raise if a peer gave up (first: it may have exited since), if a pending peer is dead, or
+        after the group's timeout."""
+        for j in range(self.n):
+            if j != self.rank and self.ctl[8 * j + 1]:
+                lost = self._lost(j)
+                why = f"found global ranks {lost} lost" if lost else "had an error of its own"
+                self.fail(
+                    f"{op}: group rank {j} ({self._who(j)}) {why} and gave up on this group; see that rank's error",
+                    lost,
+                )
         for i in pending:
             j = i // 8
             if start_time(self.peers[j][1]) != self.peers[j][2]:
                 self.fail(
                     f"{op}: group rank {j} ({self._who(j)}) died while this rank waited for it "
                     f"(call {seq} on this group, after {waited:.2f} s); the run cannot go on, stop it"
-                )
-        for j in range(self.n):
-            if j != self.rank and self.ctl[8 * j + 1]:
-                self.fail(
-                    f"{op}: group rank {j} ({self._who(j)}) gave up on this group after an error of its "
-                    f"own; see that rank's error"
                 )
         if waited > self.timeout_s:
             late = ", ".join(f"group rank {i // 8} ({self._who(i // 8)})" for i in pending)
@@ -206,11 +235,25 @@ class Segment:
         rank, pid, _ = self.peers[j]
         return f"global rank {rank}, pid {pid}"
 
-    def fail(self, msg: str) -> None:
-        """Mark the group unusable, tell the peers (abort flag and a wake-up), raise."""
-        self.broken = msg
+    def _lost(self, j: int) -> list[int]:
+        """The global ranks group rank ``j`` found lost when it gave up (its control line)."""
+        base = 8 * j + 3
+        return [LOST_BITS * w + b for w in range(LOST_WORDS) for b in range(LOST_BITS) if (self.ctl[base + w] >> b) & 1]
+
+    def give_up(self, lost: list[int] | None = None) -> None:
+        """Mark the group unusable and tell the peers (abort flag and a wake-up), with the global
+        ranks this rank found lost elsewhere."""
+        base = 8 * self.rank + 3
+        for r in lost or []:
+            if r < LOST_BITS * LOST_WORDS:
+                self.ctl[base + r // LOST_BITS] |= 1 << (r % LOST_BITS)
         self.ctl[8 * self.rank + 1] = 1
-        fence()
+        fence()  # the lost ranks and the flag before the wake-ups
         for i in self.others:
             self._poke(i // 8)
-        raise PeerFailure(f"shared-memory collective failed: {msg}")
+
+    def fail(self, msg: str, lost: list[int] | None = None) -> None:
+        """Mark the group unusable, tell the peers, raise."""
+        self.broken = msg
+        self.give_up(lost)
+        raise PeerFailure(f"shared-memory collective failed: {msg}", lost)

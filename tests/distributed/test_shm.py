@@ -247,6 +247,37 @@ def test_peer_killed_mid_call_is_an_error_not_a_hang(tmp_path, world, victim, ro
     assert not leftovers
 
 
+def give_up_on_a_lost_host(out_dir: str) -> None:
+    """Rank 1 finds global ranks 5 and 300 lost elsewhere (a host's, over gloo; 400 is beyond what a
+    control line holds), gives up on its groups here and exits; rank 0 records what it got while
+    waiting for it (the relay ``cli`` makes before a rank ends on a lost host)."""
+    from shardlm.parallel.shm_segment import PeerFailure, give_up_everywhere
+
+    group = dist.new_group([0, 1])
+    fast = shm.set_backend(group, "shm")
+    comm.all_reduce(torch.ones(3), group)
+    if dist.get_rank() == 1:
+        give_up_everywhere([5, 300, 400])
+        os._exit(0)
+    try:
+        comm.all_reduce(torch.ones(3), group)
+        got = "no error"
+    except PeerFailure as e:
+        got = f"{e.lost}\n{e}"
+    with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+        f.write(f"{fast.seg.name}\n{got}")
+
+
+def test_a_rank_that_gives_up_on_a_lost_host_is_named_with_it_not_as_dead(tmp_path):
+    """Before it exits, a rank that lost a host tells its shared-memory peers which global ranks it
+    lost: a peer waiting for it reports those, not that a local rank died."""
+    with pytest.raises((TimeoutError, AssertionError)):  # rank 1 exits without reporting
+        run_ranks(2, give_up_on_a_lost_host, str(tmp_path), timeout=60)
+    name, lost, msg = (tmp_path / "rank0.txt").read_text().split("\n", 2)
+    assert lost == "[5, 300]" and "group rank 1" in msg and "found global ranks [5, 300] lost" in msg, msg
+    assert "died" not in msg and not os.path.exists(name)
+
+
 def test_one_rank_that_cannot_makes_the_group_keep_gloo():
     assert run_ranks(2, agreement_on_fallback) == [(True, True)] * 2
 

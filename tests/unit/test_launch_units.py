@@ -23,6 +23,20 @@ def test_a_closed_connection_names_the_lost_host(monkeypatch, text):
     assert launch.peer_failure(RuntimeError(text)).startswith("lost host b (192.0.2.2, ranks [2, 3]): ")
 
 
+def test_a_rank_relaying_a_peers_lost_host_names_that_host(monkeypatch):
+    """A shared-memory peer that gave up on a lost host (PeerFailure.lost): its ranks' host, as the
+    peer's own line names it; the error's ranks are the ones lost_ranks reads from gloo's error."""
+    monkeypatch.setattr(launch, "HOSTS", [("a", "192.0.2.1")] * 2 + [("b", "192.0.2.2")] * 2)
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [192.0.2.2]:28855.")
+    assert launch.lost_ranks(closed) == [2, 3] and launch.lost_ranks(RuntimeError("out of memory")) == []
+    line = launch.relayed_failure(PeerFailure("group rank 1 ... found global ranks [2, 3] lost", [2, 3]))
+    assert (
+        line == "lost host b (192.0.2.2, ranks [2, 3]), found by a rank of this host that then stopped; the run stops"
+    )
+    assert launch.relayed_failure(PeerFailure("group rank 1 died")) is None  # it said nothing: its own message
+    assert launch.relayed_failure(PeerFailure("x", [7])) is None  # a rank the run does not have
+
+
 def test_a_timeout_names_the_other_hosts_and_other_errors_pass(monkeypatch):
     monkeypatch.setattr(launch, "HOSTS", [("here", "192.0.2.1"), ("there", "192.0.2.2")])
     monkeypatch.setattr(launch.socket, "gethostname", lambda: "here")
