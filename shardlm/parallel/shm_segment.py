@@ -34,9 +34,10 @@ outnumber the cores block in the kernel instead of spinning against each other. 
 ``sched_yield`` phase between the two: it hands the core to another process for a whole time
 slice, while a woken sleeper is scheduled at once; docs/performance.md, "Fast collectives".)
 
-Every 50 ms of waiting a rank checks whether a peer gave up (its abort flag), that the ranks
-it waits for are alive (``/proc/PID/stat``: gone, zombie or a reused pid is dead), and the
-group's timeout: a dead peer gives an error that names it. A rank that ends on a lost peer
+Every 50 ms of waiting a rank checks that the ranks it waits for are alive (``/proc/PID/stat``:
+gone, zombie or a reused pid is dead), whether a peer gave up (its abort flag: one that set it and
+exited since is reported by its reason, not as dead), and the group's timeout: a dead peer gives
+an error that names it. A rank that ends on a lost peer
 elsewhere (another host's, over gloo) gives up on its groups here first (``give_up_everywhere``),
 with the global ranks it found lost, so that a peer waiting for it names the lost host too, not
 the local rank that exited.
@@ -206,8 +207,15 @@ class Segment:
             pass
 
     def _check(self, pending: list[int], seq: int, op: str, waited: float) -> None:
-        """Raise if a peer gave up (first: it may have exited since), if a pending peer is dead, or
-        after the group's timeout."""
+        """Raise if a pending peer died without giving up (the cause), if a peer gave up (it may have
+        exited since: its reason, not its death), or after the group's timeout."""
+        for i in pending:
+            j = i // 8
+            if not self.ctl[i + 1] and start_time(self.peers[j][1]) != self.peers[j][2]:
+                self.fail(
+                    f"{op}: group rank {j} ({self._who(j)}) died while this rank waited for it "
+                    f"(call {seq} on this group, after {waited:.2f} s); the run cannot go on, stop it"
+                )
         for j in range(self.n):
             if j != self.rank and self.ctl[8 * j + 1]:
                 lost = self._lost(j)
@@ -215,13 +223,6 @@ class Segment:
                 self.fail(
                     f"{op}: group rank {j} ({self._who(j)}) {why} and gave up on this group; see that rank's error",
                     lost,
-                )
-        for i in pending:
-            j = i // 8
-            if start_time(self.peers[j][1]) != self.peers[j][2]:
-                self.fail(
-                    f"{op}: group rank {j} ({self._who(j)}) died while this rank waited for it "
-                    f"(call {seq} on this group, after {waited:.2f} s); the run cannot go on, stop it"
                 )
         if waited > self.timeout_s:
             late = ", ".join(f"group rank {i // 8} ({self._who(i // 8)})" for i in pending)
