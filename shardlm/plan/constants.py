@@ -48,12 +48,12 @@ kernel launch plus NCCL setup for a small message; nccl-tests small-size rows)."
 
 MANY_LOCAL_EXPERTS = 16
 FEW_EXPERT_ROWS = 2048
-"""Where the validation's MoE training rows run slower than priced (docs/plan.md, "What the MoE rows
-share"): every published layout whose ranks held 16 or more experts of 2,048 or fewer tokens each a
-micro-batch was priced 39-99% faster than it ran (five rows, three sources, H100 and B200); every
-other MoE row is within 19%, the one at 16 experts of 4,096 tokens included. What is missing grows
-with the experts a rank holds (a per-expert cost, likely host time, the planner does not price), so
-it marks such layouts (``explain.optimistic``) rather than price a constant fitted to those rows."""
+"""Where the validation's MoE training rows run far slower than priced: published layouts whose
+ranks held 16 or more experts of 2,048 or fewer tokens each a micro-batch, and only those (the rows
+and their errors: docs/plan.md, "What the MoE rows share"; ``test_plan_published`` holds the mark to
+them). What is missing grows with the experts a rank holds (a per-expert cost, likely host time,
+the planner does not price), so it marks such layouts (``explain.optimistic``) rather than price a
+constant fitted to those rows."""
 
 GPU_OP_OVERHEAD_S = 0.0
 """Per-operator dispatch cost on a GPU. Serving engines capture decode in CUDA graphs

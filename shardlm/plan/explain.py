@@ -62,8 +62,8 @@ def optimistic(res, ctx) -> str | None:
         return None
     return (
         f"ranks holding {C.MANY_LOCAL_EXPERTS}+ experts of {C.FEW_EXPERT_ROWS:,} or fewer tokens each a micro-batch "
-        "(published runs of such layouts were priced 39-99% faster than they ran: a per-expert cost not "
-        "modelled; docs/plan.md)"
+        "(published runs of such layouts ran far slower than priced: a per-expert cost not modelled; "
+        "docs/plan.md, 'What the MoE rows share')"
     )
 
 

@@ -519,16 +519,6 @@ def _megatron_flops(row: Row) -> float:
     return 96 * row.global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
-_predicted: dict[int, float] = {}
-
-
-def predict(row: Row) -> float:
-    """The planner's number for the row, in the row's unit (its best within the pins)."""
-    if id(row) not in _predicted:
-        _predicted[id(row)] = _predict(row)
-    return _predicted[id(row)]
-
-
 _plans: dict[int, object] = {}
 
 
@@ -566,7 +556,8 @@ def _plan(row: Row):
         return plan(PlanRequest(train=True, training=wl, fixed=pins, **common))
 
 
-def _predict(row: Row) -> float:
+def predict(row: Row) -> float:
+    """The planner's number for the row, in the row's unit (its best within the pins: ``planned``)."""
     best = planned(row).best
     if row.io != (0, 0):
         return {"tok/s": best.throughput, "TTFT ms": best.ttft_s * 1e3, "TPOT ms": best.tpot_s * 1e3}[row.unit]
