@@ -48,12 +48,11 @@ kernel launch plus NCCL setup for a small message; nccl-tests small-size rows)."
 
 MANY_LOCAL_EXPERTS = 16
 FEW_EXPERT_ROWS = 2048
-"""Where the validation's MoE training rows run far slower than priced: published layouts whose
-ranks held 16 or more experts of 2,048 or fewer tokens each a micro-batch, and only those (the rows
+"""Where the validation's MoE training rows run far slower than priced: every published layout whose
+ranks held 16 or more experts of 2,048 or fewer tokens each a micro-batch (not only those: the rows
 and their errors: docs/plan.md, "What the MoE rows share"; ``test_plan_published`` holds the mark to
-them). What is missing grows with the experts a rank holds (a per-expert cost, likely host time,
-the planner does not price), so it marks such layouts (``explain.optimistic``) rather than price a
-constant fitted to those rows."""
+them). What is missing is not modelled (likely host time; no source gives its size), so the planner
+marks such layouts (``explain.optimistic``) rather than price a constant fitted to those rows."""
 
 GPU_OP_OVERHEAD_S = 0.0
 """Per-operator dispatch cost on a GPU. Serving engines capture decode in CUDA graphs

@@ -59,20 +59,26 @@ def test_table2_rows_and_full_recompute():
         ("mixtral-8x22b", 140.63),
         ("qwen2.5-72b", 72.71),
         ("qwen3-235b-a22b", 235.09),
+        ("qwen3-30b-a3b", 30.53),
         ("deepseek-v3", 671.03),
         ("smollm2", 0.1345),
     ],
 )
 def test_preset_parameter_counts(name, billions):
-    # published sizes: Meta (8.03B, 70.6B, 405B), Mistral (46.7B, 141B), Qwen (72.7B, 235B),
+    # published sizes: Meta (8.03B, 70.6B, 405B), Mistral (46.7B, 141B), Qwen (72.7B, 235B, 30.5B),
     # DeepSeek-V3 report (671B without the MTP module), SmolLM2-135M (134.5M)
     cfg, _ = load_model(name)
     assert total_params(cfg) / 1e9 == pytest.approx(billions, rel=2e-3)
 
 
 def test_active_params_moe():
-    # Mixtral 8x7B: 12.9B active; Qwen3-235B-A22B: 22B; DeepSeek-V3: 37B (incl. the 0.9B head)
-    for name, active in (("mixtral-8x7b", 12.9), ("qwen3-235b-a22b", 22.2), ("deepseek-v3", 37.5)):
+    # Mixtral 8x7B: 12.9B active; Qwen3-235B-A22B: 22B; Qwen3-30B-A3B: 3.3B; DeepSeek-V3: 37B (incl. the 0.9B head)
+    for name, active in (
+        ("mixtral-8x7b", 12.9),
+        ("qwen3-235b-a22b", 22.2),
+        ("qwen3-30b-a3b", 3.35),
+        ("deepseek-v3", 37.5),
+    ):
         assert active_params(load_model(name)[0]) / 1e9 == pytest.approx(active, rel=0.01)
 
 

@@ -44,7 +44,7 @@ NEMO_DENSE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, FP8, de
 NEMO_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, FP8, MoE"
 NEMO_BW_DENSE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200 and GB200, FP8, dense"
 NEMO_BW_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200, FP8, MoE"
-NEMO_2604_MOE = "Megatron-Bridge performance summary, NeMo 26.04.01, DGX-H100 and DGX-B200, FP8, MoE"
+NEMO_2604_MOE = "Megatron-Bridge performance summary, NeMo 26.04.01, DGX-H100, B200 and GB200, FP8, MoE"
 TINYLLAMA = "llama:2048,5632,22,32,4,32000"
 """TinyLlama-1.1B's shape: hidden, intermediate, layers, heads, KV heads, vocabulary."""
 
@@ -79,6 +79,17 @@ def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, 
     source = MEGATRON if "micro_batch" not in kw else ZERO3 if kw.get("zero") == 3 else PTDP
     return Row(source, f"{h}h {layers}L, tp{tp} pp{pp}, {gpus} GPUs", f"gpt:{h},{heads},{layers}", "a100-80g", gpus,
                tflops, "TFLOP/s/GPU", {**pins, **kw}, batch, fused_attention=False)  # fmt: skip
+
+
+NEMO_2604_ROWS = (  # what, model, GPU, GPUs, global batch, micro-batch, tp, pp, vp, ep, dispatcher, tokens/s/GPU
+    ("H100: Qwen3-235B, tp2 pp8 vp4 ep32", "qwen3-235b-a22b", "h100-sxm", 256, 8192, 1, 2, 8, 4, 32, "shardlm", 1_712),
+    ("B200: Qwen3-235B, pp8 ep8", "qwen3-235b-a22b", "b200", 256, 8192, 1, 1, 8, 1, 8, "shardlm", 3_776),
+    ("B200: DeepSeek-V3, pp8 vp2 ep32, DeepEP", "deepseek-v3", "b200", 256, 4096, 1, 1, 8, 2, 32, "deepep", 3_328),
+    ("H100: Qwen3-30B-A3B, 16 GPUs, ep16, HybridEP", "qwen3-30b-a3b", "h100-sxm", 16, 1024, 1, 1, 1, 1, 16, "deepep", 8_960),
+    ("B200: Qwen3-30B-A3B, 8 GPUs, ep8 mb4, HybridEP", "qwen3-30b-a3b", "b200", 8, 512, 4, 1, 1, 1, 8, "deepep", 27_136),
+    ("GB200: Qwen3-30B-A3B, 8 GPUs, ep8 mb4, HybridEP", "qwen3-30b-a3b", "gb200", 8, 512, 4, 1, 1, 1, 8, "deepep", 26_112),
+)  # fmt: skip
+"""Megatron-Bridge's 26.04.01 MoE rows (ROWS below says what each ran)."""
 
 
 ROWS = [
@@ -401,18 +412,23 @@ ROWS += [
     # dispatcher, no overlap, no CUDA graphs; DeepSeek-V3 on B200: DeepEP, the all-to-all overlap and
     # CUDA graphs of attention, router and preprocessing (neither modelled). DeepSeek-V3's B200 layout
     # moved from 25.11's pp16 ep8 (2,139 above) to pp8 vp2 ep32 (docs/plan.md: the planner prices that
-    # move the other way). The GB200 rows are left out: the source does not say how many of a job's
-    # GPUs share an NVLink domain (--gpus-per-node).
+    # move the other way). Qwen3-30B-A3B (added in stop 45, its preset new): H100 FP8 on 16 GPUs at ep16,
+    # B200 and GB200 MXFP8 on 8 at ep8 with micro-batches of 4, each with HybridEP (the flex dispatcher:
+    # a token once to each node holding one of its experts, --dispatcher deepep), no recomputation (the
+    # common Qwen3 settings clear the recipe's), the Blackwell rows with CUDA graphs of the router and
+    # preprocessing (B200's of attention too; not modelled). The other GB200 rows are left out: the source does not say how
+    # many of a 256-GPU job's GPUs share an NVLink domain (--gpus-per-node); 8 GPUs share one whatever
+    # its size.
     *(
         Row(
             NEMO_2604_MOE,
             what,
             model,
             gpu,
-            256,
+            gpus,
             tok_s,
             "tok/s/GPU",
-            dict(tp=tp, pp=pp, dp=256 // (tp * pp), ep=ep, micro_batch=1, zero=1, recompute="none")
+            dict(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, micro_batch=mb, zero=1, recompute="none")
             | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {}),
             global_batch=gbs,
             seq_len=4096,
@@ -420,11 +436,7 @@ ROWS += [
             grad_reduce="bf16",
             dispatcher=dispatcher,
         )
-        for what, model, gpu, gbs, tp, pp, vp, ep, dispatcher, tok_s in (
-            ("H100: Qwen3-235B, tp2 pp8 vp4 ep32", "qwen3-235b-a22b", "h100-sxm", 8192, 2, 8, 4, 32, "shardlm", 1_712),
-            ("B200: Qwen3-235B, pp8 ep8", "qwen3-235b-a22b", "b200", 8192, 1, 8, 1, 8, "shardlm", 3_776),
-            ("B200: DeepSeek-V3, pp8 vp2 ep32, DeepEP", "deepseek-v3", "b200", 4096, 1, 8, 2, 32, "deepep", 3_328),
-        )
+        for what, model, gpu, gpus, gbs, mb, tp, pp, vp, ep, dispatcher, tok_s in NEMO_2604_ROWS
     ),
 ]
 
@@ -487,7 +499,8 @@ BOUNDS = {
     # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it)
     NEMO_BW_MOE: (0.98, 1.00),
     # added 2026-11-27 (stop 44): Qwen3 H100 -19% (its overlap exposed), B200 +76%; DeepSeek-V3 B200 -17%
-    NEMO_2604_MOE: (0.38, 0.77),
+    # (38% / 77%); 2026-11-27 (stop 45) its Qwen3-30B-A3B rows: H100 ep16 +94%, B200 +46%, GB200 +59%
+    NEMO_2604_MOE: (0.53, 0.95),
 }
 
 
@@ -722,18 +735,22 @@ def test_each_source_within_todays_error(source):
 MOE_SOURCES = (DSV3, MCORE_MOE, QWEN3_MCORE, NEMO_MOE, NEMO_BW_MOE, NEMO_2604_MOE)
 
 
-def test_the_moe_rows_marked_optimistic_are_the_ones_predicted_far_too_fast():
+def test_the_moe_rows_marked_optimistic_are_predicted_far_too_fast():
     """The planner marks (``!``, ``explain.optimistic``) the MoE training layouts whose ranks hold
-    many experts of few tokens each: of these rows, exactly those it predicts 38% or more too fast;
-    every unmarked one is within 20%. A model change that prices the per-expert cost fails this test
-    until the mark goes with it."""
+    many experts of few tokens each: every marked row is predicted 38% or more too fast. The mark
+    does not catch every such row: Megatron-Bridge's Qwen3-30B-A3B rows, held out when the mark was
+    made (8 and 16 experts a rank of 4,096 and 8,192 tokens each), are 46-94% too fast unmarked;
+    every other unmarked row is within 20%. A model change that prices the gap fails this test until
+    the mark and the list below go with it."""
     marked, unmarked = {}, {}
     for row in ROWS:
         if row.source in MOE_SOURCES:
             p = planned(row)
             (marked if p.optimistic(p.best) else unmarked)[row.what] = predict(row) / row.published - 1
     assert len(marked) == 5 and all(e >= 0.38 for e in marked.values()), marked
-    assert len(unmarked) == 8 and all(abs(e) <= 0.20 for e in unmarked.values()), unmarked
+    missed = {what: e for what, e in unmarked.items() if abs(e) > 0.20}
+    assert len(unmarked) == 11 and all("Qwen3-30B-A3B" in w and e >= 0.40 for w, e in missed.items()), unmarked
+    assert len(missed) == 3, missed
 
 
 def print_table() -> None:
