@@ -62,7 +62,7 @@ def optimistic(res, ctx) -> str | None:
         return None
     return (
         f"ranks holding {C.MANY_LOCAL_EXPERTS}+ experts of {C.FEW_EXPERT_ROWS:,} or fewer tokens each a micro-batch "
-        "(published runs of such layouts ran far slower than priced: a per-expert cost not modelled; "
+        "(published runs of such layouts ran far slower than priced: a cost not modelled, likely host time; "
         "docs/plan.md, 'What the MoE rows share')"
     )
 
