@@ -73,6 +73,30 @@ def cpu_threads(local_world: int) -> int:
     return max(1, cores // local_world)
 
 
+def start_rank(
+    device: str,
+    threads: int | None,
+    *,
+    rank: int,
+    world: int,
+    local_rank: int,
+    local_world: int,
+    init_method: str | None,
+    timeout_s: float,
+) -> torch.device:
+    """Bind this rank to its device (``resolve_device``: the host's ``local_rank``-th GPU, made
+    current, or ``threads`` of its cores, None for an even share) and join the world's process group."""
+    if resolve_device(device, local_world) == "cuda":
+        torch.cuda.set_device(local_rank)
+        out = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(threads or cpu_threads(local_world))
+        out = torch.device("cpu")
+    if world > 1:
+        init_distributed(rank, world, init_method, out.type, timeout_s)
+    return out
+
+
 def init_distributed(rank: int, world: int, init_method: str | None, device_type: str, timeout_s: float) -> None:
     """Join the world's process group, unless this process already belongs to one (a caller that
     started it, as the test harness does); ``init_method`` None means torch's default (env://)."""

@@ -18,12 +18,10 @@ from shardlm.engine.scheduler import Batch, SchedulerConfig
 from shardlm.engine.sequence import Sequence
 from shardlm.engine.speculative import SpeculativeConfig
 from shardlm.launch import (
-    cpu_threads,
-    init_distributed,
     join_driver,
     obey,
-    resolve_device,
     share_driver,
+    start_rank,
     torchrun_env,
 )
 from shardlm.models.loader import load_model, open_checkpoint
@@ -59,15 +57,11 @@ class Worker:
         self, config: EngineConfig, *, rank: int, world: int, local_rank: int, local_world: int, init_method: str | None
     ):
         self.rank = rank
-        device_type = resolve_device(config.device, local_world)
-        if device_type == "cuda":
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        else:
-            torch.set_num_threads(config.threads or cpu_threads(local_world))
-            self.device = torch.device("cpu")
-        if world > 1:
-            init_distributed(rank, world, init_method, device_type, config.timeout_s)
+        self.device = start_rank(
+            config.device, config.threads, rank=rank, world=world, local_rank=local_rank, local_world=local_world,
+            init_method=init_method, timeout_s=config.timeout_s,
+        )  # fmt: skip
+        device_type = self.device.type
         self.checkpoint = ckpt = open_checkpoint(config.model)
         config = config.for_model(ckpt.config, device_type)
         self.dims = config.dims().build_mesh(device_type)

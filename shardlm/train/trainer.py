@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from shardlm.errors import ClosedError, UsageError
-from shardlm.launch import cpu_threads, holds_group, init_distributed, resolve_device, torchrun_env
+from shardlm.launch import holds_group, start_rank, torchrun_env
 from shardlm.models.attention import causal_metadata
 from shardlm.models.config import DEEPSEEK
 from shardlm.models.loader import load_model, open_checkpoint
@@ -356,15 +356,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, rank: int = 0, world: int = 1, init_method: str | None = None):
         env = torchrun_env()  # torchrun's local rank; ranks this process started share its host
         local_rank, local_world = (env["local_rank"], env["local_world"]) if env else (rank, world)
-        device_type = resolve_device(config.device, local_world)
-        if device_type == "cuda":
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        else:
-            torch.set_num_threads(config.threads or cpu_threads(local_world))
-            self.device = torch.device("cpu")
-        if world > 1:
-            init_distributed(rank, world, init_method, device_type, config.timeout_s)
+        self.device = start_rank(
+            config.device, config.threads, rank=rank, world=world, local_rank=local_rank, local_world=local_world,
+            init_method=init_method, timeout_s=config.timeout_s,
+        )  # fmt: skip
+        device_type = self.device.type
         dims = config.dims()
         dims.check_world_size(world)
         self.dims = dims = dims.build_mesh(device_type)
