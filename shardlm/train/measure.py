@@ -104,6 +104,9 @@ class TrafficCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.by_op: dict[str, int] = {}
+        self.kernels = 0
+        """Operators run that are not views or allocations (``MOVES_NOTHING``): on a GPU, kernels
+        launched (matrix products included)."""
 
     @property
     def bytes(self) -> int:
@@ -113,6 +116,7 @@ class TrafficCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
+        self.kernels += name not in MOVES_NOTHING
         if name in MOVES_NOTHING or name in PRICED_BY_FLOPS:
             return out
         moved, inputs = 0, set()
@@ -253,9 +257,11 @@ def round_robin(tokens: int, k: int, experts: int) -> torch.Tensor:
     return (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
 
 
-def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens: int = 64) -> tuple[int, int]:
-    """Bytes (forward, backward) of the memory-bound operators of one pass of ``experts_block``
-    over ``tokens`` tokens of width ``hidden``, each given ``k`` choices (``round_robin``)."""
+def experts_block_pass(
+    dtype: str, experts: int, hidden: int, k: int, tokens: int = 64
+) -> tuple[TrafficCounter, TrafficCounter]:
+    """What one pass of ``experts_block`` over ``tokens`` tokens of width ``hidden``, each given
+    ``k`` choices (``round_robin``), runs: its forward's and its backward's ``TrafficCounter``."""
     with tempfile.TemporaryDirectory() as tmp:
         block = experts_block(tmp, dtype, experts, hidden)
     dt = block.w13.dtype
@@ -265,4 +271,10 @@ def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens:
     grad = torch.ones_like(out)
     with TrafficCounter() as backward:
         out.backward(grad)  # the weights' gradients made anew (a fresh model)
+    return forward, backward
+
+
+def experts_block_traffic(dtype: str, experts: int, hidden: int, k: int, tokens: int = 64) -> tuple[int, int]:
+    """Bytes (forward, backward) of the memory-bound operators of one pass of ``experts_block``."""
+    forward, backward = experts_block_pass(dtype, experts, hidden, k, tokens)
     return forward.bytes, backward.bytes

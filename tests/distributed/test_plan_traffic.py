@@ -48,3 +48,19 @@ def test_a_ranks_experts_cost_their_weights_once_each():
     backward = {e: experts_block_traffic("float32", e, hidden=64, k=1)[1] for e in (1, 4, 8)}
     grown = {e: backward[e] - backward[1] for e in (4, 8)}
     assert grown[8] / grown[4] == pytest.approx(7 / 3, rel=0.05)  # linear in the experts (squared: 63 / 15)
+
+
+def test_a_ranks_experts_launch_twelve_kernels_each_a_pass():
+    """Each expert a rank holds adds 4 kernels to the experts block's forward (its two products,
+    SiLU, SiLU(gate) x up) and 8 to its backward (four products, SiLU's gradient, the multiply's two,
+    and gate's and up's gradients joined), whatever its tokens: on a GPU, host work per expert that
+    the planner does not price (docs/plan.md, "What the MoE rows share"). A change that launches
+    more per expert fails here."""
+    from shardlm.train.measure import experts_block_pass
+
+    def kernels(experts: int) -> tuple[int, int]:
+        forward, backward = experts_block_pass("float32", experts, hidden=64, k=2, tokens=256)
+        return forward.kernels, backward.kernels
+
+    (f8, b8), (f32, b32) = kernels(8), kernels(32)
+    assert ((f32 - f8) / 24, (b32 - b8) / 24) == (4, 8)
