@@ -416,9 +416,9 @@ ROWS += [
     # B200 and GB200 MXFP8 on 8 at ep8 with micro-batches of 4, each with HybridEP (the flex dispatcher:
     # a token once to each node holding one of its experts, --dispatcher deepep), no recomputation (the
     # common Qwen3 settings clear the recipe's), the Blackwell rows with CUDA graphs of the router and
-    # preprocessing (B200's of attention too; not modelled). The other GB200 rows are left out: the source does not say how
-    # many of a 256-GPU job's GPUs share an NVLink domain (--gpus-per-node); 8 GPUs share one whatever
-    # its size.
+    # preprocessing (B200's of attention too; not modelled). The other GB200 rows are left out: the
+    # source does not say how many of a 256-GPU job's GPUs share an NVLink domain (--gpus-per-node);
+    # 8 GPUs share one whatever its size.
     *(
         Row(
             NEMO_2604_MOE,
@@ -741,7 +741,7 @@ def test_the_moe_rows_marked_optimistic_are_predicted_far_too_fast():
     does not catch every such row: Megatron-Bridge's Qwen3-30B-A3B rows, held out when the mark was
     made (8 and 16 experts a rank of 4,096 and 8,192 tokens each), are 46-94% too fast unmarked;
     every other unmarked row is within 20%. A model change that prices the gap fails this test until
-    the mark and the list below go with it."""
+    the mark and the rows named here go with it."""
     marked, unmarked = {}, {}
     for row in ROWS:
         if row.source in MOE_SOURCES:
