@@ -48,30 +48,24 @@ def planned(model_dir: str, batch: int, seq: int) -> dict:
     return {"tokens_per_s": res.tokens_per_s, "memory_gib": (res.memory.total - res.memory.reserve) / 2**30}
 
 
-def main() -> None:
+def profiled(model_dir: str, batch: int, seq: int, steps: int = 6, compile: bool = False) -> dict:
+    """One rank's training step on the GPU: its wall time (the mean of ``steps`` after 4 warm-up
+    steps), then one step under ``torch.profiler``: the kernels' GPU time by kind and the slowest,
+    with the planner's prediction for the same run."""
     from shardlm.train.trainer import TrainConfig, Trainer
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--steps", type=int, default=6)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/train_profile.py profiles GPU kernels: it needs a CUDA GPU")
-    trainer = Trainer(TrainConfig(model=args.model, device="cuda", compile=args.compile))
+    trainer = Trainer(TrainConfig(model=model_dir, device="cuda", compile=compile))
     vocab = trainer.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(3)]
+    data = [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(3)]
     for i in range(4):
         trainer.step(data[i % 3])
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for i in range(args.steps):
+    for i in range(steps):
         trainer.step(data[i % 3])
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / args.steps
+    wall = (time.perf_counter() - start) / steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.step(data[0])
         torch.cuda.synchronize()
@@ -85,7 +79,7 @@ def main() -> None:
         by_kind[kind(e.name)] = by_kind.get(kind(e.name), 0.0) + s
         n, t = by_name.get(e.name[:90], (0, 0.0))
         by_name[e.name[:90]] = (n + 1, t + s)
-    tokens = args.batch * args.seq_len
+    tokens = batch * seq
     out = {
         "device": torch.cuda.get_device_name(),
         "tokens": tokens,
@@ -95,10 +89,23 @@ def main() -> None:
         "kernels": sum(n for n, _ in by_name.values()),
         "by_kind_s": by_kind,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "planned": planned(args.model, args.batch, args.seq_len),
+        "planned": planned(model_dir, batch, seq),
         "slowest": sorted(((round(t * 1e3, 2), n, k) for k, (n, t) in by_name.items()), reverse=True)[:15],
     }
-    print(json.dumps(out, indent=1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/train_profile.py profiles GPU kernels: it needs a CUDA GPU")
+    print(json.dumps(profiled(args.model, args.batch, args.seq_len, args.steps, args.compile), indent=1))
 
 
 if __name__ == "__main__":
