@@ -46,13 +46,24 @@ COLLECTIVE_LAUNCH_S = 5e-6
 """Fixed cost of launching one collective kernel on a GPU (order of magnitude of CUDA
 kernel launch plus NCCL setup for a small message; nccl-tests small-size rows)."""
 
-MANY_LOCAL_EXPERTS = 16
-FEW_EXPERT_ROWS = 2048
-"""Where the validation's MoE training rows run far slower than priced: every published layout whose
-ranks held 16 or more experts of 2,048 or fewer tokens each a micro-batch (not only those: the rows
-and their errors: docs/plan.md, "What the MoE rows share"; ``test_plan_published`` holds the mark to
-them). What is missing is not modelled (likely host time; no source gives its size), so the planner
-marks such layouts (``explain.optimistic``) rather than price a constant fitted to those rows."""
+MOE_BLOCK_FLOOR_S = 9.04e-3
+"""Megatron-Core's MoE block never ran one micro-batch's forward and backward faster than this on
+H100s, whatever its work, so ``--kernels fused`` training plans on GPUs price none faster
+(``training._moe_floor``; the block is the MoE layer but its attention's products and core).
+
+Source: marin-community/marin#3666, with Megatron-LM's ``moe_perf`` method: one ``MoELayer`` in
+BF16 on 8 H100s at ep8, 4,096 tokens a rank, forced-balanced routing, fused permutation and router,
+TE grouped GEMMs, CUDA events around the passes after a dummy 8,192^3 GEMM. With DeepEP, eight
+shapes of 128 experts took 9.04-12.41 ms although their work spans 16x: Qwen3-30B-A3B's (experts
+of 768, top-8, h 2,048) 12.41 ms, Qwen3-235B's (4x its work) 11.75, top-2 (a quarter) 9.04, h 4,096
+9.71. The time follows the block's launches and synchronisations, not its work. The floor is the
+least of them; two sequences a micro-batch took 12.42 ms, four 18.09, and the sweep's all-to-all and
+HybridEP runs 11.4-45.
+
+Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8; with the
+30B shape's 12.41 ms in its place their MoE mean error is about the same (20.7%, against 17.5%).
+shardlm's own MoE block (``--kernels shardlm``, the default) launches other kernels and has not
+been measured on a GPU (``benchmarks/moe_train_profile.py`` measures it): no floor is priced for it."""
 
 GPU_OP_OVERHEAD_S = 0.0
 """Per-operator dispatch cost on a GPU. Serving engines capture decode in CUDA graphs

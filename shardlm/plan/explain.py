@@ -13,7 +13,6 @@ from __future__ import annotations
 from shardlm.plan import constants as C
 from shardlm.plan.comm import placement
 from shardlm.plan.hardware import gib
-from shardlm.plan.shard import split_even
 
 CHATTY_GROUPS = ("tp", "cp", "ep", "etp")
 """Groups that talk inside every layer; one that leaves its node pays the NIC there."""
@@ -48,23 +47,6 @@ def departures(res, ctx) -> list[str]:
     if ctx["train"] and lay.tp > 1 and not lay.sp:
         out.append("SP with TP")
     return out
-
-
-def optimistic(res, ctx) -> str | None:
-    """Why this training result's price is known to be optimistic (None: not known so): an MoE
-    layout on GPUs whose ranks hold many experts of few tokens each (``C.MANY_LOCAL_EXPERTS``)."""
-    cfg, lay = ctx["cfg"], res.layout
-    if not ctx["train"] or not cfg.is_moe or ctx["cluster"].gpu.calibrated:  # a CPU's op cost is measured
-        return None
-    local = split_even(cfg.num_experts, lay.ep)[0]
-    rows = lay.moe_tokens(lay.micro_batch * ctx["context_len"] / lay.cp) * cfg.num_experts_per_tok / cfg.num_experts
-    if local < C.MANY_LOCAL_EXPERTS or rows > C.FEW_EXPERT_ROWS:
-        return None
-    return (
-        f"ranks holding {C.MANY_LOCAL_EXPERTS}+ experts of {C.FEW_EXPERT_ROWS:,} or fewer tokens each a micro-batch "
-        "(published runs of such layouts ran far slower than priced: a cost not modelled, likely host time; "
-        "docs/plan.md, 'What the MoE rows share')"
-    )
 
 
 def groups_across_nodes(lay, cluster) -> dict[str, int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from shardlm.plan.catalog import load_model
 from shardlm.plan.errors import PlanError
-from shardlm.plan.explain import compare, departures, explain, optimistic, rerank
+from shardlm.plan.explain import compare, departures, explain, rerank
 from shardlm.plan.hardware import GIB, THIS_MACHINE, Cluster, gib, gpu_names, load_gpu
 from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
@@ -84,10 +84,6 @@ class Plan:
         split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
         return not_runnable(self.cfg, res.layout, train=req.train, dtype=self._work().dtype, prefill_replicas=split)
 
-    def optimistic(self, res) -> str | None:
-        """Why this result's price is known to be optimistic (None: not known so; ``explain.optimistic``)."""
-        return optimistic(res, self.context)
-
     def not_as_modelled(self, res) -> str | None:
         """Why shardlm runs this result's layout, but not as the workload prices it: without a peer's
         faster mechanism (None: as priced; ``runnable.py``)."""
@@ -99,8 +95,8 @@ class Plan:
         return work
 
     def runnable_note(self) -> list[str]:
-        """A line for the explanation when the pick is not one shardlm runs yet, runs only without a
-        mechanism it is priced with, or is priced faster than published runs of its kind ran."""
+        """A line for the explanation when the pick is not one shardlm runs yet, or runs only without a
+        mechanism it is priced with."""
         if (why := self.not_runnable(self.best)) is not None:
             ok = self._first(self.not_runnable)
             best = f"the best it runs is {ok}" if ok else "none ranked runs"
@@ -109,10 +105,6 @@ class Plan:
             ok = self._first(lambda r: self.not_runnable(r) or self.not_as_modelled(r))
             best = f"; the best it runs as priced is {ok}" if ok else ""
             return [f"The pick is priced with {why}: shardlm runs it without, slower than shown{best}."]
-        if (why := self.optimistic(self.best)) is not None:
-            ok = self._first(self.optimistic)
-            best = f"; the best without that mark is {ok}" if ok else ""
-            return [f"The pick is likely slower than shown: {why}{best}."]
         return []
 
     def _first(self, mark) -> str | None:

@@ -162,13 +162,8 @@ def notes(plan) -> list[str]:
 
 
 def marks(plan, r) -> str:
-    """A shown layout's marks: ``*`` not runnable by shardlm yet, ``~`` runs, but not as priced, ``!``
-    priced faster than published runs of its kind ran."""
-    return (
-        (" *" if plan.not_runnable(r) else "")
-        + (" ~" if plan.not_as_modelled(r) else "")
-        + (" !" if plan.optimistic(r) else "")
-    )
+    """A shown layout's marks: ``*`` not runnable by shardlm yet, ``~`` runs, but not as priced."""
+    return (" *" if plan.not_runnable(r) else "") + (" ~" if plan.not_as_modelled(r) else "")
 
 
 def runnable_notes(plan) -> list[str]:
@@ -176,12 +171,9 @@ def runnable_notes(plan) -> list[str]:
     shown = plan.ranked[: plan.request.top]
     refused = dict.fromkeys(w for r in shown if (w := plan.not_runnable(r)))
     unlike = dict.fromkeys(w for r in shown if (w := plan.not_as_modelled(r)))
-    fast = dict.fromkeys(w for r in shown if (w := plan.optimistic(r)))
-    return (
-        [f"* not runnable by shardlm yet: {w}" for w in refused]
-        + [f"~ runs slower in shardlm than shown, priced with {w}" for w in unlike]
-        + [f"! likely slower than shown: {w}" for w in fast]
-    )
+    return [f"* not runnable by shardlm yet: {w}" for w in refused] + [
+        f"~ runs slower in shardlm than shown, priced with {w}" for w in unlike
+    ]
 
 
 def print_table(plan, console=None) -> None:
@@ -248,7 +240,6 @@ def _item(plan, r) -> dict:
         "groups_across_nodes": groups_across_nodes(r.layout, plan.cluster),
         "not_runnable": plan.not_runnable(r),  # why shardlm cannot run it yet; None: it can
         "not_as_modelled": plan.not_as_modelled(r),  # the faster mechanism it is priced with that shardlm lacks
-        "optimistic": plan.optimistic(r),  # why published runs of its kind ran slower than priced; None: none known
     }
     if train:
         lay = r.layout

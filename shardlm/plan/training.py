@@ -266,6 +266,7 @@ def _stage(
     k = cfg.num_experts_per_tok
     f_comp = b_comp = f_attn = tp_f = tp_b = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
+    f_floor = b_floor = 0.0  # what MoE blocks priced under their floor wait for (``_moe_floor``)
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
@@ -298,22 +299,29 @@ def _stage(
         b_comp += n * t_back
         f_attn += n * t_attn
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
-        f_mem += n * tokens * moved.forward.per_token(*widths) / gpu.mem_Bps
-        b_mem += n * tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
+        mem_f = tokens * moved.forward.per_token(*widths) / gpu.mem_Bps  # one layer's
+        mem_b = tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         if wl.dtype in FP8_KEEPS_AT:  # each FP8 GEMM's input cast in forward, its output's gradient in backward
             cast_f, cast_b = _fp8_cast_widths(cfg, rl, pairs / tokens)
-            f_mem += n * tokens * cast_f * FP8_CAST_BYTES / gpu.mem_Bps
-            b_mem += n * tokens * cast_b * FP8_CAST_BYTES / gpu.mem_Bps
+            mem_f += tokens * cast_f * FP8_CAST_BYTES / gpu.mem_Bps
+            mem_b += tokens * cast_b * FP8_CAST_BYTES / gpu.mem_Bps
         if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
             pair_rows = pairs * cfg.hidden_size
-            f_mem += n * pair_rows * moved.pair[0] / gpu.mem_Bps
-            b_mem += n * pair_rows * moved.pair[1] / gpu.mem_Bps
+            mem_f += pair_rows * moved.pair[0] / gpu.mem_Bps
+            mem_b += pair_rows * moved.pair[1] / gpu.mem_Bps
+        f_mem += n * mem_f
+        b_mem += n * mem_b
         overlap = wl.tp_overlap and lay.sp  # Megatron's userbuffers need sequence parallelism
         share = _attention_share(rl, pairs / tokens)
         tp_f += n * _tp_exposed(ar, t_mm, share, lay.tp, moe, overlap)
         tp_b += n * _tp_exposed(ar, t_back, share, lay.tp, moe, overlap)
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
-            ep_c += n * comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
+            trip = comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
+            ep_c += n * trip
+            if wl.kernels == "fused" and not gpu.calibrated:
+                below_f, below_b = _moe_floor((1 - share) * t_mm + mem_f + trip, (1 - share) * t_back + mem_b + trip)
+                f_floor += n * below_f
+                b_floor += n * below_b
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
             cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)
@@ -329,14 +337,25 @@ def _stage(
         ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
-    layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c  # the decoder layers' forward
+    layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c + f_floor  # the decoder layers' forward
     fwd = layers + head_f
-    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c
+    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c + b_floor
     if lay.recompute == "full":  # the layers' forward again
         bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_f + tp_b, ep_c, cp_c
+
+
+def _moe_floor(forward: float, backward: float) -> tuple[float, float]:
+    """What an MoE block priced at ``forward`` and ``backward`` seconds (its router, experts and
+    their trip, the layer's memory-bound traffic: the layer but its attention's products and core)
+    waits beyond them under Megatron-Core's floor (``C.MOE_BLOCK_FLOOR_S``), split between the
+    passes as they are priced."""
+    below = C.MOE_BLOCK_FLOOR_S - forward - backward
+    if below <= 0:
+        return 0.0, 0.0
+    return below * forward / (forward + backward), below * backward / (forward + backward)
 
 
 def _tp_exposed(ar: float, t_pass: float, share: float, tp: int, moe: bool, overlap: bool) -> float:

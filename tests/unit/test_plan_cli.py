@@ -443,25 +443,3 @@ def test_compare_sets_a_pinned_layout_beside_the_pick_in_numbers(capsys):
         ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--compare", "tp2,zero1"], capsys
     )
     assert code == 2 and "'zero1' is not a pin" in err and err.count("\n") == 1
-
-
-def test_moe_layouts_priced_faster_than_published_runs_of_their_kind_are_marked(capsys):
-    """Qwen3-235B on 256 B200s at pp8 ep8: 16 experts a rank of 2,048 tokens each a micro-batch,
-    where published runs ran far slower than priced (C.MANY_LOCAL_EXPERTS): marked ``!`` in the
-    table, with its reason under it, in the JSON and in the explanation. Not marked: ep32 (4 experts
-    a rank of 8,192 tokens), micro-batches of 4 (8,192 tokens an expert), serving."""
-    base = ["--model", "qwen3-235b-a22b", "--gpu", "b200", "--gpus", "256", "--tp", "1", "--pp", "8", "--top", "1"]
-    train = [*base, "--train", "--global-batch", "2048", "--seq-len", "4096", "--zero", "1"]
-    code, out, err = run([*train, "--ep", "8", "--micro-batch", "1"], capsys)
-    assert code == 0 and re.search(r"1  tp1 pp8 dp32 ep8 zero1 \S+ mb1x64 .*!", out), err
-    assert "! likely slower than shown: ranks holding 16+ experts of 2,048 or fewer tokens each" in out
-    assert "The pick is likely slower than shown: ranks holding 16+ experts" in out
-    code, out, err = run([*train, "--ep", "8", "--micro-batch", "1", "--json"], capsys)
-    assert code == 0 and "a cost not modelled" in json.loads(out)["layouts"][0]["optimistic"], err
-    for argv in (
-        [*train, "--ep", "8", "--micro-batch", "4", "--json"],
-        [*train, "--ep", "32", "--micro-batch", "1", "--json"],
-        [*base, "--ep", "8", "--json"],
-    ):
-        code, out, err = run(argv, capsys)
-        assert code == 0 and json.loads(out)["layouts"][0]["optimistic"] is None, (argv, err)

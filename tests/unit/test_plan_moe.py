@@ -206,3 +206,39 @@ def test_fp8_training_moves_16_bit_activations_and_deepep_dispatches_fp8():
     mixed = comm.moe_boundary(cfg, two_nodes, serve, 64, 2, "deepep", gemm_bytes=1)
     assert fp8.fits and fp8.decode_parts.ep_comm == pytest.approx((cfg.num_layers - cfg.first_k_dense) * mixed)
     assert mixed < comm.moe_boundary(cfg, two_nodes, serve, 64, 2, "deepep")
+
+
+def test_megatrons_moe_block_is_priced_no_faster_than_its_measured_floor(monkeypatch):
+    """Under ``--kernels fused`` (Megatron-Core's kernels) no MoE block's pass (the layer but its
+    attention's products and core, forward and backward of one micro-batch) is priced faster than
+    ``C.MOE_BLOCK_FLOOR_S``, the least Megatron's MoE layer took whatever its work. Qwen3-30B-A3B on
+    16 H100s at ep16, one 4,096-token sequence a micro-batch (Megatron-Bridge's H100 layout): its
+    blocks are priced under the floor without it, so each of its 48 layers waits the difference; with
+    a floor of a second the passes are the 48 floors plus what lies outside the blocks. The floor
+    belongs to Megatron's MoE block: shardlm's own kernels (the default) and a dense model are priced
+    as before."""
+    from shardlm.plan import constants as C
+
+    costs = ModelCosts(load_model("qwen3-30b-a3b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=16, gpus_per_node=8)
+    lay = Layout(dp=16, ep=16, zero=1, micro_batch=1, num_micro=4)
+    fused = TrainWorkload(global_batch=64, seq_len=4096, dtype="fp8", kernels="fused")
+
+    def passes(wl: TrainWorkload, floor: float, model: ModelCosts = costs) -> float:
+        monkeypatch.setattr(C, "MOE_BLOCK_FLOOR_S", floor)
+        result = training.evaluate(model, cluster, lay, wl)
+        assert result.fits
+        return result.forward_s + result.backward_s
+
+    free, floored = passes(fused, 0.0), passes(fused, 9.04e-3)
+    assert free < floored < free + 48 * 9.04e-3
+    outside = passes(fused, 1.0) - 48 * 1.0  # the attention, the LM head: what no block holds
+    assert 0 < outside < free
+    assert floored == pytest.approx(outside + 48 * 9.04e-3, rel=0.01)  # every block below the floor
+    shardlm = replace(fused, kernels="shardlm")
+    assert passes(shardlm, 1.0) == passes(shardlm, 0.0)
+    dense = ModelCosts(load_model("smollm2-135m")[0])
+    assert passes(fused, 1.0, dense) == passes(fused, 0.0, dense)
+    # the floor splits between the passes as they are priced
+    monkeypatch.setattr(C, "MOE_BLOCK_FLOOR_S", 9.04e-3)
+    assert training._moe_floor(2e-3, 4e-3) == pytest.approx((1e-3 * (9.04 - 6) / 3, 2e-3 * (9.04 - 6) / 3))

@@ -482,7 +482,9 @@ BOUNDS = {
     # gradients' float32 read and write (training.grad_epilogue_bytes: tp4 ep8's 512 tokens an expert)
     # 33% / 75% before the measured K curves; 31% / 71% with the FSDP row's gradients reduced in fp32;
     # 26% / 71% before each GEMM's measured fixed time (GpuSpec.gemm_fixed_us: 16 experts a rank at ep8)
-    QWEN3_MCORE: (0.24, 0.62),
+    # 24% / 62% before Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S: tp2 pp32 ep8 +39% -> +15%,
+    # tp4 pp8 ep8 +62% -> -18%; the ep32 rows +10%, -2% -> +4%, -7%)
+    QWEN3_MCORE: (0.11, 0.19),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
     SHARDLM_H100: (0.13, 0.24),
@@ -496,11 +498,13 @@ BOUNDS = {
     NEMO_MOE: (0.14, 0.14),
     # added 2026-11-27: the 8B rows +39% (GB200), +31% (B200), 405B -1%
     NEMO_BW_DENSE: (0.24, 0.39),
-    # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it)
-    NEMO_BW_MOE: (0.98, 1.00),
+    # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it); Qwen3
+    # +18% since Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S; DeepSeek-V3's blocks lie above it)
+    NEMO_BW_MOE: (0.59, 1.00),
     # added 2026-11-27 (stop 44): Qwen3 H100 -19% (its overlap exposed), B200 +76%; DeepSeek-V3 B200 -17%
     # (38% / 77%); 2026-11-27 (stop 45) its Qwen3-30B-A3B rows: H100 ep16 +94%, B200 +46%, GB200 +59%
-    NEMO_2604_MOE: (0.53, 0.95),
+    # (53% / 95%); since Megatron's MoE block floor (stop 46): Qwen3 B200 +5%, Qwen3-30B-A3B -9%, +8%, +15%
+    NEMO_2604_MOE: (0.13, 0.20),
 }
 
 
@@ -735,22 +739,22 @@ def test_each_source_within_todays_error(source):
 MOE_SOURCES = (DSV3, MCORE_MOE, QWEN3_MCORE, NEMO_MOE, NEMO_BW_MOE, NEMO_2604_MOE)
 
 
-def test_the_moe_rows_marked_optimistic_are_predicted_far_too_fast():
-    """The planner marks (``!``, ``explain.optimistic``) the MoE training layouts whose ranks hold
-    many experts of few tokens each: every marked row is predicted 38% or more too fast. The mark
-    does not catch every such row: Megatron-Bridge's Qwen3-30B-A3B rows, held out when the mark was
-    made (8 and 16 experts a rank of 4,096 and 8,192 tokens each), are 46-94% too fast unmarked;
-    every other unmarked row is within 20%. A model change that prices the gap fails this test until
-    the mark and the rows named here go with it."""
-    marked, unmarked = {}, {}
-    for row in ROWS:
-        if row.source in MOE_SOURCES:
-            p = planned(row)
-            (marked if p.optimistic(p.best) else unmarked)[row.what] = predict(row) / row.published - 1
-    assert len(marked) == 5 and all(e >= 0.38 for e in marked.values()), marked
-    missed = {what: e for what, e in unmarked.items() if abs(e) > 0.20}
-    assert len(unmarked) == 11 and all("Qwen3-30B-A3B" in w and e >= 0.40 for w, e in missed.items()), unmarked
-    assert len(missed) == 3, missed
+TARGETS = {
+    "dense training": ((MEGATRON, ZERO3, PTDP, KORTHIKANTI, LLAMA3, SHARDLM_H100, NEMO_DENSE, NEMO_BW_DENSE), 0.10),
+    "MoE training": (MOE_SOURCES, 0.25),
+    "serving TPOT": ((f"{NIM}, TPOT",), 0.20),
+}
+"""The issue's targets: each class's mean absolute error over its rows (memory: within 3% a source,
+``test_memory_within_todays_error``)."""
+
+
+@pytest.mark.parametrize("what", TARGETS)
+def test_the_validation_meets_its_targets(what):
+    """Dense training within 10% mean, MoE training within 25%, serving TPOT within 20%, over every
+    row collected. MoE reads 41.5% without Megatron's MoE block floor (``C.MOE_BLOCK_FLOOR_S``)."""
+    sources, target = TARGETS[what]
+    errs = [abs(e) for source in sources for e in errors()[source]]
+    assert statistics.mean(errs) <= target, (what, statistics.mean(errs))
 
 
 def print_table() -> None:
