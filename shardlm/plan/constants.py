@@ -61,7 +61,9 @@ least of them; two sequences a micro-batch took 12.42 ms, four 18.09, and the sw
 HybridEP runs 11.4-45.
 
 Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8; with the
-30B shape's 12.41 ms in its place their MoE mean error is about the same (20.7%, against 17.5%).
+30B shape's 12.41 ms in its place their MoE mean error is about the same (20.5%, against 18.4%). It
+prices a block with nothing beside it: Megatron's 1F1B all-to-all overlap runs two micro-batches'
+passes together and CUDA graphs cut launches, and rows run so are priced slower than they ran.
 shardlm's own MoE block (``--kernels shardlm``, the default) launches other kernels and has not
 been measured on a GPU (``benchmarks/moe_train_profile.py`` measures it): no floor is priced for it."""
 

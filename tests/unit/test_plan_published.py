@@ -45,6 +45,7 @@ NEMO_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-H100, FP8, MoE"
 NEMO_BW_DENSE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200 and GB200, FP8, dense"
 NEMO_BW_MOE = "Megatron-Bridge performance summary, NeMo 25.11, DGX-B200, FP8, MoE"
 NEMO_2604_MOE = "Megatron-Bridge performance summary, NeMo 26.04.01, DGX-H100, B200 and GB200, FP8, MoE"
+MCORE_REPORT = "Megatron-Core MoE report, arXiv 2603.07685, Table 11, H100 and GB200"
 TINYLLAMA = "llama:2048,5632,22,32,4,32000"
 """TinyLlama-1.1B's shape: hidden, intermediate, layers, heads, KV heads, vocabulary."""
 
@@ -71,6 +72,7 @@ class Row:
     zero3_reduce: str = "blocking"  # ZeRO-3: how the source's reduce-scatters met backward (training.ZERO3_REDUCE)
     grad_reduce: str = "fp32"  # the dtype the source's gradients crossed dp in (training.GRAD_REDUCE_BYTES)
     tp_overlap: bool = False  # the source pipelined TP's collectives with its GEMMs (--tp-overlap)
+    gpus_per_node: int | None = None  # GPUs of the job that share an NVLink domain (None: the catalog's node)
 
 
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
@@ -80,6 +82,15 @@ def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, 
     return Row(source, f"{h}h {layers}L, tp{tp} pp{pp}, {gpus} GPUs", f"gpt:{h},{heads},{layers}", "a100-80g", gpus,
                tflops, "TFLOP/s/GPU", {**pins, **kw}, batch, fused_attention=False)  # fmt: skip
 
+
+MCORE_REPORT_ROWS = (  # what, model, GPU, GPUs, dtype, global batch, micro-batch, tp, pp, vp, ep, recompute, tokens/s/GPU
+    ("DeepSeek-V3, 1,024 H100s, FP8, tp2 pp8 vp4 ep64, DeepEP", "deepseek-v3", "h100-sxm", 1024, "fp8", 8192, 1, 2, 8, 4, 64, "none", 1_412),
+    ("DeepSeek-V3, 256 GB200s, MXFP8, pp4 vp4 ep64, HybridEP", "deepseek-v3", "gb200", 256, "fp8", 8192, 1, 1, 4, 4, 64, "none", 4_020),
+    ("DeepSeek-V3, 256 GB200s, BF16, pp8 vp4 ep32, HybridEP", "deepseek-v3", "gb200", 256, "bf16", 4096, 1, 1, 8, 4, 32, "none", 3_298),
+    ("Qwen3-235B, 256 GB200s, BF16, pp4 vp12 ep32, HybridEP", "qwen3-235b-a22b", "gb200", 256, "bf16", 8192, 1, 1, 4, 12, 32, "selective", 5_100),
+    ("Qwen3-235B, 256 H100s, BF16, tp2 pp8 vp4 ep32, DeepEP", "qwen3-235b-a22b", "h100-sxm", 256, "bf16", 2048, 1, 2, 8, 4, 32, "selective", 2_132),
+)  # fmt: skip
+"""The Megatron-Core MoE report's rows on GPUs the catalog holds (ROWS below says what each ran)."""
 
 NEMO_2604_ROWS = (  # what, model, GPU, GPUs, global batch, micro-batch, tp, pp, vp, ep, dispatcher, tokens/s/GPU
     ("H100: Qwen3-235B, tp2 pp8 vp4 ep32", "qwen3-235b-a22b", "h100-sxm", 256, 8192, 1, 2, 8, 4, 32, "shardlm", 1_712),
@@ -438,6 +449,41 @@ ROWS += [
         )
         for what, model, gpu, gpus, gbs, mb, tp, pp, vp, ep, dispatcher, tok_s in NEMO_2604_ROWS
     ),
+    # NVIDIA's Megatron-Core MoE technical report (arXiv 2603.07685, "Scalable Training of
+    # Mixture-of-Experts Models with Megatron Core", Megatron-Core v0.16; added in stop 46, after
+    # C.MOE_BLOCK_FLOOR_S: held out from it): Table 11's tokens/s per GPU at 4,096 tokens with
+    # forced-balanced routing, each row's layout from Appendix B's Table 20 and settings from B.2, on
+    # the GPUs the catalog holds (its GB300 rows and 128K-token run left out). DeepSeek-V3 on H100:
+    # Table 20 says PP4, Table 17 and the pipeline layout it gives ("Et*3|(tt|)*29m|L": 32 virtual
+    # stages = pp8 x vp4) say PP8: pp8 is pinned. Dispatchers: DeepEP on H100, HybridEP on GB200 (both
+    # --dispatcher deepep). GB200: "EP64 stays entirely within the NVLink domain" (§9.2.2), so 64 of the
+    # job's GPUs share one (--gpus-per-node 64). Recomputation: Qwen3's "moe_act, layernorm" pinned as
+    # the planner's selective (as the ModelZoo rows above); DeepSeek-V3's MLA up-projections and MLPs
+    # (and on H100 moe_act and layernorm) are no planner option, none pinned. Not modelled, so priced
+    # without: the 1F1B all-to-all overlap (DeepSeek-V3 on H100, Qwen3 on GB200 MXFP8 and on H100), CUDA
+    # graphs of attention, router and preprocessing (GB200; Qwen3 on H100), DeepSeek-V3's MTP layer, and
+    # the memory savers (FP8 primary weights, BF16 moments, optimizer offload on GB200). Left out: Qwen3
+    # on GB200 in MXFP8 (pp4 vp6 ep64, three sequences a micro-batch, 6,212): the planner counts 263 GiB
+    # a GPU on a 186 GiB part; the run offloads activations (§4.1.5), which the planner does not model.
+    *(
+        Row(
+            MCORE_REPORT,
+            what,
+            model,
+            gpu,
+            gpus,
+            tok_s,
+            "tok/s/GPU",
+            dict(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, micro_batch=mb, zero=1, recompute=rc)
+            | dict(schedule="interleaved", virtual=vp),
+            global_batch=gbs,
+            seq_len=4096,
+            dtype=dtype,
+            dispatcher="deepep",
+            gpus_per_node=64 if gpu == "gb200" else None,
+        )
+        for what, model, gpu, gpus, dtype, gbs, mb, tp, pp, vp, ep, rc, tok_s in MCORE_REPORT_ROWS
+    ),
 ]
 
 # each source's mean and max relative error today (rounded up); a change that raises one fails
@@ -505,6 +551,11 @@ BOUNDS = {
     # (38% / 77%); 2026-11-27 (stop 45) its Qwen3-30B-A3B rows: H100 ep16 +94%, B200 +46%, GB200 +59%
     # (53% / 95%); since Megatron's MoE block floor (stop 46): Qwen3 B200 +5%, Qwen3-30B-A3B -9%, +8%, +15%
     NEMO_2604_MOE: (0.13, 0.20),
+    # added in stop 46, held out from Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S), which moved it from
+    # 19% / 42% (+12%, +42%, +19%, +10%, -14%): the one row run without the 1F1B overlap whose blocks lie
+    # under the floor +42% -> +29%; the two Qwen3 rows run with the overlap and CUDA graphs +10% -> -28%,
+    # -14% -> -19% (neither is modelled: their all-to-all and floor are priced as if nothing ran beside them)
+    MCORE_REPORT: (0.22, 0.30),
 }
 
 
@@ -547,7 +598,8 @@ def planned(row: Row):
 
 
 def _plan(row: Row):
-    common = dict(model=_config(row.model), gpu=row.gpu, gpus=row.gpus, objective="throughput", top=1)
+    cluster = dict(gpu=row.gpu, gpus=row.gpus, gpus_per_node=row.gpus_per_node)
+    common = dict(model=_config(row.model), objective="throughput", top=1, **cluster)
     if row.io != (0, 0):
         wl = InferenceWorkload(prompt_len=row.io[0], output_len=row.io[1], dtype=row.dtype, concurrency=row.concurrency)
         return plan(PlanRequest(train=False, inference=wl, fixed=row.pins, **common))
@@ -736,7 +788,7 @@ def test_each_source_within_todays_error(source):
     assert statistics.mean(errs) <= mean_bound and max(errs) <= max_bound, (source, errs)
 
 
-MOE_SOURCES = (DSV3, MCORE_MOE, QWEN3_MCORE, NEMO_MOE, NEMO_BW_MOE, NEMO_2604_MOE)
+MOE_SOURCES = (DSV3, MCORE_MOE, QWEN3_MCORE, NEMO_MOE, NEMO_BW_MOE, NEMO_2604_MOE, MCORE_REPORT)
 
 
 TARGETS = {
@@ -751,7 +803,7 @@ TARGETS = {
 @pytest.mark.parametrize("what", TARGETS)
 def test_the_validation_meets_its_targets(what):
     """Dense training within 10% mean, MoE training within 25%, serving TPOT within 20%, over every
-    row collected. MoE reads 41.5% without Megatron's MoE block floor (``C.MOE_BLOCK_FLOOR_S``)."""
+    row collected. MoE reads 36% without Megatron's MoE block floor (``C.MOE_BLOCK_FLOOR_S``)."""
     sources, target = TARGETS[what]
     errs = [abs(e) for source in sources for e in errors()[source]]
     assert statistics.mean(errs) <= target, (what, statistics.mean(errs))
