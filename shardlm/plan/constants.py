@@ -58,12 +58,16 @@ shapes of 128 experts took 9.04-12.41 ms although their work spans 16x: Qwen3-30
 of 768, top-8, h 2,048) 12.41 ms, Qwen3-235B's (4x its work) 11.75, top-2 (a quarter) 9.04, h 4,096
 9.71. The time follows the block's launches and synchronisations, not its work. The floor is the
 least of them; two sequences a micro-batch took 12.42 ms, four 18.09, and the sweep's all-to-all and
-HybridEP runs 11.4-45.
+HybridEP runs 11.4-45. NVIDIA's Megatron-Core MoE report (arXiv 2603.07685, §4.3.6-4.3.7) names the
+cause: in dropless MoE "the host must query per-expert token counts from the GPU to launch token
+dispatching and Grouped GEMMs", a synchronisation "placing the CPU on the critical path", and the
+CPU overhead left under partial CUDA graphs "is primarily confined to the region between token
+dispatch and combine".
 
 Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8; with the
 30B shape's 12.41 ms in its place their MoE mean error is about the same (20.5%, against 18.4%). It
 prices a block with nothing beside it: Megatron's 1F1B all-to-all overlap runs two micro-batches'
-passes together and CUDA graphs cut launches, and rows run so are priced slower than they ran.
+passes together, each filling the other's gaps, and rows run so are priced slower than they ran.
 shardlm's own MoE block (``--kernels shardlm``, the default) launches other kernels and has not
 been measured on a GPU (``benchmarks/moe_train_profile.py`` measures it): no floor is priced for it."""
 
