@@ -64,9 +64,9 @@ dispatching and Grouped GEMMs", a synchronisation "placing the CPU on the critic
 CPU overhead left under partial CUDA graphs "is primarily confined to the region between token
 dispatch and combine".
 
-Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8; with the
-30B shape's 12.41 ms in its place their MoE mean error is about the same (20.5%, against 18.4%). It
-prices a block with nothing beside it: Megatron's 1F1B all-to-all overlap runs two micro-batches'
+Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8 (docs/plan.md,
+"MoE costs", gives their errors with this floor, with the 30B shape's time in its place, and without
+one). It prices a block with nothing beside it: Megatron's 1F1B all-to-all overlap runs two micro-batches'
 passes together, each filling the other's gaps, and rows run so are priced slower than they ran.
 shardlm's own MoE block (``--kernels shardlm``, the default) launches other kernels and has not
 been measured on a GPU (``benchmarks/moe_train_profile.py`` measures it): no floor is priced for it."""
