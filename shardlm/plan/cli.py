@@ -236,9 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dispatcher",
         choices=DISPATCHERS,
-        help="how MoE tokens cross nodes: shardlm (every (token, expert) pair its own copy, as shardlm and "
-        "Megatron's all-to-all send them; default) or deepep (once to each node holding one of its experts, "
-        "as DeepEP and DeepSeek-V3's kernels: for comparing with such runs, shardlm does not dispatch so)",
+        help="how MoE tokens travel: shardlm (every (token, expert) pair its own copy, as shardlm and "
+        "Megatron's all-to-all send them; default) or deepep (once to each node, then each GPU, holding one of "
+        "its experts, as DeepEP and HybridEP: for comparing with such runs, shardlm does not dispatch so)",
     )
     p.add_argument(
         "--cp-attention",

@@ -155,21 +155,33 @@ def moe_dispatch(
     """One MoE all-to-all (dispatch, or combine: the same bytes back) of a rank's tokens of
     ``token_bytes`` in all, each to ``top_k`` experts spread evenly over the ``ranks`` of the ep
     group, as ``dispatcher`` (``DISPATCHERS``) sends them. shardlm's: every (token, choice) pair is
-    its own copy (``all_to_all`` of top_k x token_bytes). DeepEP's: over the NIC, each of the
-    ``nodes_reached`` nodes but the token's own (a share (nodes - 1) / nodes of them) carries one
-    copy; over NVLink, the k copies go to the experts' GPUs but for the (1 / ranks-per-node) share
-    that lands on the receiving GPU itself. Time: the slower of the two."""
+    its own copy (``all_to_all`` of top_k x token_bytes). DeepEP's (and HybridEP's) token-based
+    dispatch: over the NIC, each of the ``nodes_reached`` nodes but the token's own (a share
+    (nodes - 1) / nodes of them) carries one copy; over NVLink, one copy goes to each GPU that holds
+    one of its experts (``gpus_reached``), but for the (1 / ranks-per-node) share that is the
+    sending GPU itself. Time: the slower of the two."""
     n = len(ranks)
     if n <= 1 or token_bytes <= 0:
         return 0.0
     k, nodes = placement(ranks, cluster)
-    if dispatcher == "shardlm" or nodes == 1:
+    if dispatcher == "shardlm":
         return all_to_all(token_bytes * top_k, ranks, cluster)
     g = cluster.gpu
     node_copies = nodes_reached(top_k, nodes, max_nodes)
-    inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps
-    intra = (k - 1) * g.intra.alpha_s + top_k * (k - 1) / k * token_bytes / g.intra.bandwidth_Bps
+    inter = 0.0
+    if nodes > 1:
+        inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps
+    gpu_copies = gpus_reached(top_k, node_copies, k)
+    intra = (k - 1) * g.intra.alpha_s + gpu_copies * (k - 1) / k * token_bytes / g.intra.bandwidth_Bps
     return g.collective_launch_s + max(intra, inter)
+
+
+def gpus_reached(top_k: int, node_copies: float, per_node: int) -> float:
+    """The GPUs one token's ``top_k`` experts lie on, over the ``node_copies`` nodes it reaches with
+    ``per_node`` GPUs of the group each: its choices spread evenly over those nodes, and within each,
+    the expected distinct GPUs of top_k / node_copies even choices (as ``nodes_reached``)."""
+    per = top_k / max(node_copies, 1.0)
+    return max(node_copies, 1.0) * per_node * (1 - (1 - 1 / per_node) ** per)
 
 
 def moe_boundary(

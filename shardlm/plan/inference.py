@@ -74,8 +74,8 @@ class InferenceWorkload:
     ``disagg.py``); 0: every replica does both; None: searched, every split of each layout and none
     (``--prefill-replicas auto``)."""
     dispatcher: str = "shardlm"
-    """How MoE tokens cross nodes (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
-    once-per-node dispatch."""
+    """How MoE tokens travel (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
+    token-based dispatch (once to each node, then each GPU, holding one of a token's experts)."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)

@@ -55,15 +55,15 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
     if train and lay.dp * lay.cp > 1 and work.grad_reduce == "bf16":  # train/unit.py full_grad: float32
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
-        return "DeepEP's once-per-node dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
+        return "DeepEP's token-based dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes
         return "fused memory-bound kernels (--kernels fused; shardlm's trainer runs eager ones)"
     return None
 
 
 def dispatch_priced_apart(cfg, lay: Layout, cluster) -> bool:
-    """Whether DeepEP's dispatch prices this layout's token trip apart from shardlm's (tokens that
-    leave their node): derived from ``comm.moe_boundary`` itself, at any token count."""
+    """Whether DeepEP's dispatch prices this layout's token trip apart from shardlm's (any trip between
+    ep ranks): derived from ``comm.moe_boundary`` itself, at any token count."""
     return moe_boundary(cfg, cluster, lay, 1.0, 2.0, "deepep") != moe_boundary(cfg, cluster, lay, 1.0, 2.0)
 
 

@@ -101,8 +101,8 @@ class TrainWorkload:
     """ZeRO-3: decoder layers whose all-gathers are in flight while one computes (``shardlm train
     --prefetch``, default 1 on a GPU); 0 gathers each layer when it is needed."""
     dispatcher: str = "shardlm"
-    """How MoE tokens cross nodes (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
-    once-per-node dispatch."""
+    """How MoE tokens travel (``comm.DISPATCHERS``): shardlm's every-pair all-to-all, or DeepEP's
+    token-based dispatch (once to each node, then each GPU, holding one of a token's experts)."""
     zero3_reduce: str = "blocking"
     """ZeRO-3's gradient reduce-scatters (``ZERO3_REDUCE``): blocking, each in its layer's backward
     as shardlm's trainer runs them, or overlapped on their own stream behind the next layers'

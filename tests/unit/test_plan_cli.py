@@ -352,7 +352,7 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
 def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
     """--zero3-reduce overlapped, --dispatcher deepep and --kernels fused price a published run's
     mechanism, which shardlm's trainer and engine lack: each layout it applies to is marked with
-    the flag (ZeRO-3 layouts; MoE layouts with ep > 1 whose tokens leave their node; every training
+    the flag (ZeRO-3 layouts; MoE layouts with ep > 1, whose tokens DeepEP sends once a GPU; every training
     layout), the others are not. The mark is apart from "not runnable": shardlm runs them, slower."""
 
     def reasons(argv):
@@ -371,8 +371,9 @@ def test_layouts_modelled_with_a_peers_mechanism_are_marked(capsys):
     marked = reasons([*mixtral, "--gpus-per-node", "4", "--ep", "8"])  # every ep group across two nodes
     assert marked and all(why is not None and "--dispatcher deepep" in why for _, why in marked)
     assert not any(why for _, why in reasons([*mixtral, "--ep", "1"]))
-    one_node = reasons([*mixtral[:5], "8", *mixtral[6:]])  # ep inside a node: DeepEP prices it alike
-    assert any(lay["ep"] > 1 for lay, _ in one_node) and not any(why for _, why in one_node)
+    one_node = reasons([*mixtral[:5], "8", *mixtral[6:]])  # inside a node too: once to each GPU
+    assert all((why is not None) == (lay["ep"] > 1) for lay, why in one_node), one_node
+    assert any(lay["ep"] > 1 for lay, _ in one_node), one_node
 
     code, out, err = run([*llama, "--kernels", "fused", "--top", "3"], capsys)
     assert code == 0, err

@@ -83,7 +83,8 @@ def test_routing_imbalance_slows_the_expert_gemms_only():
 def test_deepeps_dispatch_sends_a_token_once_per_node():
     """DeepEP's dispatcher (DeepSeek-V3 §3.2.2) sends a token over IB once per node holding one of
     its experts: at most M nodes under node-limited routing, the expected distinct nodes of k even
-    choices without it. shardlm's dispatcher sends every (token, choice) pair, limit or not."""
+    choices without it; over NVLink, once to each GPU holding one of its experts. shardlm's
+    dispatcher sends every (token, choice) pair, limit or not."""
     dsv3, _ = load_model("deepseek-v3")
     mixtral, _ = load_model("mixtral-8x7b")
     assert node_limit(dsv3, 8) == 4  # 8 groups = 8 nodes' experts, the best 4 groups ("at most 4 nodes")
@@ -103,9 +104,12 @@ def test_deepeps_dispatch_sends_a_token_once_per_node():
     reached = 8 * (1 - (7 / 8) ** 8)
     inter = 7 * g.inter.alpha_s + reached * 7 / 8 * share / g.inter.bandwidth_Bps
     assert unlimited == pytest.approx(g.collective_launch_s + inter) and limited < unlimited < every_pair
-    assert comm.moe_dispatch(share, 8, 4, list(range(8)), cluster, "deepep") == comm.all_to_all(
-        share * 8, list(range(8)), cluster
-    )
+    # inside one node: 8 even choices over its 8 GPUs reach 5.25 of them, 7/8 remote, where shardlm
+    # sends all 8 pairs (7/8 remote)
+    node, reached = list(range(8)), 8 * (1 - (7 / 8) ** 8)
+    intra = 7 * g.intra.alpha_s + reached * 7 / 8 * share / g.intra.bandwidth_Bps
+    assert comm.moe_dispatch(share, 8, 4, node, cluster, "deepep") == pytest.approx(g.collective_launch_s + intra)
+    assert comm.moe_dispatch(share, 8, 4, node, cluster) == comm.all_to_all(share * 8, node, cluster) > intra / 0.7
 
 
 def test_training_costs_deepseek_v3s_all_to_all_node_limited():
