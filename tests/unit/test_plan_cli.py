@@ -407,9 +407,10 @@ def test_plan_comm_prints_the_collective_model_as_nccl_tests_does(capsys):
     assert code == 2 and "--model is required for a plan" in err
 
 
-def test_h800_and_gb200_are_in_the_catalog():
+def test_h800_gb200_and_gb300_are_in_the_catalog():
     """H800: the H100's compute with NVLink cut to 400 GB/s, so the same tp8 all-reduce is slower;
-    GB200 NVL72: one 72-GPU NVLink domain, so a group of 72 never leaves the 'node'."""
+    GB200 NVL72: one 72-GPU NVLink domain, so a group of 72 never leaves the 'node'; GB300 NVL72:
+    GB200's dense rates and domain, 288 GB a GPU and an 800 Gb/s NIC (ConnectX-8)."""
     from shardlm.plan import comm
 
     h100, h800, gb200 = (load_gpu(n) for n in ("h100-sxm", "h800", "gb200"))
@@ -419,6 +420,12 @@ def test_h800_and_gb200_are_in_the_catalog():
     assert t800 > 2 * t100
     rack = Cluster(gpu=gb200, num_gpus=144, gpus_per_node=gb200.gpus_per_node)
     assert gb200.gpus_per_node == 72 and rack.node_of(71) == 0 and rack.node_of(72) == 1
+    gb300 = load_gpu("gb300")
+    assert gb300.matmul_flops("fp8") == gb200.matmul_flops("fp8") and gb300.gpus_per_node == 72
+    assert (
+        gb300.memory_bytes == 288 * 2**30 > gb200.memory_bytes
+        and gb300.inter.bandwidth_Bps == 2 * gb200.inter.bandwidth_Bps
+    )
 
 
 def test_compare_sets_a_pinned_layout_beside_the_pick_in_numbers(capsys):
