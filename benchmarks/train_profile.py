@@ -54,6 +54,7 @@ def profiled(model_dir: str, batch: int, seq: int, steps: int = 6, compile: bool
     with the planner's prediction for the same run."""
     from shardlm.train.trainer import TrainConfig, Trainer
 
+    torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(TrainConfig(model=model_dir, device="cuda", compile=compile))
     vocab = trainer.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)

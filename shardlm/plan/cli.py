@@ -211,7 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=KERNELS,
         help="whose memory-bound kernels (norms, activations, loss, Adam) move the bytes: shardlm (its eager "
         "trainer's, counted; default) or fused (one read and one write per fused kernel, as Megatron-LM, "
-        "whose MoE block takes at least its measured floor a pass)",
+        "whose MoE block takes at least its measured floor a micro-batch's forward and backward)",
     )
     t.add_argument(
         "--zero3-reduce",

@@ -120,11 +120,11 @@ def all_to_all(nbytes_per_rank: float, ranks: list[int], cluster: Cluster) -> fl
 
 
 DISPATCHERS = ("shardlm", "deepep")
-"""How a MoE layer's (token, choice) pairs cross nodes. ``shardlm``: every pair is its own copy, as
+"""How a MoE layer's (token, choice) pairs travel. ``shardlm``: every pair is its own copy, as
 shardlm's dispatcher (``parallel/expert.py``) and Megatron's all-to-all send them. ``deepep``: a token
 crosses IB once to each node that holds one of its experts, whose GPU of the same in-node index
-forwards it over NVLink to the experts' GPUs, IB and NVLink at once (DeepEP's normal kernels;
-DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.2.2). shardlm runs only the first."""
+forwards it over NVLink once to each GPU holding one of them, IB and NVLink at once (DeepEP's normal
+kernels, HybridEP; DeepSeek-V3, https://arxiv.org/abs/2412.19437 §3.2.2). shardlm runs only the first."""
 
 
 def check_dispatcher(name: str) -> None:
@@ -198,7 +198,7 @@ def moe_boundary(
     elements, as ``parallel/expert.py``'s all_to_all path runs it at inference and in training:
     each tp rank takes its 1/tp of the tokens, an expert's etp ranks all-gather theirs (and
     reduce-scatter the partial sums after), every (token, choice) pair goes to its expert's ep rank
-    and back (dispatch and combine, ``moe_dispatch``: once per node with DeepEP's dispatcher),
+    and back (dispatch and combine, ``moe_dispatch``: once a node and a GPU with DeepEP's dispatcher),
     and the tp group all-gathers its tokens again. When ep x etp divides tp the experts sit inside
     the tp group, which holds every token already: no token moves (the block's all-reduce is the
     layer's tp all-reduce). Each of these collectives' autograd dual moves the same bytes (split ->

@@ -4,7 +4,8 @@ Per micro-batch and stage: forward = roofline of the stage's layers on b x s/cp 
 x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus the TP collectives
 (two all-reduces per layer, or with SP an all-gather and a reduce-scatter of the same volume;
 Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
-(``comm.moe_boundary``: dispatch/combine, once per node with DeepEP's dispatcher), and the CP KV
+(``comm.moe_boundary``: dispatch/combine, once a node and a GPU with DeepEP's dispatcher; under
+``--kernels fused`` no MoE block faster than Megatron-Core's measured floor, ``_moe_floor``), and the CP KV
 ring or Ulysses' all-to-alls (hidden behind attention when it can be); TP's collectives are
 waited for, or under ``tp_overlap`` pipelined with their blocks' GEMMs (``comm.pipelined``).
 Activations and their collectives stay 16-bit under FP8. Backward costs twice the forward FLOPs
