@@ -75,6 +75,15 @@ class Row:
     gpus_per_node: int | None = None  # GPUs of the job that share an NVLink domain (None: the catalog's node)
 
 
+def _tok_s(source: str, what: str, model: str, gpu: str, gpus: int, tok_s: float, *, tp: int, pp: int, vp: int,
+           ep: int, mb: int, recompute: str, cp: int = 1, **workload) -> Row:  # fmt: skip
+    """A tokens/s-per-GPU row of a Megatron-Core run: its layout pinned (ZeRO-1, the distributed
+    optimizer; interleaved when ``vp`` > 1), ``workload`` the rest of the Row (batch, dtype, ...)."""
+    pins = dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, micro_batch=mb, zero=1, recompute=recompute)
+    pins |= dict(schedule="interleaved", virtual=vp) if vp > 1 else {}
+    return Row(source, what, model, gpu, gpus, tok_s, "tok/s/GPU", pins, **workload)
+
+
 def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, tp: int, pp: int, **kw) -> Row:
     pins = dict(tp=tp, pp=pp, dp=gpus // (tp * pp), recompute="full", zero=0)
     pins |= {"schedule": "interleaved"} if pp > 1 else {}
@@ -391,16 +400,20 @@ ROWS += [
     # forced-balanced routing, and Qwen3's overlaps it (not modelled). Qwen3's table row says VP2,
     # its tagged recipe VP4: the table's is pinned.
     *(
-        Row(
+        _tok_s(
             NEMO_BW_DENSE if ep == 1 else NEMO_BW_MOE,
             what,
             model,
             gpu,
             gpus,
             tok_s,
-            "tok/s/GPU",
-            dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, micro_batch=mb, zero=1, recompute="none")
-            | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {}),
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            vp=vp,
+            ep=ep,
+            mb=mb,
+            recompute="none",
             global_batch=gbs,
             seq_len=seq,
             dtype="fp8",
@@ -432,16 +445,19 @@ ROWS += [
     # source does not say how many of a 256-GPU job's GPUs share an NVLink domain (--gpus-per-node);
     # 8 GPUs share one whatever its size.
     *(
-        Row(
+        _tok_s(
             NEMO_2604_MOE,
             what,
             model,
             gpu,
             gpus,
             tok_s,
-            "tok/s/GPU",
-            dict(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, micro_batch=mb, zero=1, recompute="none")
-            | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {}),
+            tp=tp,
+            pp=pp,
+            vp=vp,
+            ep=ep,
+            mb=mb,
+            recompute="none",
             global_batch=gbs,
             seq_len=4096,
             dtype="fp8",
@@ -469,16 +485,19 @@ ROWS += [
     # micro-batch, 6,212: 263 GiB a GPU on a 186 GiB part; the run offloads activations, §4.1.5) and
     # DeepSeek-V3 on GB200 in MXFP8 (pp4 vp4 ep64, 4,020: 189 GiB; the run offloads optimizer states).
     *(
-        Row(
+        _tok_s(
             MCORE_REPORT,
             what,
             model,
             gpu,
             gpus,
             tok_s,
-            "tok/s/GPU",
-            dict(tp=tp, pp=pp, dp=gpus // (tp * pp), ep=ep, micro_batch=mb, zero=1, recompute=rc)
-            | dict(schedule="interleaved", virtual=vp),
+            tp=tp,
+            pp=pp,
+            vp=vp,
+            ep=ep,
+            mb=mb,
+            recompute=rc,
             global_batch=gbs,
             seq_len=4096,
             dtype=dtype,
@@ -620,8 +639,9 @@ def _plan(row: Row):
     pins = dict(row.pins)
     try:
         return plan(PlanRequest(train=True, training=wl, fixed=pins, **common))
-    except PlanError:  # e.g. no interleaving depth divides the layers: the closest the source allows
-        if "schedule" not in pins:
+    except PlanError:  # interleaved with no depth given, and none divides the layers: the closest the
+        # source allows (a pinned depth is never dropped: a row that does not fit as pinned fails)
+        if "schedule" not in pins or "virtual" in pins:
             raise
         pins.pop("schedule", None)
         pins.pop("virtual", None)
