@@ -133,7 +133,7 @@ def check_dispatcher(name: str) -> None:
         raise PlanError(f"--dispatcher {name!r} is unknown; pick one of {', '.join(DISPATCHERS)}")
 
 
-def nodes_reached(top_k: int, nodes: int, max_nodes: int | None) -> float:
+def nodes_reached(top_k: float, nodes: int, max_nodes: int | None) -> float:
     """The nodes one token's ``top_k`` experts lie on, over an ep group of ``nodes`` nodes. Under
     node-limited routing (DeepSeek-V3 §2.1.2: "each token will be sent to at most M nodes") it picks
     the M best nodes' groups first, so each of them likely holds one of its experts: min(k, nodes, M).
@@ -180,8 +180,8 @@ def gpus_reached(top_k: int, node_copies: float, per_node: int) -> float:
     """The GPUs one token's ``top_k`` experts lie on, over the ``node_copies`` nodes it reaches with
     ``per_node`` GPUs of the group each: its choices spread evenly over those nodes, and within each,
     the expected distinct GPUs of top_k / node_copies even choices (as ``nodes_reached``)."""
-    per = top_k / max(node_copies, 1.0)
-    return max(node_copies, 1.0) * per_node * (1 - (1 - 1 / per_node) ** per)
+    nodes = max(node_copies, 1.0)
+    return nodes * nodes_reached(top_k / nodes, per_node, None)
 
 
 def moe_boundary(
