@@ -54,6 +54,11 @@ class LayerShape:
     Engine; DeepSeek-V3 §3.3): the QKV, fc1 and down-projection inputs; the attention output
     projection keeps its FP8 copy beside the 16-bit output fused attention keeps."""
 
+    mla_up_recomputed: bool = False
+    """Latent attention's up-projections recomputed in backward (Megatron-Core's ``mla_up_proj``
+    recompute module): their outputs, the attention's Q, K and V, are freed after its forward (their
+    inputs, the latents, are kept as the products' saved inputs either way)."""
+
     @property
     def linear_in(self) -> int:
         """Bytes an element of a linear layer's saved input takes (its FP8 copy under FP8)."""
@@ -88,7 +93,8 @@ def layer_activation_bytes(
     replicated = sbh * (2 + linear_in + mask + 2 + linear_in + mask)
     # split by TP (Table 2 "24" units for GPT): Q, K, V, attention-output-proj input, MLP hidden
     sb = s * b
-    split = sb * (2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim + 2 * shape.q_dim)
+    qkv = 0 if shape.mla_up_recomputed else 2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim
+    split = sb * (qkv + 2 * shape.q_dim)
     if shape.fp8_inputs:  # the output projection's FP8 copy of the attention output
         split += sb * shape.q_dim
     if shape.gated:

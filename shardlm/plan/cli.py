@@ -40,6 +40,8 @@ TRAIN_ONLY = (
     "kernels",
     "zero3_reduce",
     "tp_overlap",
+    "ep_overlap",
+    "recompute_mla_up",
     "grad_reduce",
 )
 INFER_ONLY = (
@@ -228,6 +230,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "comparing with such runs: shardlm's trainer waits for each)",
     )
     t.add_argument(
+        "--ep-overlap",
+        action="store_true",
+        default=None,
+        help="MoE layers' all-to-alls hidden behind another micro-batch's compute, as Megatron-Core's 1F1B "
+        "all-to-all overlap (--overlap-moe-expert-parallel-comm: ep > 1, pp > 1 only interleaved, no full "
+        "recomputation; for comparing with such runs: shardlm's trainer waits for each)",
+    )
+    t.add_argument(
+        "--recompute-mla-up",
+        action="store_true",
+        default=None,
+        help="latent attention's up-projections recomputed in backward, as Megatron-Core's mla_up_proj "
+        "recompute module (DeepSeek-V3's recipes: less memory, more time; shardlm's trainer keeps them)",
+    )
+    t.add_argument(
         "--grad-reduce",
         choices=tuple(GRAD_REDUCE_BYTES),
         help="the dtype gradients cross the data-parallel group in: fp32 (as shardlm's trainer; default) or "
@@ -408,6 +425,8 @@ def build_request(args):
             zero3_reduce=args.zero3_reduce or "blocking",
             grad_reduce=args.grad_reduce or "fp32",
             tp_overlap=bool(args.tp_overlap),
+            ep_overlap=bool(args.ep_overlap),
+            recompute_mla_up=bool(args.recompute_mla_up),
         )
         return PlanRequest(train=True, training=wl, **common)
 

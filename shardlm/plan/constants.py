@@ -66,10 +66,20 @@ dispatch and combine".
 
 Not fitted: the validation rows (``test_plan_published``) ran other layouts, GPUs and FP8 (docs/plan.md,
 "MoE costs", gives their errors with this floor, with the 30B shape's time in its place, and without
-one). It prices a block with nothing beside it: Megatron's 1F1B all-to-all overlap runs two micro-batches'
-passes together, each filling the other's gaps, and rows run so are priced slower than they ran.
+one). Under Megatron's 1F1B all-to-all overlap (``--ep-overlap``) the floor stays, less what the
+other micro-batch hides of it: a merged forward and backward takes at least the forward's attention
+(the host's wait for the token counts follows it) and one floor (``training._merged_pair``).
 shardlm's own MoE block (``--kernels shardlm``, the default) launches other kernels and has not
 been measured on a GPU (``benchmarks/moe_train_profile.py`` measures it): no floor is priced for it."""
+
+DEEPEP_SMS = 20
+"""Streaming multiprocessors DeepEP's dispatch and combine kernels occupy (its default, as
+Megatron-Core runs it): beside another micro-batch's GEMMs under the 1F1B all-to-all overlap those
+run on the rest (``training._merged_pair``). NVIDIA's Megatron-Core MoE report (arXiv 2603.07685,
+§4.2.3): "DeepEP uses 20 SMs per GPU and introduces roughly 20% GEMM-efficiency overhead" in its
+DeepSeek-V3 runs on H100 (132 SMs: the GEMMs keep 112, 15% fewer). HybridEP's count is a recipe
+setting (16-32 in Megatron-Bridge's); NCCL's all-to-all kernels are not charged (their channel
+count varies with the topology)."""
 
 GPU_OP_OVERHEAD_S = 0.0
 """Per-operator dispatch cost on a GPU. Serving engines capture decode in CUDA graphs

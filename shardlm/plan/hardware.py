@@ -82,6 +82,9 @@ class GpuSpec:
     is measured the tables need no rows term (``half_rows``)."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
+    sms: int = 0
+    """Streaming multiprocessors (compute units), from the catalog: the share a communication kernel
+    occupies beside the GEMMs (``C.DEEPEP_SMS``); 0 where unknown (none charged)."""
     source: str = ""
     """Where the numbers come from."""
     calibrated: dict = field(default_factory=dict, compare=False, repr=False)
@@ -150,6 +153,7 @@ def load_gpu(name: str) -> GpuSpec:
         source=g["_source"],
         gemm_half_k=dict(g.get("gemm_half_k", {})),
         gemm_fixed_us=dict(g.get("gemm_fixed_us", {})),
+        sms=g.get("sms", 0),
     )
 
 

@@ -129,10 +129,17 @@ def inference_fixed(
 
 
 def layer_shape(
-    costs: ModelCosts, moe: bool, fused_attention: bool = True, *, kernels: str = "shardlm", dtype: str = "bf16"
+    costs: ModelCosts,
+    moe: bool,
+    fused_attention: bool = True,
+    *,
+    kernels: str = "shardlm",
+    dtype: str = "bf16",
+    mla_up: bool = False,
 ) -> LayerShape:
     """One layer's shape for the activation count; ``kernels`` "fused" keeps the gated activation's
-    input only, an FP8 ``dtype`` keeps the linear layers' inputs in FP8 (``LayerShape``)."""
+    input only, an FP8 ``dtype`` keeps the linear layers' inputs in FP8, ``mla_up`` recomputes latent
+    attention's up-projections (``LayerShape``)."""
     cfg = costs.cfg
     if cfg.is_mla:
         q_dim = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -152,6 +159,7 @@ def layer_shape(
         flash=fused_attention,
         fused_activation=kernels == "fused",
         fp8_inputs=dtype in FP8_KEEPS_AT,
+        mla_up_recomputed=mla_up and cfg.is_mla,
     )
 
 
@@ -172,10 +180,17 @@ def training_activation_bytes(
     *,
     kernels: str = "shardlm",
     dtype: str = "bf16",
+    ep_overlap: bool = False,
+    mla_up: bool = False,
 ) -> float:
-    """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4)."""
+    """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4); ``ep_overlap``: under
+    Megatron-Core's 1F1B all-to-all overlap, whose warm-up runs one model chunk more
+    (``training.unmerged_passes``; its merged pairs free a micro-batch's layers as they fill another's)."""
     cfg = costs.cfg
-    shape = {moe: layer_shape(costs, moe, fused_attention, kernels=kernels, dtype=dtype) for moe in (False, True)}
+    shape = {
+        moe: layer_shape(costs, moe, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up)
+        for moe in (False, True)
+    }
     s = seq // lay.cp
     total = 0.0
     n_dense, n_moe = costs.stage_kinds(lay.pp)[0]
@@ -193,6 +208,7 @@ def training_activation_bytes(
     if n_dense:
         total += n_dense * per_layer(False)
     flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
+    flight += 1 / lay.virtual if ep_overlap and lay.pp > 1 else 0.0
     if n_moe:
         per = per_layer(True)
         if lay.recompute != "full":  # routed experts: what a gated MLP keeps for each pair this rank
@@ -268,6 +284,8 @@ def training_memory(
     grad_reduce_bytes: int = REDUCED_GRAD_BYTES,
     kernels: str = "shardlm",
     dtype: str = "bf16",
+    ep_overlap: bool = False,
+    mla_up: bool = False,
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
@@ -287,27 +305,41 @@ def training_memory(
         weights=dense_states.weights + expert_states.weights,
         gradients=dense_states.gradients + expert_states.gradients,
         optimizer=0.0 if lay.offload else dense_states.optimizer + expert_states.optimizer,  # offload: on the host
-        activations=_peak_activations(costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype),
+        activations=_peak_activations(
+            costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, ep_overlap=ep_overlap, mla_up=mla_up
+        ),
         comm_buffers=comm,
         reserve=reserve,
     )
 
 
 def _peak_activations(
-    costs: ModelCosts, lay: Layout, seq: int, fused_attention: bool, *, kernels: str, dtype: str
+    costs: ModelCosts,
+    lay: Layout,
+    seq: int,
+    fused_attention: bool,
+    *,
+    kernels: str,
+    dtype: str,
+    ep_overlap: bool,
+    mla_up: bool,
 ) -> float:
     """The larger of the first stage's activations at its peak and the last stage's: its layers'
     activations for the micro-batches in flight there (1F1B and ZB-H1: one, its backward follows
-    its forward at once; GPipe: all; interleaved: ((v - 1) p + 1) / v stage-equivalents), the
-    float32 softmax each of those keeps for the loss's backward, and one loss's working set."""
-    saved = dict(kernels=kernels, dtype=dtype)
-    first = training_activation_bytes(costs, lay, seq, fused_attention, **saved)
+    its forward at once; GPipe: all; interleaved: ((v - 1) p + 1) / v stage-equivalents, a chunk
+    more under the all-to-all overlap), the float32 softmax each of those keeps for the loss's
+    backward, and one loss's working set."""
+    first = training_activation_bytes(
+        costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up, ep_overlap=ep_overlap
+    )
     if lay.pp == 1:
         return first + loss_bytes(costs, lay, seq)
     p, v = lay.pp, lay.virtual
     flight = {"gpipe": lay.num_micro, "interleaved": ((v - 1) * p + 1) / v}.get(lay.schedule, 1)
+    flight += 1 / v if ep_overlap else 0.0
     one = replace(lay, pp=1, num_micro=1)
-    per_layer = training_activation_bytes(costs, one, seq, fused_attention, **saved) / costs.cfg.num_layers
+    per_layer = training_activation_bytes(costs, one, seq, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up)
+    per_layer /= costs.cfg.num_layers
     last_layers = sum(costs.stage_kinds(lay.pp)[-1])
     loss = loss_bytes(costs, lay, seq)
     softmax = loss * C.FP32_BYTES / LOSS_BYTES_PER_LOGIT  # kept per micro-batch until its backward

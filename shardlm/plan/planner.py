@@ -15,7 +15,7 @@ from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.runnable import not_as_modelled, not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
-from shardlm.plan.training import TrainWorkload
+from shardlm.plan.training import TrainWorkload, check_flags
 
 GROWTH = (2, 4, 8, 16, 32, 64)
 """Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
@@ -143,6 +143,8 @@ def _search(costs, cluster, req: PlanRequest, fixed: dict) -> SearchResult:
 def plan(req: PlanRequest) -> Plan:
     check_objective(req.objective)
     cfg, name = load_model(req.model)
+    if req.train and req.training is not None:
+        check_flags(cfg, req.training, req.fixed)
     cluster = make_cluster(req)
     costs = ModelCosts(cfg)
     found = _search(costs, cluster, req, req.fixed)

@@ -16,6 +16,7 @@ from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.tensor import partition_heads
 from shardlm.plan.comm import moe_boundary
 from shardlm.plan.layout import Layout
+from shardlm.plan.training import ep_overlaps
 
 
 def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas: int = 0) -> str | None:
@@ -46,14 +47,18 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
 def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | None:
     """The faster mechanism ``work`` prices ``lay`` with that shardlm lacks, so that it runs the
     layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
-    (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--dispatcher deepep``,
-    ``--kernels fused``)."""
+    (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--ep-overlap``,
+    ``--recompute-mla-up``, ``--dispatcher deepep``, ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
     if train and lay.tp > 1 and lay.sp and work.tp_overlap:  # parallel/tensor.py waits for each collective
         return "TP collectives pipelined with the GEMMs (--tp-overlap; shardlm's trainer waits for each)"
     if train and lay.dp * lay.cp > 1 and work.grad_reduce == "bf16":  # train/unit.py full_grad: float32
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"
+    if train and ep_overlaps(cfg, lay, work):  # parallel/expert.py: each trip waited for
+        return "the all-to-alls behind another micro-batch (--ep-overlap; shardlm's trainer waits for each)"
+    if train and work.recompute_mla_up and cfg.is_mla and lay.recompute != "full":  # models/: kept for backward
+        return "latent attention's up-projections recomputed (--recompute-mla-up; shardlm's trainer keeps them)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
         return "DeepEP's token-based dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes

@@ -48,6 +48,7 @@ from shardlm.plan.roofline import (
     Work,
     backward_products,
     busiest_pairs,
+    k_efficiency,
     layer_work,
     touched_params,
 )
@@ -117,6 +118,17 @@ class TrainWorkload:
     exchanged while another computes; sequence parallelism required, layouts without it wait): the
     attention block's with its QKV and output projections, a dense MLP's with its own; an MoE block's
     experts have no such overlap. False: each waited for, as shardlm's trainer does."""
+    ep_overlap: bool = False
+    """MoE layers' token trip hidden behind another micro-batch's compute, as Megatron-Core's 1F1B
+    all-to-all overlap (``--overlap-moe-expert-parallel-comm``) runs it: each steady-state forward
+    merged with another micro-batch's backward on two streams (``_merged_pair``); Megatron allows it
+    at ep > 1, with pp > 1 only interleaved and without full recomputation (``ep_overlaps``), and
+    other layouts are priced without it. False: each trip waited for, as shardlm's trainer does."""
+    recompute_mla_up: bool = False
+    """Latent attention's up-projections recomputed in backward, as Megatron-Core's ``mla_up_proj``
+    recompute module (DeepSeek-V3's recipes): their outputs (Q, K, V) not kept, their products run
+    again in each backward (``_mla_up_work``); layouts under full recomputation recompute them anyway.
+    False: kept, as shardlm's trainer does."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
@@ -174,6 +186,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         grad_reduce_bytes=GRAD_REDUCE_BYTES[wl.grad_reduce],
         kernels=wl.kernels,
         dtype=wl.dtype,
+        ep_overlap=ep_overlaps(cfg, lay, wl),
+        mla_up=wl.recompute_mla_up,
     )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
@@ -183,11 +197,15 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     tokens = lay.micro_batch * wl.seq_len / lay.cp
     # one stage of each kind: its dense and MoE layer counts, and whether it runs the LM head
     stages = {(kinds, s == lay.pp - 1): s for s, kinds in enumerate(costs.stage_kinds(lay.pp))}.values()
-    fwd, bwd, tp_c, ep_c, cp_c, z3_c = max(
+    fwd, bwd, tp_c, ep_c, cp_c, hidden, z3_c = max(
         (_with_zero3(costs, cluster, lay, wl, s, _stage(costs, cluster, lay, wl, s, tokens, a)) for s in stages),
         key=lambda t: t[0] + t[1],
     )
     p, m, v = lay.pp, lay.num_micro, lay.virtual
+    # the 1F1B all-to-all overlap merges every forward but the first stage's warm-up ones with a
+    # backward of another micro-batch; each merged chunk pair saves 1/v of the stage's ``hidden``
+    merged = m * v - unmerged_passes(lay) if ep_overlaps(costs.cfg, lay, wl) else 0
+    saved = max(0, merged) * hidden / v
     p2p = 0.0
     if p > 1:
         pg = lay.slowest_group("pp", cluster.gpus_per_node)
@@ -205,7 +223,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         pipe = m * unit + (p - 1) * (fwd + b_in - b_w + 2 * p2p)
     else:
         pipe = (m + p - 1) * unit
-    bubble = 1 - m * unit / pipe
+    pipe -= saved
+    bubble = 1 - (m * unit - saved) / pipe
     # data-parallel gradient sync over dp x cp replicas of each weight, in float32 as the trainer sends it
     params = weight_bytes(costs, lay, 1)
     dp_group = lay.slowest_group("dp_cp", cluster.gpus_per_node)
@@ -245,7 +264,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         backward_s=bwd,
         comm_s={
             "tp": m * tp_c,
-            "ep": m * 2 * ep_c,
+            "ep": m * 2 * ep_c - saved,
             "cp": m * 3 * cp_c,
             "dp": dp_exposed + m * z3_c,
             "pp": m * 2 * p2p,
@@ -255,8 +274,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
 
 def _stage(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float, a: int
-) -> tuple[float, float, float, float, float]:
-    """(forward, backward, tp communication of both passes, ep and cp communication of one pass) of one
+) -> tuple[float, float, float, float, float, float]:
+    """(forward, backward, tp communication of both passes, ep and cp communication of one pass, what
+    the 1F1B all-to-all overlap saves a merged forward and backward: ``_merged_pair``) of one
     micro-batch on one stage, its activations at ``a`` bytes and its linear layers' weights at the
     step's dtype."""
     cfg, gpu = costs.cfg, cluster.gpu
@@ -268,6 +288,8 @@ def _stage(
     f_comp = b_comp = f_attn = tp_f = tp_b = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     f_floor = b_floor = 0.0  # what MoE blocks priced under their floor wait for (``_moe_floor``)
+    hidden = 0.0  # what merging a forward with another micro-batch's backward saves (``_merged_pair``)
+    floored = wl.kernels == "fused" and not gpu.calibrated
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
@@ -297,6 +319,8 @@ def _stage(
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
         t_back = dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype)
+        if wl.recompute_mla_up and cfg.is_mla and lay.recompute != "full":
+            t_back += _mla_up_work(cfg, rl, tokens, w, k_half).time(gpu, wl.dtype)
         b_comp += n * t_back
         f_attn += n * t_attn
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
@@ -314,22 +338,33 @@ def _stage(
         b_mem += n * mem_b
         overlap = wl.tp_overlap and lay.sp  # Megatron's userbuffers need sequence parallelism
         share = _attention_share(rl, pairs / tokens)
-        tp_f += n * _tp_exposed(ar, t_mm, share, lay.tp, moe, overlap)
-        tp_b += n * _tp_exposed(ar, t_back, share, lay.tp, moe, overlap)
-        if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
-            trip = comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
-            ep_c += n * trip
-            if wl.kernels == "fused" and not gpu.calibrated:
-                below_f, below_b = _moe_floor((1 - share) * t_mm + mem_f + trip, (1 - share) * t_back + mem_b + trip)
-                f_floor += n * below_f
-                b_floor += n * below_b
+        tp_lf = _tp_exposed(ar, t_mm, share, lay.tp, moe, overlap)
+        tp_lb = _tp_exposed(ar, t_back, share, lay.tp, moe, overlap)
+        tp_f += n * tp_lf
+        tp_b += n * tp_lb
+        cp_l = 0.0  # one layer's exposed CP communication in a forward (twice in backward)
         if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
-            cp_c += n * comm.all_to_all(qkvo, cp_group, cluster)
+            cp_l = comm.all_to_all(qkvo, cp_group, cluster)
         elif lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
             ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
-            cp_c += n * max(0.0, ring - t_attn)
+            cp_l = max(0.0, ring - t_attn)
+        cp_c += n * cp_l
+        if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
+            trip = comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
+            ep_c += n * trip
+            block_f, block_b = (1 - share) * t_mm + mem_f + trip, (1 - share) * t_back + mem_b + trip
+            below_f, below_b = _moe_floor(block_f, block_b) if floored else (0.0, 0.0)
+            f_floor += n * below_f
+            b_floor += n * below_b
+            # the layer's forward and backward less the trips: as summed below, selective recomputation's
+            # attention core included (full recomputation rules the overlap out, ``ep_overlaps``)
+            rest = t_mm + t_back + (3 + (lay.recompute == "selective")) * t_attn + mem_f + mem_b + tp_lf + tp_lb
+            rest += 3 * cp_l
+            apart = rest + 2 * trip + below_f + below_b
+            attention = t_mm + t_attn + mem_f + tp_lf + cp_l + trip - block_f  # the forward's, before its block
+            hidden += n * (apart - _merged_pair(rest, 2 * trip, attention, floored, gpu, wl.dispatcher))
     head_f = head_b = 0.0  # the LM head and loss (never recomputed)
     if stage == lay.pp - 1:  # over every token
         vocab = costs.vocab_rows(lay.tp)
@@ -345,7 +380,75 @@ def _stage(
         bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
-    return fwd, bwd, tp_f + tp_b, ep_c, cp_c
+    return fwd, bwd, tp_f + tp_b, ep_c, cp_c, hidden
+
+
+def _merged_pair(rest: float, trips: float, attention: float, floored: bool, gpu, dispatcher: str) -> float:
+    """One MoE layer's forward of a micro-batch merged with its backward of another, as Megatron-Core's
+    1F1B all-to-all overlap runs them (arXiv 2603.07685 §4.2.3: the compute on one stream, the
+    dispatches and combines on another, the backward's weight gradients split off to fill the gaps):
+    the ``trips`` of both passes hidden behind their ``rest`` (everything else of both), whose
+    kernels run on the SMs DeepEP leaves them while it sends (``C.DEEPEP_SMS``). Under the block floor
+    (``floored``) the pair takes at least the forward's ``attention`` (its layer but the MoE block) and
+    one floor: the host waits for the forward's token counts, which follow its attention, then launches
+    both passes' blocks; the backward's attention, with no such wait, runs while it launches."""
+    carve = C.DEEPEP_SMS / gpu.sms if dispatcher == "deepep" and gpu.sms else 0.0
+    pair = max(trips, rest + trips * carve)
+    return max(pair, attention + C.MOE_BLOCK_FLOOR_S) if floored else pair
+
+
+def _mla_up_work(cfg, rl, tokens: float, w_bytes: int, k_half: float) -> Work:
+    """Latent attention's up-projections (the query's from its latent, the keys' and values' from
+    theirs; ``shard.gemm_shapes``) over ``tokens``, run again in backward under ``recompute_mla_up``,
+    each at its inner dimension's efficiency (``k_efficiency``)."""
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    ups = [(cfg.kv_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))]
+    ups += [(cfg.q_lora_rank, rl.q_heads * qk)] if cfg.q_lora_rank else []
+    return Work(
+        flops=2 * tokens * sum(k * n / k_efficiency(k, k_half) for k, n in ups),
+        bytes=sum(k * n for k, n in ups) * w_bytes + tokens * sum(k + n for k, n in ups) * C.BF16_BYTES,
+        gemms=len(ups),
+    )
+
+
+def unmerged_passes(lay: Layout) -> int:
+    """Forwards (and as many backwards) the 1F1B all-to-all overlap leaves unmerged on the first stage,
+    in model chunks: Megatron-Core's interleaved warm-up, 2(p - 1) + (v - 1)p, and the one micro-batch
+    more it adds so that no merged pair is one micro-batch's forward and backward (schedules.py
+    ``get_pp_rank_microbatches``); without a pipeline the first forward and the last backward (§4.2.3).
+    At most every pass."""
+    p, v = lay.pp, lay.virtual
+    warm = 2 * (p - 1) + (v - 1) * p + 1 if p > 1 else 1
+    return min(warm, lay.num_micro * v)
+
+
+def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
+    """Refuse a model-specific flag the model or the pinned layout leaves nothing to do for."""
+    if wl.ep_overlap and not cfg.is_moe:
+        raise PlanError("--ep-overlap hides MoE layers' all-to-alls, but the model has no experts; drop it")
+    if wl.ep_overlap and (fixed.get("ep") == 1 or fixed.get("recompute") == "full"):
+        pinned = "--ep 1" if fixed.get("ep") == 1 else "--recompute full"
+        raise PlanError(
+            f"--ep-overlap needs experts over more than one rank and no full recomputation (as Megatron-Core "
+            f"requires), but {pinned} is pinned; drop one of them"
+        )
+    if wl.ep_overlap and fixed.get("pp", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
+        raise PlanError(
+            f"--ep-overlap runs a pipeline only interleaved (as Megatron-Core requires), but --schedule "
+            f"{fixed['schedule']} is pinned with --pp {fixed['pp']}; pin --vpp N or drop --schedule"
+        )
+    if wl.recompute_mla_up and not cfg.is_mla:
+        raise PlanError(
+            "--recompute-mla-up recomputes latent attention's up-projections, but the model has none; drop it"
+        )
+
+
+def ep_overlaps(cfg, lay: Layout, wl: TrainWorkload) -> bool:
+    """Whether ``wl.ep_overlap`` applies to ``lay``: Megatron-Core allows its 1F1B all-to-all overlap
+    with experts over more than one rank, a pipeline only interleaved, and no full recomputation
+    (TransformerConfig's checks)."""
+    interleaved_or_none = lay.pp == 1 or lay.schedule == "interleaved"
+    return wl.ep_overlap and cfg.is_moe and lay.ep > 1 and interleaved_or_none and lay.recompute != "full"
 
 
 def _moe_floor(forward: float, backward: float) -> tuple[float, float]:
@@ -407,16 +510,16 @@ def _fp8_cast_widths(cfg, rl, pairs: float) -> tuple[float, float]:
 
 def _with_zero3(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, t: tuple[float, ...]
-) -> tuple[float, float, float, float, float, float]:
+) -> tuple[float, float, float, float, float, float, float]:
     """``_stage``'s times with ZeRO-3's exposed gathers and reduce-scatters added to forward and
     backward (they sit in each micro-batch's passes, so the pipeline's bubble grows with them too)."""
-    fwd, bwd, tp_c, ep_c, cp_c = t
+    fwd, bwd, tp_c, ep_c, cp_c, hidden = t
     if lay.zero < 3 or lay.dp * lay.cp == 1:
-        return fwd, bwd, tp_c, ep_c, cp_c, 0.0
+        return fwd, bwd, tp_c, ep_c, cp_c, hidden, 0.0
     e_f, e_b = zero3_exposed(
         costs, cluster, lay, stage, fwd, bwd, wl.prefetch, wl.zero3_reduce, GRAD_REDUCE_BYTES[wl.grad_reduce]
     )
-    return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, e_f + e_b
+    return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, hidden, e_f + e_b
 
 
 def zero3_exposed(

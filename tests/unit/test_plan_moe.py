@@ -247,3 +247,123 @@ def test_megatrons_moe_block_is_priced_no_faster_than_its_measured_floor(monkeyp
     # the floor splits between the passes as they are priced
     monkeypatch.setattr(C, "MOE_BLOCK_FLOOR_S", 9.04e-3)
     assert training._moe_floor(2e-3, 4e-3) == pytest.approx((1e-3 * (9.04 - 6) / 3, 2e-3 * (9.04 - 6) / 3))
+
+
+def test_the_1f1b_overlap_merges_a_forward_with_another_micro_batchs_backward():
+    """``--ep-overlap`` (Megatron-Core's 1F1B all-to-all overlap): every forward but the unmerged
+    ones runs beside another micro-batch's backward, each MoE layer's trips hidden behind the pair's
+    other work. Qwen3-30B-A3B on 16 H100s at ep16 without a pipeline: 4 micro-batches make 3 merged
+    pairs (the first forward and the last backward alone), each saving the stage's ``hidden``; the step
+    and the exposed ep time fall by exactly that. Layouts Megatron runs without it (a 1F1B pipeline, full
+    recomputation, experts on one rank) are priced as before."""
+    costs = ModelCosts(load_model("qwen3-30b-a3b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=16, gpus_per_node=8)
+    lay = Layout(dp=16, ep=16, zero=1, micro_batch=1, num_micro=4)
+    waited = TrainWorkload(global_batch=64, seq_len=4096)
+    merged = replace(waited, ep_overlap=True)
+    tokens, a = 4096.0, 2
+    *_, hidden = training._stage(costs, cluster, lay, merged, 0, tokens, a)
+    assert hidden > 0 and training.unmerged_passes(lay) == 1
+    before, after = (training.evaluate(costs, cluster, lay, wl) for wl in (waited, merged))
+    assert before.step_s - after.step_s == pytest.approx(3 * hidden, rel=1e-9)
+    assert before.comm_s["ep"] - after.comm_s["ep"] == pytest.approx(3 * hidden, rel=1e-9)
+    for other in (
+        replace(lay, dp=8, pp=2, ep=8, num_micro=8),  # a 1F1B pipeline: Megatron merges only interleaved ones
+        replace(lay, recompute="full"),
+        replace(lay, ep=1),
+    ):
+        assert (
+            training.evaluate(costs, cluster, other, merged).step_s
+            == training.evaluate(costs, cluster, other, waited).step_s
+        )
+    deeper = Layout(dp=4, pp=4, ep=4, schedule="interleaved", virtual=2, zero=1, micro_batch=1, num_micro=8)
+    assert training.unmerged_passes(deeper) == 2 * 3 + 1 * 4 + 1  # the first stage's warm-up and one more
+    assert training.unmerged_passes(replace(deeper, num_micro=4)) == 8  # at most every pass
+    assert (
+        training.evaluate(costs, cluster, deeper, merged).step_s
+        < training.evaluate(costs, cluster, deeper, waited).step_s
+    )
+
+
+def test_a_merged_pair_hides_the_trips_behind_the_rest_on_the_sms_deepep_leaves():
+    """``training._merged_pair``: the pair takes the longer of its trips and its other work, which runs
+    on the SMs DeepEP's 20 leave while they send (132 on an H100: 15% fewer); NCCL's all-to-all is not
+    charged; under Megatron's block floor at least the forward's attention and one floor."""
+    from shardlm.plan import constants as C
+
+    h100 = load_gpu("h100-sxm")
+    assert h100.sms == 132 and load_gpu("b200").sms == 148
+    assert training._merged_pair(1e-3, 5e-3, 0.0, False, h100, "deepep") == 5e-3  # the trips longer
+    assert training._merged_pair(10e-3, 2e-3, 0.0, False, h100, "deepep") == pytest.approx(10e-3 + 2e-3 * 20 / 132)
+    assert training._merged_pair(10e-3, 2e-3, 0.0, False, h100, "shardlm") == 10e-3
+    floored = training._merged_pair(3e-3, 1e-3, 1e-3, True, h100, "deepep")
+    assert floored == pytest.approx(1e-3 + C.MOE_BLOCK_FLOOR_S)
+
+
+def test_the_overlap_holds_one_model_chunk_more():
+    """Megatron's overlapped warm-up runs one micro-batch more, so an interleaved first stage holds one
+    more model chunk (1/v of a stage's activations for a micro-batch) at its peak; without a pipeline
+    the merged pairs free one micro-batch's layers as they fill the other's: no more."""
+    from shardlm.plan.memory import training_activation_bytes
+
+    costs = ModelCosts(load_model("qwen3-30b-a3b")[0])
+    inter = Layout(dp=4, pp=4, ep=4, schedule="interleaved", virtual=2, zero=1, micro_batch=1, num_micro=8)
+    flight = 4 + 3 / 2  # p + (p - 1) / v stage-equivalents
+    plain, more = (training_activation_bytes(costs, inter, 4096, ep_overlap=o) for o in (False, True))
+    assert more - plain == pytest.approx(plain / flight / 2, rel=0.05)  # the routed pairs' share is not linear
+    flat = Layout(dp=16, ep=16, zero=1, micro_batch=1, num_micro=4)
+    assert training_activation_bytes(costs, flat, 4096, ep_overlap=True) == training_activation_bytes(costs, flat, 4096)
+
+
+def test_recomputing_mla_up_projections_frees_q_k_v_and_runs_them_again():
+    """``--recompute-mla-up`` (Megatron-Core's ``mla_up_proj``): DeepSeek-V3's attention keeps neither
+    Q nor K nor V (each layer's 2q + 4kv bytes a token, over tp) and its backward runs the two
+    up-projections again; the forward is unchanged, and full recomputation recomputes them anyway."""
+    from shardlm.plan.activations import layer_activation_bytes
+    from shardlm.plan.memory import layer_shape
+
+    costs = ModelCosts(load_model("deepseek-v3")[0])
+    kept, freed = (layer_shape(costs, True, mla_up=m) for m in (False, True))
+    assert not kept.mla_up_recomputed and freed.mla_up_recomputed
+    gap = layer_activation_bytes(kept, seq=4096, micro_batch=1, tp=2) - layer_activation_bytes(
+        freed, seq=4096, micro_batch=1, tp=2
+    )
+    assert gap == 4096 * (2 * kept.q_dim + 4 * kept.kv_dim) / 2
+    assert layer_shape(ModelCosts(load_model("qwen3-30b-a3b")[0]), True, mla_up=True).mla_up_recomputed is False
+    cluster = Cluster(gpu=load_gpu("b200"), num_gpus=256, gpus_per_node=8)
+    lay = Layout(dp=16, pp=16, ep=16, zero=1, micro_batch=1, num_micro=64)
+    wl = TrainWorkload(global_batch=1024, seq_len=4096, dtype="fp8", kernels="fused", dispatcher="deepep")
+    up = replace(wl, recompute_mla_up=True)
+    before, after = (training.evaluate(costs, cluster, lay, w) for w in (wl, up))
+    assert after.memory.activations < before.memory.activations
+    assert after.forward_s == before.forward_s and after.backward_s > before.backward_s
+    full = replace(lay, recompute="full")
+    assert (
+        training.evaluate(costs, cluster, full, up).backward_s == training.evaluate(costs, cluster, full, wl).backward_s
+    )
+
+
+def test_the_overlap_and_mla_flags_are_refused_where_they_do_nothing(capsys):
+    """Each flag is refused, naming the value, where the model or a pinned layout leaves it nothing
+    to do; a layout priced with either is marked: shardlm's trainer does neither."""
+    from shardlm.plan import cli
+    from shardlm.plan.planner import PlanRequest, plan
+
+    argv = ["--gpu", "h100-sxm", "--gpus", "16", "--train"]
+    cases = (
+        (["--model", "llama-3-8b", "--ep-overlap"], "the model has no experts"),
+        (["--model", "qwen3-30b-a3b", "--ep-overlap", "--ep", "1"], "but --ep 1 is pinned"),
+        (["--model", "qwen3-30b-a3b", "--ep-overlap", "--recompute", "full"], "but --recompute full is pinned"),
+        (["--model", "qwen3-30b-a3b", "--ep-overlap", "--pp", "2", "--schedule", "1f1b"], "only interleaved"),
+        (["--model", "qwen3-30b-a3b", "--recompute-mla-up"], "the model has none"),
+    )
+    for extra, why in cases:
+        assert cli.main([*argv, *extra]) == 2, extra
+        assert why in capsys.readouterr().err, extra
+    assert cli.main(["--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--gpus", "16", "--ep-overlap"]) == 2
+    assert "--ep-overlap is a training flag" in capsys.readouterr().err
+    wl = TrainWorkload(global_batch=64, seq_len=4096, ep_overlap=True)
+    res = plan(
+        PlanRequest(model="qwen3-30b-a3b", gpu="h100-sxm", gpus=16, train=True, training=wl, fixed=dict(ep=16, pp=1))
+    )
+    assert "the all-to-alls behind another micro-batch (--ep-overlap" in (res.not_as_modelled(res.best) or "")
