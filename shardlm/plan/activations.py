@@ -24,6 +24,10 @@ from dataclasses import dataclass
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation: none; selective (the attention core, §5, and for a gated MLP its
 activation, as shardlm's trainer recomputes it); full (the layer)."""
+RECOMPUTE_MODULES = ("mla_up_proj", "mlp")
+"""Megatron-Core's recompute modules a plan can add to its recomputation (``--recompute-modules``):
+latent attention's up-projections and a dense layer's MLP. Its ``core_attn`` and ``moe_act`` are
+what ``selective`` recomputes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +58,11 @@ class LayerShape:
     Engine; DeepSeek-V3 §3.3): the QKV, fc1 and down-projection inputs; the attention output
     projection keeps its FP8 copy beside the 16-bit output fused attention keeps."""
 
-    mla_up_recomputed: bool = False
-    """Latent attention's up-projections recomputed in backward (Megatron-Core's ``mla_up_proj``
-    recompute module): their outputs, the attention's Q, K and V, are freed after its forward (their
-    inputs, the latents, are kept as the products' saved inputs either way)."""
+    recomputed: frozenset[str] = frozenset()
+    """Megatron-Core's recompute modules this layer runs again in backward (``RECOMPUTE_MODULES``):
+    ``mla_up_proj`` frees latent attention's Q, K and V after its forward (the up-projections'
+    inputs, the latents, are kept as their saved inputs either way); ``mlp`` frees the MLP's
+    intermediate rows (its input, the fc1 input, is kept)."""
 
     @property
     def linear_in(self) -> int:
@@ -93,14 +98,13 @@ def layer_activation_bytes(
     replicated = sbh * (2 + linear_in + mask + 2 + linear_in + mask)
     # split by TP (Table 2 "24" units for GPT): Q, K, V, attention-output-proj input, MLP hidden
     sb = s * b
-    qkv = 0 if shape.mla_up_recomputed else 2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim
+    qkv = 0 if "mla_up_proj" in shape.recomputed else 2 * shape.q_dim + 2 * shape.kv_dim + 2 * shape.kv_dim
     split = sb * (qkv + 2 * shape.q_dim)
     if shape.fp8_inputs:  # the output projection's FP8 copy of the attention output
         split += sb * shape.q_dim
-    if shape.gated:
-        split += sb * shape.ffn * shape.gated_row_bytes(recompute)
-    else:  # fc1 output (GELU input) and GELU output (the fc2 input)
-        split += sb * shape.ffn * (2 + linear_in)
+    if "mlp" not in shape.recomputed:  # else the MLP's rows are made again in backward
+        # a gated MLP's rows (LayerShape.gated_row_bytes); fc1's output (GELU input) and GELU's (fc2's input)
+        split += sb * shape.ffn * (shape.gated_row_bytes(recompute) if shape.gated else 2 + linear_in)
     # attention core: softmax output (2), its dropout mask (1) and dropout output (2) -> 5as^2b;
     # fused attention: its log-sum-exp, 4 bytes per head and token
     if shape.flash:

@@ -41,7 +41,8 @@ TRAIN_ONLY = (
     "zero3_reduce",
     "tp_overlap",
     "ep_overlap",
-    "recompute_mla_up",
+    "recompute_modules",
+    "mtp",
     "grad_reduce",
 )
 INFER_ONLY = (
@@ -238,11 +239,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "recomputation; for comparing with such runs: shardlm's trainer waits for each)",
     )
     t.add_argument(
-        "--recompute-mla-up",
-        action="store_true",
-        default=None,
-        help="latent attention's up-projections recomputed in backward, as Megatron-Core's mla_up_proj "
-        "recompute module (DeepSeek-V3's recipes: less memory, more time; shardlm's trainer keeps them)",
+        "--recompute-modules",
+        metavar="M[,M]",
+        help="Megatron-Core recompute modules added to each layout's recomputation: mla_up_proj (latent "
+        "attention's up-projections, as DeepSeek-V3 trains) and mlp (a dense layer's MLP): less memory, more "
+        "time (shardlm's trainer keeps them)",
+    )
+    t.add_argument(
+        "--mtp",
+        type=int,
+        metavar="N",
+        help="multi-token-prediction modules trained after the model, each a projection, one decoder layer "
+        "and the LM head again on the last stage, as DeepSeek-V3 trains (1) and Megatron-Core's "
+        "--mtp-num-layers (default 0; shardlm's trainer predicts the next token only)",
     )
     t.add_argument(
         "--grad-reduce",
@@ -426,7 +435,8 @@ def build_request(args):
             grad_reduce=args.grad_reduce or "fp32",
             tp_overlap=bool(args.tp_overlap),
             ep_overlap=bool(args.ep_overlap),
-            recompute_mla_up=bool(args.recompute_mla_up),
+            recompute_modules=tuple(sorted(set(args.recompute_modules.split(",")))) if args.recompute_modules else (),
+            mtp=args.mtp or 0,
         )
         return PlanRequest(train=True, training=wl, **common)
 

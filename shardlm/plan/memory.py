@@ -74,8 +74,10 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool =
             b += n_moe * layer(costs.rank_layer(True, lay.tp, lay.ep, lay.etp))
         if s == 0:
             b += embed
-        if s == lay.pp - 1:
+        if s == lay.pp - 1:  # the final norm, the LM head, each multi-token-prediction module's
+            # projection (2h to h over tp) and its three norms (the layer's are in its kind)
             b += cfg.hidden_size * wide + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
+            b += costs.mtp * (2 * cfg.hidden_size * cfg.hidden_size / lay.tp + 3 * cfg.hidden_size) * wide
         best = max(best, b)
     return best
 
@@ -135,11 +137,12 @@ def layer_shape(
     *,
     kernels: str = "shardlm",
     dtype: str = "bf16",
-    mla_up: bool = False,
+    modules: frozenset[str] = frozenset(),
 ) -> LayerShape:
     """One layer's shape for the activation count; ``kernels`` "fused" keeps the gated activation's
-    input only, an FP8 ``dtype`` keeps the linear layers' inputs in FP8, ``mla_up`` recomputes latent
-    attention's up-projections (``LayerShape``)."""
+    input only, an FP8 ``dtype`` keeps the linear layers' inputs in FP8, ``modules`` are Megatron's
+    recompute modules (``LayerShape.recomputed``: those the layer has, up-projections where its
+    attention is latent, the MLP where it is dense)."""
     cfg = costs.cfg
     if cfg.is_mla:
         q_dim = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -159,7 +162,7 @@ def layer_shape(
         flash=fused_attention,
         fused_activation=kernels == "fused",
         fp8_inputs=dtype in FP8_KEEPS_AT,
-        mla_up_recomputed=mla_up and cfg.is_mla,
+        recomputed=frozenset(m for m in modules if (m == "mla_up_proj" and cfg.is_mla) or (m == "mlp" and not moe)),
     )
 
 
@@ -181,14 +184,14 @@ def training_activation_bytes(
     kernels: str = "shardlm",
     dtype: str = "bf16",
     ep_overlap: bool = False,
-    mla_up: bool = False,
+    modules: frozenset[str] = frozenset(),
 ) -> float:
     """Activations the first stage holds at its peak (Korthikanti et al. 2022 §4); ``ep_overlap``: under
     Megatron-Core's 1F1B all-to-all overlap, whose warm-up runs one model chunk more
     (``training.unmerged_passes``; its merged pairs free a micro-batch's layers as they fill another's)."""
     cfg = costs.cfg
     shape = {
-        moe: layer_shape(costs, moe, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up)
+        moe: layer_shape(costs, moe, fused_attention, kernels=kernels, dtype=dtype, modules=modules)
         for moe in (False, True)
     }
     s = seq // lay.cp
@@ -285,7 +288,7 @@ def training_memory(
     kernels: str = "shardlm",
     dtype: str = "bf16",
     ep_overlap: bool = False,
-    mla_up: bool = False,
+    modules: frozenset[str] = frozenset(),
 ) -> MemoryBreakdown:
     params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
     cfg = costs.cfg
@@ -306,7 +309,7 @@ def training_memory(
         gradients=dense_states.gradients + expert_states.gradients,
         optimizer=0.0 if lay.offload else dense_states.optimizer + expert_states.optimizer,  # offload: on the host
         activations=_peak_activations(
-            costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, ep_overlap=ep_overlap, mla_up=mla_up
+            costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, ep_overlap=ep_overlap, modules=modules
         ),
         comm_buffers=comm,
         reserve=reserve,
@@ -322,7 +325,7 @@ def _peak_activations(
     kernels: str,
     dtype: str,
     ep_overlap: bool,
-    mla_up: bool,
+    modules: frozenset[str],
 ) -> float:
     """The larger of the first stage's activations at its peak and the last stage's: its layers'
     activations for the micro-batches in flight there (1F1B and ZB-H1: one, its backward follows
@@ -330,7 +333,7 @@ def _peak_activations(
     more under the all-to-all overlap), the float32 softmax each of those keeps for the loss's
     backward, and one loss's working set."""
     first = training_activation_bytes(
-        costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up, ep_overlap=ep_overlap
+        costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, modules=modules, ep_overlap=ep_overlap
     )
     if lay.pp == 1:
         return first + loss_bytes(costs, lay, seq)
@@ -338,9 +341,12 @@ def _peak_activations(
     flight = {"gpipe": lay.num_micro, "interleaved": ((v - 1) * p + 1) / v}.get(lay.schedule, 1)
     flight += 1 / v if ep_overlap else 0.0
     one = replace(lay, pp=1, num_micro=1)
-    per_layer = training_activation_bytes(costs, one, seq, fused_attention, kernels=kernels, dtype=dtype, mla_up=mla_up)
-    per_layer /= costs.cfg.num_layers
+    per_layer = training_activation_bytes(
+        costs, one, seq, fused_attention, kernels=kernels, dtype=dtype, modules=modules
+    )
+    per_layer /= sum(costs.stage_kinds(1)[0])  # the layers, the multi-token-prediction modules' too
     last_layers = sum(costs.stage_kinds(lay.pp)[-1])
     loss = loss_bytes(costs, lay, seq)
     softmax = loss * C.FP32_BYTES / LOSS_BYTES_PER_LOGIT  # kept per micro-batch until its backward
-    return max(first, flight * (per_layer * last_layers + softmax) + loss - softmax)
+    kept = (1 + costs.mtp) * softmax  # and each multi-token-prediction module's
+    return max(first, flight * (per_layer * last_layers + kept) + loss - softmax)

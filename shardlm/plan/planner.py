@@ -82,7 +82,10 @@ class Plan:
         """Why shardlm cannot run this result's layout yet (None: it can; ``runnable.py``)."""
         req = self.request
         split = res.split.prefill_replicas if getattr(res, "split", None) is not None else 0  # pinned or searched
-        return not_runnable(self.cfg, res.layout, train=req.train, dtype=self._work().dtype, prefill_replicas=split)
+        mtp = getattr(self._work(), "mtp", 0)  # training's multi-token-prediction modules
+        return not_runnable(
+            self.cfg, res.layout, train=req.train, dtype=self._work().dtype, prefill_replicas=split, mtp=mtp
+        )
 
     def not_as_modelled(self, res) -> str | None:
         """Why shardlm runs this result's layout, but not as the workload prices it: without a peer's

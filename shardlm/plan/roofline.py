@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 
 from shardlm.models.config import ModelConfig
-from shardlm.parallel.pipeline import stage_layers
+from shardlm.parallel.pipeline import partition_layers, stage_layers
 from shardlm.plan import constants as C
 from shardlm.plan.hardware import GpuSpec
 from shardlm.plan.shard import (
@@ -338,10 +338,23 @@ def layer_work(
 class ModelCosts:
     """Caches the rank shares of a model per (tp, ep, etp) so the search stays fast."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mtp: int = 0):
         self.cfg = cfg
+        self.mtp = mtp
+        """Multi-token-prediction modules trained after the model (``TrainWorkload.mtp``), on the last
+        stage: each one decoder layer of the last layer's kind (``stage_kinds``), a projection of the
+        two hidden states it joins and the LM head again."""
         self._rl: dict[tuple, RankLayer] = {}
         self._stages: dict[int, list[tuple[int, int]]] = {}
+        self._with_mtp: dict[int, ModelCosts] = {}
+
+    def with_mtp(self, mtp: int) -> ModelCosts:
+        """These costs with ``mtp`` multi-token-prediction modules (self where it already has them)."""
+        if mtp == self.mtp:
+            return self
+        if mtp not in self._with_mtp:
+            self._with_mtp[mtp] = ModelCosts(self.cfg, mtp)
+        return self._with_mtp[mtp]
 
     def rank_layer(self, moe: bool, tp: int, ep: int = 1, etp: int = 1) -> RankLayer:
         key = (moe, tp, ep, etp)
@@ -351,14 +364,41 @@ class ModelCosts:
         return self._rl[key]
 
     def stage_kinds(self, pp: int) -> list[tuple[int, int]]:
-        """(dense layers, MoE layers) per pipeline stage."""
+        """(dense layers, MoE layers) per pipeline stage, split as shardlm's engine splits them
+        (``stage_layers``); with multi-token-prediction modules (``mtp``: each a layer of the last
+        layer's kind, as DeepSeek-V3's) on the last stage, split to balance each stage's products a
+        token with the LM head and the modules on the last (``_mtp_split``), as the runs that train
+        them lay their pipelines out (Megatron-Core's ``--pipeline-model-parallel-layout``)."""
         if pp not in self._stages:
             out = []
-            for layers in stage_layers(self.cfg, pp):
+            for layers in self._mtp_split(pp) if self.mtp else stage_layers(self.cfg, pp):
                 moe = sum(1 for i in layers if is_moe_layer(self.cfg, i))
                 out.append((len(layers) - moe, moe))
+            dense, moe = out[-1]
+            last_moe = is_moe_layer(self.cfg, self.cfg.num_layers - 1)
+            out[-1] = (dense + (0 if last_moe else self.mtp), moe + (self.mtp if last_moe else 0))
             self._stages[pp] = out
         return self._stages[pp]
+
+    def _mtp_split(self, pp: int) -> list[range]:
+        """The layers of each stage balancing each one's products a token (a layer's attention, dense
+        MLP, router and top-k experts; the LM head's; each multi-token-prediction module's layer,
+        projection of 2h to h and LM head) with the head and the modules on the last stage."""
+        cfg = self.cfg
+
+        def products(layer: int) -> float:
+            rl = rank_layer(cfg, layer, tp=1)
+            return rl.attn + rl.dense + rl.router + min(cfg.num_experts_per_tok, rl.experts) * rl.expert_params
+
+        head = cfg.vocab_size * cfg.hidden_size
+        module = products(cfg.num_layers - 1) + 2 * cfg.hidden_size**2 + head
+        work = [products(i) for i in range(cfg.num_layers)]
+        counts = [len(r) for r in partition_layers(work, pp, last_extra=head + self.mtp * module)]
+        # where stages before the last differ by a layer, the later ones take it: they hold fewer
+        # micro-batches in flight (the layers' products are alike, so the costliest stage is the same)
+        counts[:-1] = sorted(counts[:-1])
+        starts = [sum(counts[:s]) for s in range(pp)]
+        return [range(a, a + n) for a, n in zip(starts, counts)]
 
     @cached_property
     def kept(self) -> Kept16:

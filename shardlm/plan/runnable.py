@@ -19,12 +19,14 @@ from shardlm.plan.layout import Layout
 from shardlm.plan.training import ep_overlaps
 
 
-def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas: int = 0) -> str | None:
+def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas: int = 0, mtp: int = 0) -> str | None:
     """Why shardlm cannot run ``lay`` for ``cfg`` yet (None: it can); ``prefill_replicas``: served
-    disaggregated (``serve --prefill-replicas``)."""
+    disaggregated (``serve --prefill-replicas``); ``mtp``: trained with multi-token-prediction modules."""
     if cfg.family not in RUNTIME_FAMILIES:  # models/config.py check_supported
         return f"the {cfg.family} architecture (shardlm runs {', '.join(RUNTIME_FAMILIES)})"
     if train:
+        if mtp:  # train/loss.py: the next token's cross-entropy only
+            return f"{mtp} multi-token-prediction module(s) (--mtp; shardlm's trainer predicts the next token only)"
         if lay.sp and (cfg.is_moe or cfg.is_mla):  # models/transformer.py
             return "sequence parallelism with MoE or latent-attention layers"
         if lay.cp > 1 and cfg.is_mla:  # train/trainer.py check_trainable
@@ -48,7 +50,7 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
     """The faster mechanism ``work`` prices ``lay`` with that shardlm lacks, so that it runs the
     layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
     (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--ep-overlap``,
-    ``--recompute-mla-up``, ``--dispatcher deepep``, ``--kernels fused``)."""
+    ``--recompute-modules``, ``--dispatcher deepep``, ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
     if train and lay.tp > 1 and lay.sp and work.tp_overlap:  # parallel/tensor.py waits for each collective
@@ -57,8 +59,8 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"
     if train and ep_overlaps(cfg, lay, work):  # parallel/expert.py: each trip waited for
         return "the all-to-alls behind another micro-batch (--ep-overlap; shardlm's trainer waits for each)"
-    if train and work.recompute_mla_up and cfg.is_mla and lay.recompute != "full":  # models/: kept for backward
-        return "latent attention's up-projections recomputed (--recompute-mla-up; shardlm's trainer keeps them)"
+    if train and work.recompute_modules and lay.recompute != "full":  # train/trainer.py: none, selective or full
+        return f"{','.join(work.recompute_modules)} recomputed (--recompute-modules; shardlm's trainer keeps them)"
     if work.dispatcher == "deepep" and cfg.is_moe and dispatch_priced_apart(cfg, lay, cluster):  # parallel/expert.py
         return "DeepEP's token-based dispatch (--dispatcher deepep; shardlm sends every (token, expert) pair)"
     if train and work.kernels == "fused":  # traffic.py: shardlm's eager kernels' bytes

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
+from shardlm.plan.activations import RECOMPUTE_MODULES
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
@@ -124,11 +125,17 @@ class TrainWorkload:
     merged with another micro-batch's backward on two streams (``_merged_pair``); Megatron allows it
     at ep > 1, with pp > 1 only interleaved and without full recomputation (``ep_overlaps``), and
     other layouts are priced without it. False: each trip waited for, as shardlm's trainer does."""
-    recompute_mla_up: bool = False
-    """Latent attention's up-projections recomputed in backward, as Megatron-Core's ``mla_up_proj``
-    recompute module (DeepSeek-V3's recipes): their outputs (Q, K, V) not kept, their products run
-    again in each backward (``_mla_up_work``); layouts under full recomputation recompute them anyway.
-    False: kept, as shardlm's trainer does."""
+    recompute_modules: tuple[str, ...] = ()
+    """Megatron-Core's recompute modules added to each layout's recomputation (``RECOMPUTE_MODULES``):
+    ``mla_up_proj``, latent attention's up-projections (DeepSeek-V3's own training and recipes), and
+    ``mlp``, a dense layer's MLP: their outputs not kept (``LayerShape.recomputed``), their products
+    run again in each backward (``_recomputed_work``); layouts under full recomputation recompute them
+    anyway. Empty: kept, as shardlm's trainer does."""
+    mtp: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3 §2.2, its ``num_nextn_predict_layers``; Megatron-Core's
+    ``--mtp-num-layers``), each on the last stage: a projection of the hidden state joined with the next
+    token's embedding, one decoder layer of the last layer's kind and the LM head and loss again
+    (``ModelCosts.mtp``). 0: next-token prediction only, as shardlm's trainer runs."""
 
     def __post_init__(self) -> None:
         comm.check_dispatcher(self.dispatcher)
@@ -142,6 +149,13 @@ class TrainWorkload:
                 f"grad_reduce={self.grad_reduce!r} is not one of {', '.join(GRAD_REDUCE_BYTES)} (fp32: as "
                 "shardlm's trainer; bf16: as Megatron-LM's --grad-reduce-in-bf16)"
             )
+        if unknown := sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES)):
+            raise PlanError(
+                f"--recompute-modules {','.join(unknown)}: the planner adds {', '.join(RECOMPUTE_MODULES)} "
+                "(Megatron-Core's core_attn and moe_act are --recompute selective)"
+            )
+        if not isinstance(self.mtp, int) or self.mtp < 0:
+            raise PlanError(f"--mtp {self.mtp!r} must be a whole number of modules >= 0, e.g. 1 (DeepSeek-V3's)")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise PlanError(f"--prefetch {self.prefetch!r} must be a whole number of layers >= 0, e.g. 1 (0: off)")
 
@@ -173,6 +187,7 @@ class TrainResult:
 
 
 def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
+    costs = costs.with_mtp(wl.mtp)
     cfg, gpu = costs.cfg, cluster.gpu
     cap = gpu.memory_bytes
     mem = training_memory(
@@ -187,7 +202,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         kernels=wl.kernels,
         dtype=wl.dtype,
         ep_overlap=ep_overlaps(cfg, lay, wl),
-        mla_up=wl.recompute_mla_up,
+        modules=frozenset(wl.recompute_modules),
     )
     if mem.total > cap:
         return TrainResult(layout=lay, memory=mem, fits=False, shortfall_bytes=mem.total - cap)
@@ -319,8 +334,8 @@ def _stage(
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
         t_back = dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype)
-        if wl.recompute_mla_up and cfg.is_mla and lay.recompute != "full":
-            t_back += _mla_up_work(cfg, rl, tokens, w, k_half).time(gpu, wl.dtype)
+        if wl.recompute_modules and lay.recompute != "full":
+            t_back += _recomputed_work(cfg, rl, moe, wl.recompute_modules, tokens, w, k_half).time(gpu, wl.dtype)
         b_comp += n * t_back
         f_attn += n * t_attn
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
@@ -366,11 +381,13 @@ def _stage(
             attention = t_mm + t_attn + mem_f + tp_lf + cp_l + trip - block_f  # the forward's, before its block
             hidden += n * (apart - _merged_pair(rest, 2 * trip, attention, floored, gpu, wl.dispatcher))
     head_f = head_b = 0.0  # the LM head and loss (never recomputed)
-    if stage == lay.pp - 1:  # over every token
-        vocab = costs.vocab_rows(lay.tp)
-        head_work = Work(flops=2 * tokens * vocab * cfg.hidden_size, bytes=vocab * cfg.hidden_size * a, gemms=1)
-        head = head_work.time(gpu, high)
-        ends = tokens * moved.ends_per_token(vocab, cfg.hidden_size) / gpu.mem_Bps
+    if stage == lay.pp - 1:  # over every token, once more a multi-token-prediction module, each of which
+        # also projects the hidden state joined with the next token's embedding (2h to h, split over tp)
+        vocab, h, heads = costs.vocab_rows(lay.tp), cfg.hidden_size, 1 + costs.mtp
+        head_work = Work(flops=2 * tokens * vocab * h, bytes=vocab * h * a, gemms=1)
+        joins = Work(flops=2 * tokens * 2 * h * h / lay.tp, bytes=2 * h * h / lay.tp * w, gemms=1)
+        head = heads * head_work.time(gpu, high) + costs.mtp * joins.time(gpu, wl.dtype)
+        ends = heads * tokens * moved.ends_per_token(vocab, h) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
     layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c + f_floor  # the decoder layers' forward
@@ -397,17 +414,22 @@ def _merged_pair(rest: float, trips: float, attention: float, floored: bool, gpu
     return max(pair, attention + C.MOE_BLOCK_FLOOR_S) if floored else pair
 
 
-def _mla_up_work(cfg, rl, tokens: float, w_bytes: int, k_half: float) -> Work:
-    """Latent attention's up-projections (the query's from its latent, the keys' and values' from
-    theirs; ``shard.gemm_shapes``) over ``tokens``, run again in backward under ``recompute_mla_up``,
-    each at its inner dimension's efficiency (``k_efficiency``)."""
-    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    ups = [(cfg.kv_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))]
-    ups += [(cfg.q_lora_rank, rl.q_heads * qk)] if cfg.q_lora_rank else []
+def _recomputed_work(cfg, rl, moe: bool, modules, tokens: float, w_bytes: int, k_half: float) -> Work:
+    """The products of a layer's recompute ``modules`` (``TrainWorkload.recompute_modules``) over
+    ``tokens``, run again in backward, each at its inner dimension's efficiency (``k_efficiency``):
+    latent attention's up-projections (the query's from its latent, the keys' and values' from
+    theirs) and a dense layer's MLP (``shard.gemm_shapes``)."""
+    products = []
+    if "mla_up_proj" in modules and cfg.is_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        products += [(cfg.kv_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))]
+        products += [(cfg.q_lora_rank, rl.q_heads * qk)] if cfg.q_lora_rank else []
+    if "mlp" in modules and not moe:
+        products += gemm_shapes(cfg, rl)["dense"]
     return Work(
-        flops=2 * tokens * sum(k * n / k_efficiency(k, k_half) for k, n in ups),
-        bytes=sum(k * n for k, n in ups) * w_bytes + tokens * sum(k + n for k, n in ups) * C.BF16_BYTES,
-        gemms=len(ups),
+        flops=2 * tokens * sum(k * n / k_efficiency(k, k_half) for k, n in products),
+        bytes=sum(k * n for k, n in products) * w_bytes + tokens * sum(k + n for k, n in products) * C.BF16_BYTES,
+        gemms=len(products),
     )
 
 
@@ -437,9 +459,14 @@ def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
             f"--ep-overlap runs a pipeline only interleaved (as Megatron-Core requires), but --schedule "
             f"{fixed['schedule']} is pinned with --pp {fixed['pp']}; pin --vpp N or drop --schedule"
         )
-    if wl.recompute_mla_up and not cfg.is_mla:
+    if "mla_up_proj" in wl.recompute_modules and not cfg.is_mla:
         raise PlanError(
-            "--recompute-mla-up recomputes latent attention's up-projections, but the model has none; drop it"
+            "--recompute-modules mla_up_proj recomputes latent attention's up-projections, but the model has "
+            "none; drop it"
+        )
+    if "mlp" in wl.recompute_modules and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        raise PlanError(
+            "--recompute-modules mlp recomputes a dense layer's MLP, but every layer of the model is MoE; drop it"
         )
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from shardlm.plan import comm, inference, training
 from shardlm.plan.catalog import load_model
+from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster, load_gpu
 from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import Layout
@@ -315,32 +316,78 @@ def test_the_overlap_holds_one_model_chunk_more():
     assert training_activation_bytes(costs, flat, 4096, ep_overlap=True) == training_activation_bytes(costs, flat, 4096)
 
 
-def test_recomputing_mla_up_projections_frees_q_k_v_and_runs_them_again():
-    """``--recompute-mla-up`` (Megatron-Core's ``mla_up_proj``): DeepSeek-V3's attention keeps neither
-    Q nor K nor V (each layer's 2q + 4kv bytes a token, over tp) and its backward runs the two
-    up-projections again; the forward is unchanged, and full recomputation recomputes them anyway."""
+def test_recompute_modules_free_their_outputs_and_run_their_products_again():
+    """``--recompute-modules`` (Megatron-Core's): ``mla_up_proj`` keeps neither Q nor K nor V of
+    DeepSeek-V3's latent attention (each layer's 2q + 4kv bytes a token, over tp), ``mlp`` none of a
+    dense layer's MLP rows (an MoE layer's shared experts are another module); each one's products run
+    again in backward, the forward unchanged; full recomputation recomputes them anyway."""
     from shardlm.plan.activations import layer_activation_bytes
     from shardlm.plan.memory import layer_shape
 
     costs = ModelCosts(load_model("deepseek-v3")[0])
-    kept, freed = (layer_shape(costs, True, mla_up=m) for m in (False, True))
-    assert not kept.mla_up_recomputed and freed.mla_up_recomputed
+    both = frozenset({"mla_up_proj", "mlp"})
+    assert layer_shape(costs, True, modules=both).recomputed == {"mla_up_proj"}
+    assert layer_shape(costs, False, modules=both).recomputed == both
+    kept, freed = layer_shape(costs, True), layer_shape(costs, True, modules=both)
     gap = layer_activation_bytes(kept, seq=4096, micro_batch=1, tp=2) - layer_activation_bytes(
         freed, seq=4096, micro_batch=1, tp=2
     )
     assert gap == 4096 * (2 * kept.q_dim + 4 * kept.kv_dim) / 2
-    assert layer_shape(ModelCosts(load_model("qwen3-30b-a3b")[0]), True, mla_up=True).mla_up_recomputed is False
+    dense, no_mlp = layer_shape(costs, False), layer_shape(costs, False, modules=frozenset({"mlp"}))
+    gap = layer_activation_bytes(dense, seq=4096, micro_batch=1) - layer_activation_bytes(
+        no_mlp, seq=4096, micro_batch=1
+    )
+    assert gap == 4096 * dense.ffn * dense.gated_row_bytes("none")
+    qwen = ModelCosts(load_model("qwen3-30b-a3b")[0])
+    assert layer_shape(qwen, True, modules=both).recomputed == frozenset()
     cluster = Cluster(gpu=load_gpu("b200"), num_gpus=256, gpus_per_node=8)
     lay = Layout(dp=16, pp=16, ep=16, zero=1, micro_batch=1, num_micro=64)
     wl = TrainWorkload(global_batch=1024, seq_len=4096, dtype="fp8", kernels="fused", dispatcher="deepep")
-    up = replace(wl, recompute_mla_up=True)
-    before, after = (training.evaluate(costs, cluster, lay, w) for w in (wl, up))
-    assert after.memory.activations < before.memory.activations
-    assert after.forward_s == before.forward_s and after.backward_s > before.backward_s
+    before = training.evaluate(costs, cluster, lay, wl)
+    first = training._stage(costs, cluster, lay, wl, 0, 4096.0, 2)  # the stage with the dense layers
+    for modules in (("mla_up_proj",), ("mlp",)):
+        recomputed = replace(wl, recompute_modules=modules)
+        assert training.evaluate(costs, cluster, lay, recomputed).memory.activations < before.memory.activations
+        again = training._stage(costs, cluster, lay, recomputed, 0, 4096.0, 2)
+        assert again[0] == first[0] and again[1] > first[1], modules
     full = replace(lay, recompute="full")
+    up = replace(wl, recompute_modules=("mla_up_proj", "mlp"))
     assert (
         training.evaluate(costs, cluster, full, up).backward_s == training.evaluate(costs, cluster, full, wl).backward_s
     )
+
+
+def test_multi_token_prediction_modules_sit_on_a_balanced_last_stage():
+    """``--mtp N`` (DeepSeek-V3's multi-token prediction): each module is one more layer of the last
+    layer's kind, a projection and the LM head again, on the last stage; the layers are split so that
+    no stage's products a token exceed the least possible, the last stage taking fewer (DeepSeek-V3 at
+    pp8: 4 layers and the module), ties going to later stages. It costs time and the last stage's
+    weights, and shardlm's trainer does not run it."""
+    from shardlm.plan.memory import weight_bytes
+    from shardlm.plan.runnable import not_runnable
+
+    cfg = load_model("deepseek-v3")[0]
+    plain = ModelCosts(cfg)
+    mtp = plain.with_mtp(1)
+    assert plain.with_mtp(0) is plain and plain.with_mtp(1) is mtp and mtp.mtp == 1
+    kinds = mtp.stage_kinds(8)
+    assert kinds == [(3, 5), (0, 8), (0, 8), (0, 8), (0, 8), (0, 8), (0, 9), (0, 5)]
+    assert sum(n for k in kinds for n in k) == cfg.num_layers + 1
+    assert plain.stage_kinds(8)[-1][1] + 1 > kinds[-1][1]  # the module's stage gave layers away
+    lay = Layout(dp=16, pp=8, ep=16, zero=1, micro_batch=1, num_micro=64)
+    h = cfg.hidden_size
+    assert (
+        weight_bytes(mtp, replace(lay, pp=1, dp=128), 2) - weight_bytes(plain, replace(lay, pp=1, dp=128), 2)
+        > 2 * h * h * 2
+    )
+    cluster = Cluster(gpu=load_gpu("b200"), num_gpus=128, gpus_per_node=8)
+    wl = TrainWorkload(global_batch=1024, seq_len=4096, dtype="fp8", kernels="fused", dispatcher="deepep")
+    one = training.evaluate(plain, cluster, replace(lay, recompute="full"), wl)
+    two = training.evaluate(plain, cluster, replace(lay, recompute="full"), replace(wl, mtp=1))
+    assert one.fits and two.fits and two.step_s > one.step_s
+    assert not_runnable(cfg, lay, train=True, dtype="fp32", mtp=1).startswith("1 multi-token-prediction module")
+    with pytest.raises(PlanError, match="--mtp -1 must be a whole number"):
+        TrainWorkload(global_batch=8, seq_len=128, mtp=-1)
 
 
 def test_the_overlap_and_mla_flags_are_refused_where_they_do_nothing(capsys):
@@ -355,7 +402,12 @@ def test_the_overlap_and_mla_flags_are_refused_where_they_do_nothing(capsys):
         (["--model", "qwen3-30b-a3b", "--ep-overlap", "--ep", "1"], "but --ep 1 is pinned"),
         (["--model", "qwen3-30b-a3b", "--ep-overlap", "--recompute", "full"], "but --recompute full is pinned"),
         (["--model", "qwen3-30b-a3b", "--ep-overlap", "--pp", "2", "--schedule", "1f1b"], "only interleaved"),
-        (["--model", "qwen3-30b-a3b", "--recompute-mla-up"], "the model has none"),
+        (["--model", "qwen3-30b-a3b", "--recompute-modules", "mla_up_proj"], "the model has none"),
+        (["--model", "qwen3-30b-a3b", "--recompute-modules", "mlp"], "every layer of the model is MoE"),
+        (
+            ["--model", "deepseek-v3", "--recompute-modules", "moe_act"],
+            "core_attn and moe_act are --recompute selective",
+        ),
     )
     for extra, why in cases:
         assert cli.main([*argv, *extra]) == 2, extra

@@ -73,7 +73,8 @@ class Row:
     grad_reduce: str = "fp32"  # the dtype the source's gradients crossed dp in (training.GRAD_REDUCE_BYTES)
     tp_overlap: bool = False  # the source pipelined TP's collectives with its GEMMs (--tp-overlap)
     ep_overlap: bool = False  # the source hid the MoE trip behind another micro-batch (--ep-overlap)
-    recompute_mla_up: bool = False  # the source recomputed MLA's up-projections (--recompute-mla-up)
+    recompute_modules: tuple[str, ...] = ()  # Megatron's recompute modules beyond --recompute (--recompute-modules)
+    mtp: int = 0  # multi-token-prediction modules the source trained (--mtp)
     gpus_per_node: int | None = None  # GPUs of the job that share an NVLink domain (None: the catalog's node)
 
 
@@ -94,13 +95,13 @@ def _gpt(h: int, heads: int, layers: int, gpus: int, batch: int, tflops: float, 
                tflops, "TFLOP/s/GPU", {**pins, **kw}, batch, fused_attention=False)  # fmt: skip
 
 
-MCORE_REPORT_ROWS = (  # what, model, GPU, GPUs, dtype, global batch, micro-batch, tp, pp, vp, ep, recompute, 1F1B overlap, tokens/s/GPU
-    ("DeepSeek-V3, 1,024 H100s, FP8, tp2 pp8 vp4 ep64, DeepEP", "deepseek-v3", "h100-sxm", 1024, "fp8", 8192, 1, 2, 8, 4, 64, "none", True, 1_412),
-    ("DeepSeek-V3, 256 GB200s, BF16, pp8 vp4 ep32, HybridEP", "deepseek-v3", "gb200", 256, "bf16", 4096, 1, 1, 8, 4, 32, "none", False, 3_298),
-    ("Qwen3-235B, 256 GB200s, BF16, pp4 vp12 ep32, HybridEP", "qwen3-235b-a22b", "gb200", 256, "bf16", 8192, 1, 1, 4, 12, 32, "selective", True, 5_100),
-    ("DeepSeek-V3, 256 GB300s, MXFP8, pp4 vp4 ep64, HybridEP", "deepseek-v3", "gb300", 256, "fp8", 8192, 1, 1, 4, 4, 64, "none", True, 4_730),
-    ("Qwen3-235B, 256 GB300s, MXFP8, pp4 vp6 ep64 mb2, HybridEP", "qwen3-235b-a22b", "gb300", 256, "fp8", 3072, 2, 1, 4, 6, 64, "none", False, 6_583),
-    ("Qwen3-235B, 256 H100s, BF16, tp2 pp8 vp4 ep32, DeepEP", "qwen3-235b-a22b", "h100-sxm", 256, "bf16", 2048, 1, 2, 8, 4, 32, "selective", True, 2_132),
+MCORE_REPORT_ROWS = (  # what, model, GPU, GPUs, dtype, global batch, micro-batch, tp, pp, vp, ep, recompute, its modules, 1F1B overlap, tokens/s/GPU
+    ("DeepSeek-V3, 1,024 H100s, FP8, tp2 pp8 vp4 ep64, DeepEP", "deepseek-v3", "h100-sxm", 1024, "fp8", 8192, 1, 2, 8, 4, 64, "none", "mla_up_proj,mlp", True, 1_412),
+    ("DeepSeek-V3, 256 GB200s, BF16, pp8 vp4 ep32, HybridEP", "deepseek-v3", "gb200", 256, "bf16", 4096, 1, 1, 8, 4, 32, "none", "mlp", False, 3_298),
+    ("Qwen3-235B, 256 GB200s, BF16, pp4 vp12 ep32, HybridEP", "qwen3-235b-a22b", "gb200", 256, "bf16", 8192, 1, 1, 4, 12, 32, "selective", "", True, 5_100),
+    ("DeepSeek-V3, 256 GB300s, MXFP8, pp4 vp4 ep64, HybridEP", "deepseek-v3", "gb300", 256, "fp8", 8192, 1, 1, 4, 4, 64, "none", "", True, 4_730),
+    ("Qwen3-235B, 256 GB300s, MXFP8, pp4 vp6 ep64 mb2, HybridEP", "qwen3-235b-a22b", "gb300", 256, "fp8", 3072, 2, 1, 4, 6, 64, "none", "", False, 6_583),
+    ("Qwen3-235B, 256 H100s, BF16, tp2 pp8 vp4 ep32, DeepEP", "qwen3-235b-a22b", "h100-sxm", 256, "bf16", 2048, 1, 2, 8, 4, 32, "selective", "", True, 2_132),
 )  # fmt: skip
 """The Megatron-Core MoE report's rows on GPUs the catalog holds (ROWS below says what each ran)."""
 
@@ -254,7 +255,8 @@ ROWS += [
         seq_len=4096,
         dtype="fp8",
         dispatcher="deepep",  # a token over IB once per node, at most 4 (§3.2.2), DeepEP's origin
-        recompute_mla_up=True,  # "we recompute all RMSNorm operations and MLA up-projections" (§3.2.3)
+        recompute_modules=("mla_up_proj",),  # "we recompute all RMSNorm operations and MLA up-projections" (§3.2.3)
+        mtp=1,  # "we set D to 1" (§2.2, §4.2)
     ),
     # Mixtral 8x7B: "With MCore v0.9, we've achieved remarkable performance of 468 TFLOPS for Mixtral
     # 8X7B bf16 training" (https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/transformer/moe/README.md),
@@ -281,9 +283,10 @@ ROWS += [
     # step time; tokens/s per GPU = 2048 x 4096 / (step x 256). Recompute "norm, act" (layernorm and
     # the MoE activation) is pinned as the planner's selective (the attention core and the gated
     # activation); ETP 1. Interleaving 94 layers over pp8 x vpp4 or pp32 x vpp3 takes uneven chunks
-    # (Megatron's pipeline layouts; a pinned --vpp allows them). The "+1f1b overlap" row hides the all-to-all behind another micro-batch's
-    # compute, which the planner does not model (as DualPipe). Qwen3-Next-80B-A3B (linear attention) is
-    # not a preset and is left out.
+    # (Megatron's pipeline layouts; a pinned --vpp allows them). The "+1f1b overlap" row hides the
+    # all-to-all behind another micro-batch's compute (--ep-overlap; the pair's gain is checked in
+    # test_the_overlap_gain_is_priced_as_measured). Qwen3-Next-80B-A3B (linear attention) is not a
+    # preset and is left out.
     *(
         Row(
             QWEN3_MCORE,
@@ -365,8 +368,8 @@ ROWS += [
     # (grad_reduce_in_fp32 = False), no recomputation; the MoE row's token dispatcher all-to-all (no
     # DeepEP) with forced-balanced routing ("In MoE training benchmarks, we force-balance the token
     # distribution among experts"); the 70B and 405B rows overlap TP's collectives with the GEMMs
-    # (tp_comm_overlap, userbuffers: --tp-overlap), the MoE row does not (tp_comm_overlap=False). Not
-    # modelled and so priced exposed: the MoE row's all-to-all overlap (overlap_moe_expert_parallel_comm). Llama 3 8B's row (FSDP in the table) ran Megatron-FSDP
+    # (tp_comm_overlap, userbuffers: --tp-overlap), the MoE row does not (tp_comm_overlap=False) but
+    # overlaps its all-to-all (overlap_moe_expert_parallel_comm: --ep-overlap). Llama 3 8B's row (FSDP in the table) ran Megatron-FSDP
     # (optim_grads_params) before 2025-11-21 and plain DDP with 5 of 32 layers recomputed after; the
     # table's FSDP is pinned. GPT-OSS 120B (attention sinks, alternating windows) and Qwen3-30B-A3B
     # (its table row's micro-batch and interleaving differ from the tagged recipe) are left out.
@@ -400,9 +403,9 @@ ROWS += [
     # and Qwen3 rows ran layouts or batches no v0.2.x config holds). FP8: current scaling for Llama,
     # MXFP8 (32-element blocks) for the MoE rows; no recomputation pinned: the 8B rows capture the
     # whole step in CUDA graphs and keep every activation, the 405B row overlaps TP (userbuffers),
-    # DeepSeek-V3's recomputes only MLA's up-projections (not a planner option: none pinned) and
-    # carries its MTP layer (not in the preset); the MoE rows dispatch all-to-all (no DeepEP) with
-    # forced-balanced routing, and Qwen3's overlaps it (not modelled). Qwen3's table row says VP2,
+    # DeepSeek-V3's recomputes only MLA's up-projections (--recompute-modules mla_up_proj) and
+    # carries its MTP layer (--mtp 1); the MoE rows dispatch all-to-all (no DeepEP) with
+    # forced-balanced routing, and Qwen3's overlaps it (--ep-overlap). Qwen3's table row says VP2,
     # its tagged recipe VP4: the table's is pinned.
     *(
         _tok_s(
@@ -425,7 +428,8 @@ ROWS += [
             grad_reduce="bf16",
             tp_overlap=tp > 1,
             ep_overlap=model.startswith("qwen3"),
-            recompute_mla_up=model == "deepseek-v3",
+            recompute_modules=("mla_up_proj",) if model == "deepseek-v3" else (),
+            mtp=int(model == "deepseek-v3"),  # the recipes' MTP layer (mtp_num_layers 1)
         )
         for what, model, gpu, gpus, gbs, seq, mb, tp, pp, cp, vp, ep, tok_s in (
             ("GB200: Llama 3 8B, 8 GPUs, mb2", "llama-3-8b", "gb200", 8, 128, 8192, 2, 1, 1, 1, 1, 1, 31_508),
@@ -438,11 +442,11 @@ ROWS += [
     # The same summary five months on (its archive, "26.04.01 NeMo Container"), the MoE rows on GPUs the
     # catalog holds, each with its recipe at the release tag v0.4.2 (scripts/performance/configs/
     # {qwen,deepseek}/*_workload_base_configs.py, the "V2" variants the table ran): no recomputation
-    # but DeepSeek-V3's (MLA's up-projections and its MLPs: not planner options, none pinned),
-    # gradients reduced in bf16, forced-balanced routing. Qwen3 on H100: the all-to-all dispatcher,
-    # its overlap on (moe_a2a_overlap, not modelled: priced exposed); Qwen3 on B200: the all-to-all
+    # but DeepSeek-V3's (MLA's up-projections and its MLPs: --recompute-modules mla_up_proj,mlp; its MTP
+    # layer, --mtp 1), gradients reduced in bf16, forced-balanced routing. Qwen3 on H100: the all-to-all
+    # dispatcher, its overlap on (moe_a2a_overlap: --ep-overlap); Qwen3 on B200: the all-to-all
     # dispatcher, no overlap, no CUDA graphs; DeepSeek-V3 on B200: DeepEP, the all-to-all overlap and
-    # CUDA graphs of attention, router and preprocessing (neither modelled). DeepSeek-V3's B200 layout
+    # CUDA graphs of attention, router and preprocessing (the graphs not modelled). DeepSeek-V3's B200 layout
     # moved from 25.11's pp16 ep8 (2,139 above) to pp8 vp2 ep32 (docs/plan.md: the planner prices that
     # move the other way). Qwen3-30B-A3B (added in stop 45, its preset new): H100 FP8 on 16 GPUs at ep16,
     # B200 and GB200 MXFP8 on 8 at ep8 with micro-batches of 4, each with HybridEP (the flex dispatcher:
@@ -471,7 +475,8 @@ ROWS += [
             grad_reduce="bf16",
             dispatcher=dispatcher,
             ep_overlap=overlap,
-            recompute_mla_up=model == "deepseek-v3",
+            recompute_modules=("mla_up_proj", "mlp") if model == "deepseek-v3" else (),
+            mtp=int(model == "deepseek-v3"),  # the recipes' MTP layer (mtp_num_layers 1)
         )
         for what, model, gpu, gpus, gbs, mb, tp, pp, vp, ep, dispatcher, overlap, tok_s in NEMO_2604_ROWS
     ),
@@ -484,11 +489,12 @@ ROWS += [
     # stages = pp8 x vp4) say PP8: pp8 is pinned. Dispatchers: DeepEP on H100, HybridEP on GB200 (both
     # --dispatcher deepep). GB200: "EP64 stays entirely within the NVLink domain" (§9.2.2), so 64 of the
     # job's GPUs share one (--gpus-per-node 64). Recomputation: Qwen3's "moe_act, layernorm" pinned as
-    # the planner's selective (as the ModelZoo rows above); DeepSeek-V3's MLA up-projections and MLPs
-    # (and on H100 moe_act and layernorm) are no planner option, none pinned. Not modelled, so priced
-    # without: the 1F1B all-to-all overlap (B.2: DeepSeek-V3 on H100 and GB300, Qwen3 on GB200 and H100),
-    # CUDA graphs of attention, router and preprocessing (GB200 and GB300; Qwen3 on H100), DeepSeek-V3's MTP
-    # layer, and the memory savers (FP8 primary weights, BF16 moments, optimizer offload on GB200). GB300
+    # the planner's selective (as the ModelZoo rows above); DeepSeek-V3's modules as B.2 gives them
+    # ("up_proj, mlp on H100", "mlp on GB200", none on GB300: --recompute-modules) and its MTP layer (the
+    # "m" of its pipeline layout: --mtp 1); the 1F1B all-to-all overlap as B.2 (--ep-overlap: DeepSeek-V3
+    # on H100 and GB300, Qwen3 on GB200 and H100). Not modelled, so priced without: CUDA graphs of
+    # attention, router and preprocessing (GB200 and GB300; Qwen3 on H100), and the memory savers (FP8
+    # primary weights, BF16 moments, optimizer offload on GB200). GB300
     # (added to the catalog with these rows) as GB200, 64 GPUs to a domain. Left out, as they do not fit
     # the planner's memory count as pinned: Qwen3 on GB200 in MXFP8 (pp4 vp6 ep64, three sequences a
     # micro-batch, 6,212: 263 GiB a GPU on a 186 GiB part; the run offloads activations, §4.1.5) and
@@ -513,9 +519,10 @@ ROWS += [
             dispatcher="deepep",
             gpus_per_node=64 if gpu in ("gb200", "gb300") else None,
             ep_overlap=overlap,
-            recompute_mla_up=model == "deepseek-v3",
+            recompute_modules=tuple(modules.split(",")) if modules else (),
+            mtp=int(model == "deepseek-v3"),  # the MTP layer of its pipeline layout
         )
-        for what, model, gpu, gpus, dtype, gbs, mb, tp, pp, vp, ep, rc, overlap, tok_s in MCORE_REPORT_ROWS
+        for what, model, gpu, gpus, dtype, gbs, mb, tp, pp, vp, ep, rc, modules, overlap, tok_s in MCORE_REPORT_ROWS
     ),
 ]
 
@@ -550,7 +557,8 @@ BOUNDS = {
     # counted as such (memory.layer_shape), when its unpinned recomputation had to be selective to fit;
     # 28% while FP8 training's activations crossed its all-to-all at one byte both ways (DeepEP: FP8
     # dispatch, 16-bit combine)
-    # 13% before its MLA up-projections were recomputed (--recompute-mla-up, §3.2.3)
+    # 13% before its MLA up-projections were recomputed (--recompute-modules mla_up_proj, §3.2.3); the same
+    # with its MTP module (--mtp 1: the balanced stages absorb it)
     DSV3: (0.12, 0.12),
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     # 17% before the routed pairs' copies (plan/traffic.py); 16% before the measured K curves
@@ -581,21 +589,24 @@ BOUNDS = {
     NEMO_BW_DENSE: (0.24, 0.39),
     # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it); Qwen3
     # +18% since Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S; DeepSeek-V3's blocks lie above it);
-    # since Qwen3's overlap is priced (--ep-overlap) +28%, and DeepSeek-V3 +96% with its MLA up-projections recomputed
-    NEMO_BW_MOE: (0.63, 0.97),
+    # since Qwen3's overlap is priced (--ep-overlap) +28%, and DeepSeek-V3 +96% with its MLA up-projections
+    # recomputed, +89% with its MTP module (--mtp 1)
+    NEMO_BW_MOE: (0.59, 0.90),
     # added 2026-11-27 (stop 44): Qwen3 H100 -19% (its overlap exposed), B200 +76%; DeepSeek-V3 B200 -17%
     # (38% / 77%); 2026-11-27 (stop 45) its Qwen3-30B-A3B rows: H100 ep16 +94%, B200 +46%, GB200 +59%
     # (53% / 95%); since Megatron's MoE block floor (stop 46): Qwen3 B200 +5%, Qwen3-30B-A3B -9%, +8%, +15%;
     # since the overlap is priced (--ep-overlap, stop 47): Qwen3 H100 -19% -> +16%, DeepSeek-V3 B200 -17% -> +30%
-    # (with --recompute-mla-up, without which it no longer fits: the overlap holds a chunk more)
-    NEMO_2604_MOE: (0.14, 0.31),
+    # with its recompute modules (--recompute-modules mla_up_proj,mlp: without them it no longer fits, the
+    # overlap holding a chunk more), +17% with its MTP module (--mtp 1)
+    NEMO_2604_MOE: (0.12, 0.17),
     # added in stop 46, held out from Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S), without which it reads
     # 17% / 25% (+12%, +21%, +12%, +21%, +25%, -14%): DeepSeek-V3 on GB300 +21% -> +9%, Qwen3 on GB300 +25% -> +6%; Qwen3 on GB200 in
     # BF16 +12% -> -28% and on H100 -14% -> -19% (both run with the 1F1B all-to-all overlap, not modelled, as
     # was DeepSeek-V3 on GB300); since the overlap is priced (--ep-overlap) and DeepSeek-V3's MLA up-projections
     # recomputed (stop 47): DeepSeek-V3 on H100 +12% -> +55%, on GB200 +21% -> +18%, on GB300 +9% -> +26%; Qwen3
-    # on GB200 -28% -> -20%, on H100 -19% -> -7% (22% / 55%; docs/plan.md, "The 1F1B all-to-all overlap")
-    MCORE_REPORT: (0.23, 0.56),
+    # on GB200 -28% -> -20%, on H100 -19% -> -7% (22% / 55%; docs/plan.md, "The 1F1B all-to-all overlap"); with
+    # DeepSeek-V3's MTP module (--mtp 1) and B.2's recompute modules: +39%, +8%, +21%
+    MCORE_REPORT: (0.18, 0.40),
 }
 
 
@@ -654,7 +665,8 @@ def _plan(row: Row):
         grad_reduce=row.grad_reduce,
         tp_overlap=row.tp_overlap,
         ep_overlap=row.ep_overlap,
-        recompute_mla_up=row.recompute_mla_up,
+        recompute_modules=row.recompute_modules,
+        mtp=row.mtp,
     )
     pins = dict(row.pins)
     try:
