@@ -435,7 +435,9 @@ def build_request(args):
             grad_reduce=args.grad_reduce or "fp32",
             tp_overlap=bool(args.tp_overlap),
             ep_overlap=bool(args.ep_overlap),
-            recompute_modules=tuple(sorted(set(args.recompute_modules.split(",")))) if args.recompute_modules else (),
+            recompute_modules=tuple(
+                sorted({m.strip() for m in (args.recompute_modules or "").split(",") if m.strip()})
+            ),
             mtp=args.mtp or 0,
         )
         return PlanRequest(train=True, training=wl, **common)

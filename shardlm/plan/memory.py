@@ -75,9 +75,12 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool =
         if s == 0:
             b += embed
         if s == lay.pp - 1:  # the final norm, the LM head, each multi-token-prediction module's
-            # projection (2h to h over tp) and its three norms (the layer's are in its kind)
+            # projection (2h to h over tp) and its three norms (the layer's are in its kind), and with
+            # them the embedding the modules look the next tokens up in (Megatron-Core builds it on
+            # the last stage too)
             b += cfg.hidden_size * wide + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
             b += costs.mtp * (2 * cfg.hidden_size * cfg.hidden_size / lay.tp + 3 * cfg.hidden_size) * wide
+            b += embed if costs.mtp and lay.pp > 1 else 0
         best = max(best, b)
     return best
 
@@ -245,10 +248,12 @@ gradient and the float32 copy that is summed (``train/zero.py``, ``_Gather.backw
 
 def outer_params(costs: ModelCosts, lay: Layout, stage: int) -> float:
     """Parameters of ``stage``'s ZeRO unit outside its layers: the embedding on the first stage,
-    the LM head on the last (one matrix when they are tied on one stage)."""
+    the LM head on the last (one matrix when they are tied on one stage), and with multi-token
+    prediction the embedding on the last stage too (``weight_bytes``)."""
     embed = costs.vocab_rows(lay.tp) * costs.cfg.hidden_size
     first, last = stage == 0, stage == lay.pp - 1
-    return embed * (first + (last and (not costs.cfg.tie_word_embeddings or lay.pp > 1)))
+    mtp_embed = last and costs.mtp > 0 and lay.pp > 1
+    return embed * (first + (last and (not costs.cfg.tie_word_embeddings or lay.pp > 1)) + mtp_embed)
 
 
 def zero3_buffers(
@@ -295,7 +300,7 @@ def training_memory(
     expert_share = 0.0
     if cfg.is_moe:
         rl = costs.rank_layer(True, lay.tp, lay.ep, lay.etp)
-        n_moe = costs.stage_kinds(lay.pp)[0][1]
+        n_moe = max(moe for _, moe in costs.stage_kinds(lay.pp))  # the stage with the most experts
         expert_share = n_moe * rl.experts * rl.expert_params
     dense_states = model_states(params - expert_share, dp=lay.dp * lay.cp, stage=lay.zero)
     edp = lay.dp * lay.tp // (lay.ep * lay.etp) * lay.cp  # copies of each expert
@@ -335,8 +340,8 @@ def _peak_activations(
     first = training_activation_bytes(
         costs, lay, seq, fused_attention, kernels=kernels, dtype=dtype, modules=modules, ep_overlap=ep_overlap
     )
-    if lay.pp == 1:
-        return first + loss_bytes(costs, lay, seq)
+    if lay.pp == 1:  # one micro-batch's loss working set; each multi-token-prediction module's softmax kept
+        return first + loss_bytes(costs, lay, seq) * (1 + costs.mtp * C.FP32_BYTES / LOSS_BYTES_PER_LOGIT)
     p, v = lay.pp, lay.virtual
     flight = {"gpipe": lay.num_micro, "interleaved": ((v - 1) * p + 1) / v}.get(lay.schedule, 1)
     flight += 1 / v if ep_overlap else 0.0

@@ -212,15 +212,21 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     tokens = lay.micro_batch * wl.seq_len / lay.cp
     # one stage of each kind: its dense and MoE layer counts, and whether it runs the LM head
     stages = {(kinds, s == lay.pp - 1): s for s, kinds in enumerate(costs.stage_kinds(lay.pp))}.values()
-    fwd, bwd, tp_c, ep_c, cp_c, hidden, z3_c = max(
-        (_with_zero3(costs, cluster, lay, wl, s, _stage(costs, cluster, lay, wl, s, tokens, a)) for s in stages),
-        key=lambda t: t[0] + t[1],
-    )
     p, m, v = lay.pp, lay.num_micro, lay.virtual
     # the 1F1B all-to-all overlap merges every forward but the first stage's warm-up ones with a
-    # backward of another micro-batch; each merged chunk pair saves 1/v of the stage's ``hidden``
+    # backward of another micro-batch; each merged chunk pair saves 1/v of its stage's ``hidden``, so
+    # the stage that sets the pace is the one slowest with its saving taken off
     merged = m * v - unmerged_passes(lay) if ep_overlaps(costs.cfg, lay, wl) else 0
-    saved = max(0, merged) * hidden / v
+    priced = (
+        (s, _with_zero3(costs, cluster, lay, wl, s, _stage(costs, cluster, lay, wl, s, tokens, a))) for s in stages
+    )
+    pacing, (fwd, bwd, tp_c, ep_c, cp_c, hidden, z3_c) = max(
+        priced, key=lambda st: m * (st[1][0] + st[1][1]) - merged * st[1][5] / v
+    )
+    saved = merged * hidden / v
+    # what of it the trips were (the rest, time the block floor no longer waits, is no communication):
+    # each MoE layer saves at most its trips, 2 x ep_c a merged pair over the stage
+    saved_ep = min(saved, merged * 2 * ep_c / v)
     p2p = 0.0
     if p > 1:
         pg = lay.slowest_group("pp", cluster.gpus_per_node)
@@ -229,9 +235,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     if p == 1:
         pipe = m * unit
     elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes, as a share of
-        # a stage's (p x v chunks of the layers; where they do not split evenly they differ by a layer,
-        # as Megatron places them)
-        chunk = math.ceil(cfg.num_layers / (p * v)) / (cfg.num_layers / p)
+        # the pacing stage's (its layers in v chunks; where they do not split evenly they differ by a
+        # layer, as Megatron places them)
+        held = sum(costs.stage_kinds(p)[pacing])
+        chunk = math.ceil(held / v) / held
         pipe = m * unit + (p - 1) * (fwd + bwd) * chunk + 2 * (v - 1) * p2p * m
     elif lay.schedule == "zb-h1" and m >= p:
         b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward
@@ -279,7 +286,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         backward_s=bwd,
         comm_s={
             "tp": m * tp_c,
-            "ep": m * 2 * ep_c - saved,
+            "ep": m * 2 * ep_c - saved_ep,
             "cp": m * 3 * cp_c,
             "dp": dp_exposed + m * z3_c,
             "pp": m * 2 * p2p,
@@ -375,7 +382,8 @@ def _stage(
             b_floor += n * below_b
             # the layer's forward and backward less the trips: as summed below, selective recomputation's
             # attention core included (full recomputation rules the overlap out, ``ep_overlaps``)
-            rest = t_mm + t_back + (3 + (lay.recompute == "selective")) * t_attn + mem_f + mem_b + tp_lf + tp_lb
+            attn_passes = 1 + BACKWARD_FLOPS_RATIO + (lay.recompute == "selective")  # forward, backward, recomputed
+            rest = t_mm + t_back + attn_passes * t_attn + mem_f + mem_b + tp_lf + tp_lb
             rest += 3 * cp_l
             apart = rest + 2 * trip + below_f + below_b
             attention = t_mm + t_attn + mem_f + tp_lf + cp_l + trip - block_f  # the forward's, before its block
@@ -458,6 +466,11 @@ def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
         raise PlanError(
             f"--ep-overlap runs a pipeline only interleaved (as Megatron-Core requires), but --schedule "
             f"{fixed['schedule']} is pinned with --pp {fixed['pp']}; pin --vpp N or drop --schedule"
+        )
+    if wl.recompute_modules and fixed.get("recompute") == "full":
+        raise PlanError(
+            f"--recompute-modules {','.join(wl.recompute_modules)} adds modules to a layout's recomputation, but "
+            "--recompute full is pinned, which recomputes every layer whole; drop one of them"
         )
     if "mla_up_proj" in wl.recompute_modules and not cfg.is_mla:
         raise PlanError(

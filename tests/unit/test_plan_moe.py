@@ -385,14 +385,23 @@ def test_multi_token_prediction_modules_sit_on_a_balanced_last_stage():
     one = training.evaluate(plain, cluster, replace(lay, recompute="full"), wl)
     two = training.evaluate(plain, cluster, replace(lay, recompute="full"), replace(wl, mtp=1))
     assert one.fits and two.fits and two.step_s > one.step_s
+    # each module's own cost on the last stage: one more layer (the second module's less the first's is a
+    # layer and a module's head and projection alike), the head and the projection again
+    tokens, a = 4096.0, 2
+    f0, f1, f2 = (
+        training._stage(plain.with_mtp(n), cluster, replace(lay, pp=1, dp=128), wl, 0, tokens, a)[0] for n in (0, 1, 2)
+    )
+    assert f2 - f1 == pytest.approx(f1 - f0, rel=1e-3)
+    mean = f0 / (cfg.num_layers + 1)  # a layer's forward, the LM head's taken as one more layer
+    assert f1 - f0 > 1.5 * mean  # a layer and an LM head, which costs DeepSeek-V3 more than a layer
     assert not_runnable(cfg, lay, train=True, dtype="fp32", mtp=1).startswith("1 multi-token-prediction module")
     with pytest.raises(PlanError, match="--mtp -1 must be a whole number"):
         TrainWorkload(global_batch=8, seq_len=128, mtp=-1)
 
 
-def test_the_overlap_and_mla_flags_are_refused_where_they_do_nothing(capsys):
+def test_the_overlap_recompute_module_and_mtp_flags_are_refused_where_they_do_nothing(capsys):
     """Each flag is refused, naming the value, where the model or a pinned layout leaves it nothing
-    to do; a layout priced with either is marked: shardlm's trainer does neither."""
+    to do; a layout priced with one is marked: shardlm's trainer runs none of them."""
     from shardlm.plan import cli
     from shardlm.plan.planner import PlanRequest, plan
 
@@ -408,6 +417,8 @@ def test_the_overlap_and_mla_flags_are_refused_where_they_do_nothing(capsys):
             ["--model", "deepseek-v3", "--recompute-modules", "moe_act"],
             "core_attn and moe_act are --recompute selective",
         ),
+        (["--model", "deepseek-v3", "--recompute-modules", "mlp", "--recompute", "full"], "--recompute full is pinned"),
+        (["--model", "deepseek-v3", "--mtp", "-1"], "--mtp -1 must be a whole number"),
     )
     for extra, why in cases:
         assert cli.main([*argv, *extra]) == 2, extra

@@ -53,11 +53,12 @@ def test_interleaved_needs_multiple_of_p():
         simulate("interleaved", stages=4, micro=6, t_f=1, t_b=2, virtual=2)
 
 
-@pytest.mark.parametrize(("virtual", "chunk"), [(2, 1 / 2), (3, 3 / 8), (4, 1 / 4)])
+@pytest.mark.parametrize(("virtual", "chunk"), [(2, 5 / 9), (3, 3 / 9), (4, 3 / 9)])
 def test_interleaved_bubble_is_the_largest_chunks(virtual, chunk):
-    """Llama 3 8B's 32 layers over pp4: 8 a stage, in chunks of 4, of 3-3-2 (uneven: a pinned --vpp 3,
-    as Megatron places them) or of 2. The bubble is p - 1 of the largest chunk's forward and
-    backward: 3/8 of a stage's at vpp 3, not 1/3."""
+    """Llama 3 8B's 32 layers over pp4 as shardlm's engine splits them, 8, 9, 9 and 6 (the LM head's
+    stage takes fewer): the busiest stage's 9 in chunks of 5-4, 3-3-3 or 3-2-2-2 (uneven: as Megatron
+    places them). The bubble is p - 1 of that stage's largest chunk's forward and backward: 5/9 of
+    its passes at vpp 2, 1/3 at vpp 4, not 1/2 and 1/4."""
     from shardlm.plan.catalog import load_model
     from shardlm.plan.hardware import Cluster, load_gpu
     from shardlm.plan.layout import Layout
