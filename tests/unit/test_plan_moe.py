@@ -277,6 +277,14 @@ def test_the_1f1b_overlap_merges_a_forward_with_another_micro_batchs_backward():
             training.evaluate(costs, cluster, other, merged).step_s
             == training.evaluate(costs, cluster, other, waited).step_s
         )
+    # under Megatron's block floor a pair also saves time the floor no longer waits: not communication,
+    # so the ep time keeps only the trips (at ep2 on B200s the blocks sit far under the floor)
+    b200 = Cluster(gpu=load_gpu("b200"), num_gpus=16, gpus_per_node=8)
+    small = Layout(dp=16, ep=2, zero=1, micro_batch=1, num_micro=8, recompute="selective")
+    fused = replace(merged, kernels="fused", dispatcher="deepep")
+    floored, apart = (training.evaluate(costs, b200, small, wl) for wl in (fused, replace(fused, ep_overlap=False)))
+    assert 0 <= floored.comm_s["ep"] < apart.comm_s["ep"]
+    assert apart.step_s - floored.step_s > apart.comm_s["ep"] - floored.comm_s["ep"]
     deeper = Layout(dp=4, pp=4, ep=4, schedule="interleaved", virtual=2, zero=1, micro_batch=1, num_micro=8)
     assert training.unmerged_passes(deeper) == 2 * 3 + 1 * 4 + 1  # the first stage's warm-up and one more
     assert training.unmerged_passes(replace(deeper, num_micro=4)) == 8  # at most every pass
