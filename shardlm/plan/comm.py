@@ -133,21 +133,21 @@ def check_dispatcher(name: str) -> None:
         raise PlanError(f"--dispatcher {name!r} is unknown; pick one of {', '.join(DISPATCHERS)}")
 
 
-def nodes_reached(top_k: float, nodes: int, max_nodes: int | None) -> float:
-    """The nodes one token's ``top_k`` experts lie on, over an ep group of ``nodes`` nodes. Under
-    node-limited routing (DeepSeek-V3 §2.1.2: "each token will be sent to at most M nodes") it picks
-    the M best nodes' groups first, so each of them likely holds one of its experts: min(k, nodes, M).
-    Otherwise the choices are taken as spread evenly and independently: the expected number of
-    distinct nodes, nodes x (1 - (1 - 1/nodes)^k)."""
-    if max_nodes is not None:
-        return min(top_k, nodes, max_nodes)
+def nodes_reached(top_k: float, nodes: int, limited: float | None) -> float:
+    """The nodes one token's ``top_k`` experts lie on, over an ep group of ``nodes`` nodes: under
+    node-limited routing (DeepSeek-V3 §2.1.2: "each token will be sent to at most M nodes") the
+    ``limited`` count of the nodes its M groups lie on (``roofline.node_limit``); otherwise the
+    choices taken as spread evenly and independently, the expected number of distinct nodes,
+    nodes x (1 - (1 - 1/nodes)^k)."""
+    if limited is not None:
+        return min(top_k, nodes, limited)
     return nodes * (1 - (1 - 1 / nodes) ** top_k)
 
 
 def moe_dispatch(
     token_bytes: float,
     top_k: int,
-    max_nodes: int | None,
+    limited: float | None,
     ranks: list[int],
     cluster: Cluster,
     dispatcher: str = "shardlm",
@@ -167,7 +167,7 @@ def moe_dispatch(
     if dispatcher == "shardlm":
         return all_to_all(token_bytes * top_k, ranks, cluster)
     g = cluster.gpu
-    node_copies = nodes_reached(top_k, nodes, max_nodes)
+    node_copies = nodes_reached(top_k, nodes, limited)
     inter = 0.0
     if nodes > 1:
         inter = (nodes - 1) * g.inter.alpha_s + node_copies * (nodes - 1) / nodes * token_bytes / g.inter.bandwidth_Bps

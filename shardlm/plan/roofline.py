@@ -7,7 +7,7 @@ are timed apart: the weight matmuls (weight bytes vs 2 x tokens x params FLOPs) 
 attention core (KV-cache bytes vs 4 x tokens x context x heads x head_dim FLOPs). An MoE layer's
 experts run as a grouped GEMM, each at M = its own tokens, reading only the experts some token
 touches, on the most loaded ep rank (``routing_imbalance``); ``node_limit`` is how many nodes
-group-limited routing lets a token's experts span.
+a token's experts span under group-limited routing.
 """
 
 from __future__ import annotations
@@ -167,18 +167,24 @@ def routing_imbalance(pairs: float, groups: int, experts: int, top_k: int) -> fl
     return min(1.0 + expected_max_normal(groups) * math.sqrt(var) / mean, groups, experts / top_k)
 
 
-def node_limit(cfg: ModelConfig, nodes: int) -> int | None:
-    """The most nodes one token's experts can lie on when the experts are laid out in order over an
-    ep group of ``nodes`` nodes, under group-limited routing (the top-k among the ``topk_group``
+def node_limit(cfg: ModelConfig, nodes: int) -> float | None:
+    """The nodes one token's experts lie on, expected, when the experts are laid out in order over
+    an ep group of ``nodes`` nodes, under group-limited routing (the top-k among the ``topk_group``
     best of ``n_group`` groups: DeepSeek-V3's node-limited routing, its 8 groups being its 8 nodes'
-    experts, §2.1.2); None: not limited (greedy top-k, or groups that do not fall on node
-    boundaries)."""
+    experts, §2.1.2), the groups taken as chosen evenly (as the choices are in ``comm.nodes_reached``):
+    with whole groups on each node, the nodes holding one of its M groups, n (1 - C(G - G/n, M) / C(G, M))
+    (M where each node holds one group; fewer where a node holds several); with each group over
+    n / G nodes, the distinct ones of those M n / G its top-k choices reach. None: not limited
+    (greedy top-k, or groups that do not fall on node boundaries)."""
     if cfg.topk_method != "group_limited" or cfg.n_group <= 1 or nodes <= 1:
         return None
-    if cfg.n_group % nodes == 0:  # whole groups on each node
-        return min(cfg.topk_group, nodes)
-    if nodes % cfg.n_group == 0:  # each group over nodes / n_group nodes
-        return cfg.topk_group * nodes // cfg.n_group
+    groups, picked = cfg.n_group, min(cfg.topk_group, cfg.n_group)
+    if groups % nodes == 0:  # whole groups on each node: the nodes none of the picked groups is on
+        missed = math.comb(groups - groups // nodes, picked) / math.comb(groups, picked)
+        return nodes * (1 - missed)
+    if nodes % groups == 0:  # each group over nodes / n_group nodes
+        span = picked * nodes // groups
+        return span * (1 - (1 - 1 / span) ** cfg.num_experts_per_tok)
     return None
 
 
