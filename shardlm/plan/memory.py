@@ -15,7 +15,7 @@ from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import FP8_KEEPS_AT, ModelCosts, busiest_pairs, kv_bytes_per_token
 from shardlm.plan.shard import NOTHING_KEPT, RankLayer, mixed_bytes
-from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, model_states
+from shardlm.plan.zero import GRAD_BYTES, PARAM_BYTES, REDUCED_GRAD_BYTES, ModelStates, model_states
 
 FIELDS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "comm_buffers", "reserve")
 
@@ -54,7 +54,12 @@ class MemoryBreakdown:
 
 
 def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool = False) -> float:
-    """Weights on the largest rank of the largest stage. ``quantized``: ``w_bytes`` is a quantized
+    """Weights on the largest rank of the largest stage (``stage_weight_bytes``)."""
+    return max(stage_weight_bytes(costs, lay, w_bytes, quantized))
+
+
+def stage_weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool = False) -> list[float]:
+    """Weights on the largest rank of each stage. ``quantized``: ``w_bytes`` is a quantized
     checkpoint's linear layers' width; the embedding and LM head stay 16-bit (``roofline.FP8_KEEPS_AT``)
     and so do the modules its quantization_config keeps (``costs.kept``, averaged over the layers)."""
     cfg = costs.cfg
@@ -66,7 +71,7 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool =
         mlp = rl.total - rl.attn
         return rl.attn * mixed_bytes(w_bytes, wide, kept.attention) + mlp * mixed_bytes(w_bytes, wide, kept.mlp)
 
-    best = 0.0
+    out = []
     kinds = costs.stage_kinds(lay.pp)
     for s, (n_dense, n_moe) in enumerate(kinds):
         b = n_dense * layer(costs.rank_layer(False, lay.tp)) if n_dense else 0.0
@@ -81,8 +86,8 @@ def weight_bytes(costs: ModelCosts, lay: Layout, w_bytes: int, quantized: bool =
             b += cfg.hidden_size * wide + (embed if (not cfg.tie_word_embeddings or lay.pp > 1) else 0)
             b += costs.mtp * (2 * cfg.hidden_size * cfg.hidden_size / lay.tp + 3 * cfg.hidden_size) * wide
             b += embed if costs.mtp and lay.pp > 1 else 0
-        best = max(best, b)
-    return best
+        out.append(b)
+    return out
 
 
 def kv_bytes_per_seq_token(costs: ModelCosts, lay: Layout, kv_bytes: float) -> float:
@@ -295,16 +300,25 @@ def training_memory(
     ep_overlap: bool = False,
     modules: frozenset[str] = frozenset(),
 ) -> MemoryBreakdown:
-    params = weight_bytes(costs, lay, 1)  # parameter count of the largest rank
-    cfg = costs.cfg
-    expert_share = 0.0
-    if cfg.is_moe:
-        rl = costs.rank_layer(True, lay.tp, lay.ep, lay.etp)
-        n_moe = max(moe for _, moe in costs.stage_kinds(lay.pp))  # the stage with the most experts
-        expert_share = n_moe * rl.experts * rl.expert_params
-    dense_states = model_states(params - expert_share, dp=lay.dp * lay.cp, stage=lay.zero)
     edp = lay.dp * lay.tp // (lay.ep * lay.etp) * lay.cp  # copies of each expert
-    expert_states = model_states(expert_share, dp=edp, stage=lay.zero)
+    expert = costs.rank_layer(True, lay.tp, lay.ep, lay.etp) if costs.cfg.is_moe else None
+
+    def states(stage: int, params: float) -> tuple[ModelStates, ModelStates]:
+        """A stage's dense and expert states (the experts over their own copies)."""
+        experts = costs.stage_kinds(lay.pp)[stage][1] * expert.experts * expert.expert_params if expert else 0.0
+        return (
+            model_states(params - experts, dp=lay.dp * lay.cp, stage=lay.zero),
+            model_states(experts, dp=edp, stage=lay.zero),
+        )
+
+    def held(pair: tuple[ModelStates, ModelStates]) -> float:
+        return sum(m.weights + m.gradients + (0.0 if lay.offload else m.optimizer) for m in pair)
+
+    # the stage whose states are largest: parameters (the largest stage) and experts (the stage with
+    # the most) may lie on different stages
+    dense_states, expert_states = max(
+        (states(s, params) for s, params in enumerate(stage_weight_bytes(costs, lay, 1))), key=held
+    )
     if lay.zero == 3:
         comm = zero3_buffers(costs, lay, prefetch, zero3_reduce, grad_reduce_bytes)
     else:

@@ -171,10 +171,11 @@ def node_limit(cfg: ModelConfig, nodes: int) -> float | None:
     """The nodes one token's experts lie on, expected, when the experts are laid out in order over
     an ep group of ``nodes`` nodes, under group-limited routing (the top-k among the ``topk_group``
     best of ``n_group`` groups: DeepSeek-V3's node-limited routing, its 8 groups being its 8 nodes'
-    experts, §2.1.2), the groups taken as chosen evenly (as the choices are in ``comm.nodes_reached``):
-    with whole groups on each node, the nodes holding one of its M groups, n (1 - C(G - G/n, M) / C(G, M))
-    (M where each node holds one group; fewer where a node holds several); with each group over
-    n / G nodes, the distinct ones of those M n / G its top-k choices reach. None: not limited
+    experts, §2.1.2), the groups taken as chosen evenly and each reached (as the choices are in
+    ``comm.nodes_reached``): with whole groups on each node, the nodes holding one of its M groups,
+    n (1 - C(G - G/n, M) / C(G, M)) (M where each node holds one group; fewer where a node holds
+    several); with each group over r = n / G nodes, in each of its M groups the distinct ones of those
+    r its k / M choices there reach, M r (1 - (1 - 1/r)^(k/M)) (M again at r = 1). None: not limited
     (greedy top-k, or groups that do not fall on node boundaries)."""
     if cfg.topk_method != "group_limited" or cfg.n_group <= 1 or nodes <= 1:
         return None
@@ -182,9 +183,9 @@ def node_limit(cfg: ModelConfig, nodes: int) -> float | None:
     if groups % nodes == 0:  # whole groups on each node: the nodes none of the picked groups is on
         missed = math.comb(groups - groups // nodes, picked) / math.comb(groups, picked)
         return nodes * (1 - missed)
-    if nodes % groups == 0:  # each group over nodes / n_group nodes
-        span = picked * nodes // groups
-        return span * (1 - (1 - 1 / span) ** cfg.num_experts_per_tok)
+    if nodes % groups == 0:  # each group over r = nodes / n_group nodes, k / M choices in each
+        r = nodes // groups
+        return picked * r * (1 - (1 - 1 / r) ** (cfg.num_experts_per_tok / picked))
     return None
 
 

@@ -2,6 +2,7 @@
 all-to-all, one MoE boundary for training and inference (roofline.routing_imbalance,
 roofline.layer_work, roofline.node_limit, comm.moe_dispatch, comm.moe_boundary)."""
 
+import argparse
 import math
 from dataclasses import replace
 
@@ -83,17 +84,17 @@ def test_routing_imbalance_slows_the_expert_gemms_only():
 
 def test_deepeps_dispatch_sends_a_token_once_per_node():
     """DeepEP's dispatcher (DeepSeek-V3 §3.2.2) sends a token over IB once per node holding one of
-    its experts: at most M nodes under node-limited routing, the expected distinct nodes of k even
-    choices without it; over NVLink, once to each GPU holding one of its experts. shardlm's
+    its experts: the nodes its M groups lie on under node-limited routing, the expected distinct
+    nodes of k even choices without it; over NVLink, once to each GPU holding one of its experts. shardlm's
     dispatcher sends every (token, choice) pair, limit or not. The limit is the nodes a token's M
     groups lie on: M where a node holds a group, fewer where it holds several (8 groups on 4 nodes: 4
-    picked of 8 miss a node with probability C(6, 4) / C(8, 4) = 15/70), and over the nodes a group spans
-    the distinct ones its choices reach."""
+    picked of 8 miss a node with probability C(6, 4) / C(8, 4) = 15/70), and where a group spans nodes
+    the distinct ones of each group's that its k / M choices there reach."""
     dsv3, _ = load_model("deepseek-v3")
     mixtral, _ = load_model("mixtral-8x7b")
     assert node_limit(dsv3, 8) == pytest.approx(4)  # 8 groups = 8 nodes' experts, the best 4 groups ("at most 4 nodes")
     assert node_limit(dsv3, 4) == pytest.approx(4 * (1 - 15 / 70))  # two groups a node
-    assert node_limit(dsv3, 16) == pytest.approx(8 * (1 - (7 / 8) ** 8))  # a group over 2 nodes: 8 nodes, 8 choices
+    assert node_limit(dsv3, 16) == pytest.approx(4 * 2 * (1 - (1 / 2) ** 2))  # a group over 2 nodes, 2 choices in each
     assert node_limit(dsv3, 1) is None and node_limit(mixtral, 8) is None  # greedy top-k: no limit
     cluster = Cluster(gpu=load_gpu("h800-sxm"), num_gpus=64, gpus_per_node=8)
     ep, share, g = list(range(64)), 4096 * 7168.0, cluster.gpu
@@ -442,3 +443,52 @@ def test_the_overlap_recompute_module_and_mtp_flags_are_refused_where_they_do_no
         PlanRequest(model="qwen3-30b-a3b", gpu="h100-sxm", gpus=16, train=True, training=wl, fixed=dict(ep=16, pp=1))
     )
     assert "the all-to-alls behind another micro-batch (--ep-overlap" in (res.not_as_modelled(res.best) or "")
+
+
+def test_model_states_are_the_largest_stages_and_mtp_keeps_an_embedding_on_the_last():
+    """Each stage's states are counted with its own experts (over their copies) and the largest is
+    kept: DeepSeek-V3 at pp8 ep32 on 256 B200s holds 9 MoE layers on its seventh stage, whose experts,
+    one copy each, keep all their Adam states (the first stage, whose 5 were counted, is not the
+    largest). With multi-token prediction the last stage holds an embedding beside the LM head, which
+    the modules look the next tokens up in (Megatron-Core builds it there)."""
+    from shardlm.plan.memory import outer_params, stage_weight_bytes, training_memory
+    from shardlm.plan.zero import ADAM_STATE_BYTES
+
+    cfg = load_model("deepseek-v3")[0]
+    costs = ModelCosts(cfg, mtp=1)
+    lay = Layout(dp=32, pp=8, ep=32, zero=1, micro_batch=1, num_micro=128, schedule="interleaved", virtual=2)
+    assert max(moe for _, moe in costs.stage_kinds(8)) == 9 and costs.stage_kinds(8)[0][1] == 5
+    rl = costs.rank_layer(True, 1, 32, 1)
+    mem = training_memory(costs, lay, 0.0, seq=4096, kernels="fused", dtype="fp8")
+    assert mem.optimizer >= 9 * rl.experts * rl.expert_params * ADAM_STATE_BYTES
+    embed = costs.vocab_rows(1) * cfg.hidden_size
+    assert outer_params(costs, lay, 7) == 2 * embed and outer_params(ModelCosts(cfg), lay, 7) == embed
+    assert stage_weight_bytes(costs, lay, 1)[-1] > 2 * embed + costs.stage_kinds(8)[-1][1] * rl.total
+
+
+def test_recompute_module_names_are_read_as_given():
+    """``--recompute-modules`` takes names separated by commas, spaces and empty names dropped."""
+    from shardlm.plan import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = ["--model", "deepseek-v3", "--gpu", "h100-sxm", "--gpus", "8", "--train"]
+    args = parser.parse_args([*argv, "--recompute-modules", " mlp, ,mla_up_proj,"])
+    assert cli.build_request(args).training.recompute_modules == ("mla_up_proj", "mlp")
+
+
+def test_the_stage_that_sets_the_pace_is_the_slowest_with_its_overlap_saving_taken_off():
+    """Under ``--ep-overlap`` each stage saves by its own MoE layers: Qwen3-235B at tp2 pp8 vpp4 ep32
+    on 256 H100s (the ModelZoo's layout) has its slowest stage before the saving (more MoE layers)
+    save more than the last one (fewer layers and the LM head), which then sets the pace."""
+    costs = ModelCosts(load_model("qwen3-235b-a22b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=256, gpus_per_node=8)
+    lay = Layout(tp=2, sp=True, pp=8, dp=16, ep=32, zero=1, micro_batch=1, num_micro=128,
+                 schedule="interleaved", virtual=4, recompute="selective")  # fmt: skip
+    wl = TrainWorkload(global_batch=2048, seq_len=4096, kernels="fused", dispatcher="deepep", ep_overlap=True)
+    merged = lay.num_micro * lay.virtual - training.unmerged_passes(lay)
+    passes = [training._stage(costs, cluster, lay, wl, s, 4096.0, 2) for s in range(lay.pp)]
+    before = max(range(lay.pp), key=lambda s: passes[s][0] + passes[s][1])
+    after = max(range(lay.pp), key=lambda s: lay.num_micro * (passes[s][0] + passes[s][1]) - merged * passes[s][5] / 4)
+    assert before != after == lay.pp - 1
+    assert training.evaluate(costs, cluster, lay, wl).forward_s == passes[after][0]
