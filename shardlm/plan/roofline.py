@@ -28,6 +28,7 @@ from shardlm.plan.shard import (
     gemm_shapes,
     is_moe_layer,
     kept_16bit,
+    layer_active_params,
     mixed_bytes,
     rank_layer,
     split_even,
@@ -392,14 +393,9 @@ class ModelCosts:
         MLP, router and top-k experts; the LM head's; each multi-token-prediction module's layer,
         projection of 2h to h and LM head) with the head and the modules on the last stage."""
         cfg = self.cfg
-
-        def products(layer: int) -> float:
-            rl = rank_layer(cfg, layer, tp=1)
-            return rl.attn + rl.dense + rl.router + min(cfg.num_experts_per_tok, rl.experts) * rl.expert_params
-
         head = cfg.vocab_size * cfg.hidden_size
-        module = products(cfg.num_layers - 1) + 2 * cfg.hidden_size**2 + head
-        work = [products(i) for i in range(cfg.num_layers)]
+        module = layer_active_params(cfg, cfg.num_layers - 1) + 2 * cfg.hidden_size**2 + head
+        work = [float(layer_active_params(cfg, i)) for i in range(cfg.num_layers)]
         counts = [len(r) for r in partition_layers(work, pp, last_extra=head + self.mtp * module)]
         # where stages before the last differ by a layer, the later ones take it: they hold fewer
         # micro-batches in flight (the layers' products are alike, so the costliest stage is the same)

@@ -159,11 +159,14 @@ def total_params(cfg: ModelConfig) -> int:
 def active_params(cfg: ModelConfig) -> int:
     """Parameters one token's forward pass multiplies (top-k experts, one LM head)."""
     total = vocab_rows(cfg, 1) * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
-    for layer in range(cfg.num_layers):
-        rl = rank_layer(cfg, layer, tp=1)
-        k = min(cfg.num_experts_per_tok, rl.experts)
-        total += rl.attn + rl.dense + rl.router + k * rl.expert_params
-    return total
+    return total + sum(layer_active_params(cfg, layer) for layer in range(cfg.num_layers))
+
+
+def layer_active_params(cfg: ModelConfig, layer: int) -> int:
+    """Parameters one token multiplies in decoder layer ``layer``: its attention, dense MLP, router
+    and top-k experts."""
+    rl = rank_layer(cfg, layer, tp=1)
+    return rl.attn + rl.dense + rl.router + min(cfg.num_experts_per_tok, rl.experts) * rl.expert_params
 
 
 def largest_layer_params(cfg: ModelConfig) -> int:
@@ -226,6 +229,13 @@ def kept_16bit(cfg: ModelConfig) -> Kept16:
     return Kept16(len(attention) / cfg.num_layers, len(mlp) / cfg.num_layers)
 
 
+def mla_up_projections(cfg: ModelConfig, rl: RankLayer) -> tuple[tuple[int, int], ...]:
+    """(K, N) of latent attention's up-projections on the rank: the query's from its latent (where the
+    query has one) and the keys' and values' from theirs."""
+    query = ((cfg.q_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),) if cfg.q_lora_rank else ()
+    return (*query, (cfg.kv_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)))
+
+
 def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, tuple[tuple[int, int], ...]]:
     """(K, N) of each linear layer's product on the rank (input width, output width), by part:
     ``attn`` (qkv and o; MLA's q_a, q_b, kv_a, kv_b and o), ``dense`` (the dense MLP or shared
@@ -233,9 +243,9 @@ def gemm_shapes(cfg: ModelConfig, rl: RankLayer) -> dict[str, tuple[tuple[int, i
     h, q = cfg.hidden_size, rl.q_heads
     if cfg.is_mla:
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        query = [(h, cfg.q_lora_rank), (cfg.q_lora_rank, q * qk)] if cfg.q_lora_rank else [(h, q * qk)]
-        attn = [*query, (h, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
-        attn += [(cfg.kv_lora_rank, q * (cfg.qk_nope_head_dim + cfg.v_head_dim)), (q * cfg.v_head_dim, h)]
+        ups = mla_up_projections(cfg, rl)  # the query's (with a latent) and the keys' and values'
+        query = [(h, cfg.q_lora_rank), ups[0]] if cfg.q_lora_rank else [(h, q * qk)]
+        attn = [*query, (h, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ups[-1], (q * cfg.v_head_dim, h)]
     else:
         attn = [(h, (q + 2 * rl.kv_heads) * cfg.head_dim), (q * cfg.head_dim, h)]
     up = 2 if cfg.gated_mlp else 1

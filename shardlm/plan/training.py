@@ -53,7 +53,7 @@ from shardlm.plan.roofline import (
     layer_work,
     touched_params,
 )
-from shardlm.plan.shard import gemm_shapes
+from shardlm.plan.shard import gemm_shapes, mla_up_projections
 from shardlm.plan.zero import PARAM_BYTES, REDUCED_GRAD_BYTES
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -427,11 +427,7 @@ def _recomputed_work(cfg, rl, moe: bool, modules, tokens: float, w_bytes: int, k
     ``tokens``, run again in backward, each at its inner dimension's efficiency (``k_efficiency``):
     latent attention's up-projections (the query's from its latent, the keys' and values' from
     theirs) and a dense layer's MLP (``shard.gemm_shapes``)."""
-    products = []
-    if "mla_up_proj" in modules and cfg.is_mla:
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        products += [(cfg.kv_lora_rank, rl.q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))]
-        products += [(cfg.q_lora_rank, rl.q_heads * qk)] if cfg.q_lora_rank else []
+    products = list(mla_up_projections(cfg, rl)) if "mla_up_proj" in modules and cfg.is_mla else []
     if "mlp" in modules and not moe:
         products += gemm_shapes(cfg, rl)["dense"]
     return Work(
