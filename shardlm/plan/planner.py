@@ -15,7 +15,7 @@ from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.runnable import not_as_modelled, not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
-from shardlm.plan.training import TrainWorkload, check_flags
+from shardlm.plan.training import TrainWorkload, check_flags, ep_overlaps
 
 GROWTH = (2, 4, 8, 16, 32, 64)
 """Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
@@ -110,6 +110,23 @@ class Plan:
             return [f"The pick is priced with {why}: shardlm runs it without, slower than shown{best}."]
         return []
 
+    def overlap_note(self) -> list[str]:
+        """A line when ``--ep-overlap`` was asked for and the pick is a layout Megatron-Core does not
+        overlap (``training.ep_overlaps``), so that the flag is never silently left out."""
+        work = self.request.training
+        if (
+            not self.request.train
+            or work is None
+            or not work.ep_overlap
+            or ep_overlaps(self.cfg, self.best.layout, work)
+        ):
+            return []
+        return [
+            "--ep-overlap does not apply to the pick (Megatron-Core overlaps only at ep > 1, without a "
+            "pipeline or with an interleaved one, and without full recomputation): it is priced with "
+            "each all-to-all waited for."
+        ]
+
     def _first(self, mark) -> str | None:
         """The best ranked layout ``mark`` leaves unmarked ("#i, label"), or None."""
         i, r = next(((i, r) for i, r in enumerate(self.ranked, 1) if mark(r) is None), (0, None))
@@ -170,7 +187,7 @@ def plan(req: PlanRequest) -> Plan:
         explanation=explain(ranked, ctx),
         context=ctx,
     )
-    out.explanation[:0] = out.runnable_note()
+    out.explanation[:0] = out.runnable_note() + out.overlap_note()
     if not req.train and req.inference is not None and out.best.split is not None:
         out.explanation.append(colocated(costs, cluster, req.inference, out.best))
     if req.compare is not None:

@@ -443,6 +443,10 @@ def test_the_overlap_recompute_module_and_mtp_flags_are_refused_where_they_do_no
         PlanRequest(model="qwen3-30b-a3b", gpu="h100-sxm", gpus=16, train=True, training=wl, fixed=dict(ep=16, pp=1))
     )
     assert "the all-to-alls behind another micro-batch (--ep-overlap" in (res.not_as_modelled(res.best) or "")
+    assert not res.overlap_note()
+    # a pick Megatron does not overlap (experts on one rank) is said to be priced without, not left silent
+    res.ranked[0] = replace(res.best, layout=res.best.layout.with_(ep=1))
+    assert "--ep-overlap does not apply to the pick" in res.overlap_note()[0]
 
 
 def test_model_states_are_the_largest_stages_and_mtp_keeps_an_embedding_on_the_last():
