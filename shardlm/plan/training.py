@@ -230,7 +230,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     p2p = 0.0
     if p > 1:
         pg = lay.slowest_group("pp", cluster.gpus_per_node)
-        p2p = max(comm.send_recv(tokens * cfg.hidden_size * a, x, y, cluster) for x, y in itertools.pairwise(pg))
+        sent = boundary_bytes(cfg, lay, wl.kernels, tokens, a)
+        p2p = max(comm.send_recv(sent, x, y, cluster) for x, y in itertools.pairwise(pg))
     unit = fwd + bwd + 2 * p2p
     if p == 1:
         pipe = m * unit
@@ -477,6 +478,16 @@ def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
         raise PlanError(
             "--recompute-modules mlp recomputes a dense layer's MLP, but every layer of the model is MoE; drop it"
         )
+
+
+def boundary_bytes(cfg, lay: Layout, kernels: str, tokens: float, a: int) -> float:
+    """Bytes one rank sends the next stage for a micro-batch's ``tokens`` (and its gradient back):
+    the residual stream alone where the next layer's norm reads it (Megatron-Core, ``--kernels
+    fused``), or the layer's output and the residual apart, as shardlm's trainer sends them for its
+    fused add-norm (``train/schedule.py``); with sequence parallelism each tp rank holds and sends
+    its 1/tp of the tokens, each pair of ranks over its own links."""
+    tensors = 1 if kernels == "fused" else 2
+    return tensors * tokens / (lay.tp if lay.sp else 1) * cfg.hidden_size * a
 
 
 def ep_overlaps(cfg, lay: Layout, wl: TrainWorkload) -> bool:

@@ -74,3 +74,25 @@ def test_interleaved_bubble_is_the_largest_chunks(virtual, chunk):
     pipe = m * unit / (1 - res.bubble_fraction)
     extra_p2p = (virtual - 1) * res.comm_s["pp"]  # 2 (v - 1) p2p a micro-batch
     assert (pipe - m * unit - extra_p2p) / ((p - 1) * (res.forward_s + res.backward_s)) == pytest.approx(chunk)
+
+
+@pytest.mark.parametrize(("kernels", "tensors"), [("shardlm", 2), ("fused", 1)])
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_stage_boundary_carries_what_the_trainer_sends(kernels, tensors, sp):
+    """Between stages each rank sends a micro-batch's hidden state and residual (shardlm's trainer,
+    train/schedule.py) or the residual stream alone (Megatron-Core, ``--kernels fused``), 1/tp of
+    the tokens under sequence parallelism: the pp time the plan reports is those bytes over the
+    slowest pair of stages' link, once each way a micro-batch."""
+    from shardlm.plan import comm
+    from shardlm.plan.catalog import load_model
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.roofline import ModelCosts
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    cfg = load_model("llama-3-8b")[0]
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=16, gpus_per_node=8)
+    lay = Layout(tp=8, pp=2, dp=1, sp=sp, schedule="1f1b", micro_batch=1, num_micro=8)
+    res = evaluate(ModelCosts(cfg), cluster, lay, TrainWorkload(global_batch=8, seq_len=4096, kernels=kernels))
+    sent = tensors * 4096 / (8 if sp else 1) * cfg.hidden_size * 2
+    assert res.comm_s["pp"] == pytest.approx(8 * 2 * comm.send_recv(sent, 0, 8, cluster))
