@@ -41,6 +41,7 @@ TRAIN_ONLY = (
     "zero3_reduce",
     "tp_overlap",
     "ep_overlap",
+    "pp_overlap",
     "recompute_modules",
     "mtp",
     "grad_reduce",
@@ -239,6 +240,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "recomputation; for comparing with such runs: shardlm's trainer waits for each)",
     )
     t.add_argument(
+        "--pp-overlap",
+        action="store_true",
+        default=None,
+        help="the interleaved schedule's sends and receives between stages hidden behind the chunks computing "
+        "beside them, as Megatron-Core runs them (overlap_p2p_comm, its default; for comparing with such "
+        "runs: shardlm's trainer waits for each receive)",
+    )
+    t.add_argument(
         "--recompute-modules",
         metavar="M[,M]",
         help="Megatron-Core recompute modules added to each layout's recomputation: mla_up_proj (latent "
@@ -435,6 +444,7 @@ def build_request(args):
             grad_reduce=args.grad_reduce or "fp32",
             tp_overlap=bool(args.tp_overlap),
             ep_overlap=bool(args.ep_overlap),
+            pp_overlap=bool(args.pp_overlap),
             recompute_modules=tuple(
                 sorted({m.strip() for m in (args.recompute_modules or "").split(",") if m.strip()})
             ),

@@ -15,7 +15,7 @@ from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.runnable import not_as_modelled, not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
-from shardlm.plan.training import TrainWorkload, check_flags, ep_overlaps
+from shardlm.plan.training import TrainWorkload, check_flags, ep_overlaps, pp_overlaps
 
 GROWTH = (2, 4, 8, 16, 32, 64)
 """Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
@@ -111,21 +111,25 @@ class Plan:
         return []
 
     def overlap_note(self) -> list[str]:
-        """A line when ``--ep-overlap`` was asked for and the pick is a layout Megatron-Core does not
-        overlap (``training.ep_overlaps``), so that the flag is never silently left out."""
+        """A line for each of ``--ep-overlap`` and ``--pp-overlap`` asked for where the pick is a layout
+        Megatron-Core does not overlap so (``training.ep_overlaps``, ``training.pp_overlaps``), so that
+        neither flag is ever silently left out."""
         work = self.request.training
-        if (
-            not self.request.train
-            or work is None
-            or not work.ep_overlap
-            or ep_overlaps(self.cfg, self.best.layout, work)
-        ):
+        if not self.request.train or work is None:
             return []
-        return [
-            "--ep-overlap does not apply to the pick (Megatron-Core overlaps only at ep > 1, without a "
-            "pipeline or with an interleaved one, and without full recomputation): it is priced with "
-            "each all-to-all waited for."
-        ]
+        lay, out = self.best.layout, []
+        if work.ep_overlap and not ep_overlaps(self.cfg, lay, work):
+            out.append(
+                "--ep-overlap does not apply to the pick (Megatron-Core overlaps only at ep > 1, without a "
+                "pipeline or with an interleaved one, and without full recomputation): it is priced with "
+                "each all-to-all waited for."
+            )
+        if work.pp_overlap and lay.pp > 1 and not pp_overlaps(lay, work):
+            out.append(
+                f"--pp-overlap does not apply to the pick (Megatron-Core overlaps the hops between stages only "
+                f"in its interleaved schedule; the pick runs {lay.schedule}): it is priced with each hop waited for."
+            )
+        return out
 
     def _first(self, mark) -> str | None:
         """The best ranked layout ``mark`` leaves unmarked ("#i, label"), or None."""

@@ -16,7 +16,7 @@ from shardlm.parallel.expert import experts_span_replicas
 from shardlm.parallel.tensor import partition_heads
 from shardlm.plan.comm import moe_boundary
 from shardlm.plan.layout import Layout
-from shardlm.plan.training import ep_overlaps
+from shardlm.plan.training import ep_overlaps, pp_overlaps
 
 
 def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas: int = 0, mtp: int = 0) -> str | None:
@@ -49,7 +49,7 @@ def not_runnable(cfg, lay: Layout, *, train: bool, dtype: str, prefill_replicas:
 def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | None:
     """The faster mechanism ``work`` prices ``lay`` with that shardlm lacks, so that it runs the
     layout slower than ranked (None: as priced): a peer's, pinned to compare with a published run
-    (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--ep-overlap``,
+    (``--zero3-reduce overlapped``, ``--tp-overlap``, ``--grad-reduce bf16``, ``--pp-overlap``, ``--ep-overlap``,
     ``--recompute-modules``, ``--dispatcher deepep``, ``--kernels fused``)."""
     if train and lay.zero == 3 and work.zero3_reduce == "overlapped":  # train/zero.py reduces in backward
         return "ZeRO-3's reduce-scatters behind backward (--zero3-reduce overlapped; shardlm's wait in backward)"
@@ -57,6 +57,10 @@ def not_as_modelled(cfg, lay: Layout, work, *, train: bool, cluster) -> str | No
         return "TP collectives pipelined with the GEMMs (--tp-overlap; shardlm's trainer waits for each)"
     if train and lay.dp * lay.cp > 1 and work.grad_reduce == "bf16":  # train/unit.py full_grad: float32
         return "16-bit gradient reductions (--grad-reduce bf16; shardlm's trainer reduces in float32)"
+    if train and pp_overlaps(lay, work):  # train/schedule.py: each receive blocks
+        return (
+            "the pipeline's hops behind the chunks beside them (--pp-overlap; shardlm's trainer waits for each receive)"
+        )
     if train and ep_overlaps(cfg, lay, work):  # parallel/expert.py: each trip waited for
         return "the all-to-alls behind another micro-batch (--ep-overlap; shardlm's trainer waits for each)"
     if train and work.recompute_modules and lay.recompute != "full":  # train/trainer.py: none, selective or full

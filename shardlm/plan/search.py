@@ -154,12 +154,15 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
         return []
     per_replica = wl.global_batch // lay.dp
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    # interleaving depths that give every chunk a layer: uneven where the layers do not divide, as
+    # Megatron's --pipeline-model-parallel-layout places them (runnable.py marks what shardlm refuses)
+    chunkings = [v for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
     if lay.pp > 1:
-        schedules += [("zb-h1", 1)] + [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers % (lay.pp * v) == 0]
+        schedules += [("zb-h1", 1)] + [("interleaved", v) for v in chunkings]
     if "schedule" in fixed:
         schedules = [s for s in schedules if s[0] == fixed["schedule"]] or [(fixed["schedule"], 1)]
         if fixed["schedule"] == "interleaved":
-            schedules = [("interleaved", v) for v in VIRTUAL_CHUNKS if cfg.num_layers % (lay.pp * v) == 0]
+            schedules = [("interleaved", v) for v in chunkings]
     if "virtual" in fixed:  # --vpp: the interleaved schedule at that depth only; pinned, its chunks
         # may be uneven, some with no decoder layer (an embedding- or loss-only chunk), as Megatron's
         # --pipeline-model-parallel-layout places them (runnable.py marks what shardlm's trainer refuses)

@@ -125,6 +125,13 @@ class TrainWorkload:
     merged with another micro-batch's backward on two streams (``_merged_pair``); Megatron allows it
     at ep > 1, with pp > 1 only interleaved and without full recomputation (``ep_overlaps``), and
     other layouts are priced without it. False: each trip waited for, as shardlm's trainer does."""
+    pp_overlap: bool = False
+    """The interleaved schedule's sends and receives between stages posted ahead and waited for only when
+    the chunk that needs them starts, so that each hides behind the chunk computing meanwhile, as
+    Megatron-Core runs them (``overlap_p2p_comm``: Megatron-LM's default since its
+    ``--no-overlap-p2p-communication``, Megatron-Bridge's wherever vp > 1; interleaved only,
+    ``pp_overlaps``); other schedules wait for each hop. False: each waited for, as shardlm's trainer
+    waits for each receive."""
     recompute_modules: tuple[str, ...] = ()
     """Megatron-Core's recompute modules added to each layout's recomputation (``RECOMPUTE_MODULES``):
     ``mla_up_proj``, latent attention's up-projections (DeepSeek-V3's own training and recipes), and
@@ -233,6 +240,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         sent = boundary_bytes(cfg, lay, wl.kernels, tokens, a)
         p2p = max(comm.send_recv(sent, x, y, cluster) for x, y in itertools.pairwise(pg))
     unit = fwd + bwd + 2 * p2p
+    hops = m * 2 * p2p  # the hops each micro-batch waits for (an interleaved one makes 2v)
     if p == 1:
         pipe = m * unit
     elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes, as a share of
@@ -240,7 +248,15 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         # layer, as Megatron places them)
         held = sum(costs.stage_kinds(p)[pacing])
         chunk = math.ceil(held / v) / held
-        pipe = m * unit + (p - 1) * (fwd + bwd) * chunk + 2 * (v - 1) * p2p * m
+        if pp_overlaps(lay, wl):  # each steady-state hop behind the chunk's pass beside it; the
+            # warm-up's and the drain's waited for (Megatron-Core's default: no
+            # --overlap-p2p-communication-warmup-flush)
+            warm = warmup_passes(lay)
+            hops = 2 * warm * p2p + (m * v - warm) * (max(0.0, p2p - fwd / v) + max(0.0, p2p - bwd / v))
+        else:
+            hops = m * 2 * v * p2p
+        unit = fwd + bwd + hops / m
+        pipe = m * unit + (p - 1) * (fwd + bwd) * chunk
     elif lay.schedule == "zb-h1" and m >= p:
         b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward
         pipe = m * unit + (p - 1) * (fwd + b_in - b_w + 2 * p2p)
@@ -290,7 +306,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
             "ep": m * 2 * ep_c - saved_ep,
             "cp": m * 3 * cp_c,
             "dp": dp_exposed + m * z3_c,
-            "pp": m * 2 * p2p,
+            "pp": hops,
         },
     )
 
@@ -438,15 +454,21 @@ def _recomputed_work(cfg, rl, moe: bool, modules, tokens: float, w_bytes: int, k
     )
 
 
+def warmup_passes(lay: Layout) -> int:
+    """Forwards the first stage runs before its first backward, in model chunks: Megatron-Core's
+    interleaved warm-up, 2(p - 1) + (v - 1)p (schedules.py ``get_pp_rank_microbatches``), at most
+    every pass; as many backwards drain after its last forward."""
+    p, v = lay.pp, lay.virtual
+    return min(2 * (p - 1) + (v - 1) * p, lay.num_micro * v)
+
+
 def unmerged_passes(lay: Layout) -> int:
     """Forwards (and as many backwards) the 1F1B all-to-all overlap leaves unmerged on the first stage,
-    in model chunks: Megatron-Core's interleaved warm-up, 2(p - 1) + (v - 1)p, and the one micro-batch
-    more it adds so that no merged pair is one micro-batch's forward and backward (schedules.py
-    ``get_pp_rank_microbatches``); without a pipeline the first forward and the last backward (§4.2.3).
-    At most every pass."""
-    p, v = lay.pp, lay.virtual
-    warm = 2 * (p - 1) + (v - 1) * p + 1 if p > 1 else 1
-    return min(warm, lay.num_micro * v)
+    in model chunks: the warm-up (``warmup_passes``) and the one micro-batch more Megatron-Core adds so
+    that no merged pair is one micro-batch's forward and backward; without a pipeline the first
+    forward and the last backward (§4.2.3). At most every pass."""
+    warm = warmup_passes(lay) + 1 if lay.pp > 1 else 1
+    return min(warm, lay.num_micro * lay.virtual)
 
 
 def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
@@ -463,6 +485,12 @@ def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
         raise PlanError(
             f"--ep-overlap runs a pipeline only interleaved (as Megatron-Core requires), but --schedule "
             f"{fixed['schedule']} is pinned with --pp {fixed['pp']}; pin --vpp N or drop --schedule"
+        )
+    if wl.pp_overlap and (fixed.get("pp") == 1 or fixed.get("schedule", "interleaved") != "interleaved"):
+        pinned = "--pp 1" if fixed.get("pp") == 1 else f"--schedule {fixed['schedule']}"
+        raise PlanError(
+            f"--pp-overlap hides the interleaved schedule's hops between stages (as Megatron-Core runs them), "
+            f"but {pinned} is pinned; pin --vpp N or drop --pp-overlap"
         )
     if wl.recompute_modules and fixed.get("recompute") == "full":
         raise PlanError(
@@ -488,6 +516,12 @@ def boundary_bytes(cfg, lay: Layout, kernels: str, tokens: float, a: int) -> flo
     its 1/tp of the tokens, each pair of ranks over its own links."""
     tensors = 1 if kernels == "fused" else 2
     return tensors * tokens / (lay.tp if lay.sp else 1) * cfg.hidden_size * a
+
+
+def pp_overlaps(lay: Layout, wl: TrainWorkload) -> bool:
+    """Whether ``wl.pp_overlap`` applies to ``lay``: Megatron-Core overlaps the hops between stages in
+    its interleaved schedule only."""
+    return wl.pp_overlap and lay.pp > 1 and lay.schedule == "interleaved"
 
 
 def ep_overlaps(cfg, lay: Layout, wl: TrainWorkload) -> bool:

@@ -1,5 +1,7 @@
 """Pipeline schedule simulator against the closed-form bubble fractions."""
 
+from dataclasses import replace
+
 import pytest
 
 from shardlm.plan.errors import PlanError
@@ -70,10 +72,9 @@ def test_interleaved_bubble_is_the_largest_chunks(virtual, chunk):
     res = evaluate(costs, Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8), lay,
                    TrainWorkload(global_batch=16, seq_len=4096))  # fmt: skip
     m, p = 8, 4
-    unit = res.forward_s + res.backward_s + res.comm_s["pp"] / m
+    unit = res.forward_s + res.backward_s + res.comm_s["pp"] / m  # the hops: 2v a micro-batch
     pipe = m * unit / (1 - res.bubble_fraction)
-    extra_p2p = (virtual - 1) * res.comm_s["pp"]  # 2 (v - 1) p2p a micro-batch
-    assert (pipe - m * unit - extra_p2p) / ((p - 1) * (res.forward_s + res.backward_s)) == pytest.approx(chunk)
+    assert (pipe - m * unit) / ((p - 1) * (res.forward_s + res.backward_s)) == pytest.approx(chunk)
 
 
 @pytest.mark.parametrize(("kernels", "tensors"), [("shardlm", 2), ("fused", 1)])
@@ -96,3 +97,55 @@ def test_a_stage_boundary_carries_what_the_trainer_sends(kernels, tensors, sp):
     res = evaluate(ModelCosts(cfg), cluster, lay, TrainWorkload(global_batch=8, seq_len=4096, kernels=kernels))
     sent = tensors * 4096 / (8 if sp else 1) * cfg.hidden_size * 2
     assert res.comm_s["pp"] == pytest.approx(8 * 2 * comm.send_recv(sent, 0, 8, cluster))
+
+
+def test_the_interleaved_hops_hide_behind_the_chunks_with_pp_overlap():
+    """An interleaved micro-batch makes v hops each way; waited for they cost 2v sends, and with
+    ``--pp-overlap`` (Megatron-Core's overlap_p2p_comm) each steady-state hop hides behind the chunk
+    pass beside it, so only what it takes beyond that pass shows; the warm-up's and the drain's still
+    wait (Megatron's default). Other schedules wait either way."""
+    from shardlm.plan import comm
+    from shardlm.plan.catalog import load_model
+    from shardlm.plan.hardware import Cluster, load_gpu
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.roofline import ModelCosts
+    from shardlm.plan.training import TrainWorkload, evaluate
+
+    cfg = load_model("llama-3-70b")[0]
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=64, gpus_per_node=8)
+    lay = Layout(tp=8, pp=8, dp=1, sp=True, schedule="interleaved", virtual=5, micro_batch=1, num_micro=16)
+    wl = TrainWorkload(global_batch=16, seq_len=8192, kernels="fused")
+    waited = evaluate(ModelCosts(cfg), cluster, lay, wl)
+    hidden = evaluate(ModelCosts(cfg), cluster, lay, replace(wl, pp_overlap=True))
+    hop = comm.send_recv(8192 / 8 * cfg.hidden_size * 2, 0, 8, cluster)
+    assert waited.comm_s["pp"] == pytest.approx(16 * 2 * 5 * hop)
+    f, b = hidden.forward_s / 5, hidden.backward_s / 5
+    assert hop < f < b  # each hop shorter than the pass beside it: only the warm-up's and the drain's wait
+    warm = 2 * 7 + 4 * 8  # Megatron-Core's interleaved warm-up, 2(p - 1) + (v - 1)p chunk forwards
+    assert hidden.comm_s["pp"] == pytest.approx(2 * warm * hop)
+    assert waited.step_s - hidden.step_s == pytest.approx((16 * 2 * 5 - 2 * warm) * hop)
+    one_f1b = replace(lay, schedule="1f1b", virtual=1)
+    assert evaluate(ModelCosts(cfg), cluster, one_f1b, replace(wl, pp_overlap=True)).step_s == pytest.approx(
+        evaluate(ModelCosts(cfg), cluster, one_f1b, wl).step_s
+    )
+
+
+def test_pp_overlap_is_refused_where_it_does_nothing_and_marked_where_it_prices(capsys):
+    """``--pp-overlap`` is refused, naming the pin, beside ``--pp 1`` or a schedule other than the
+    interleaved one; a layout priced with it is marked (shardlm's trainer waits for each receive),
+    and a pick it does not apply to says so."""
+    from shardlm.plan import cli
+    from shardlm.plan.planner import PlanRequest, plan
+    from shardlm.plan.training import TrainWorkload
+
+    argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--pp-overlap"]
+    for extra, why in ((["--pp", "1"], "but --pp 1 is pinned"), (["--schedule", "1f1b"], "--schedule 1f1b is pinned")):
+        assert cli.main([*argv, *extra]) == 2, extra
+        assert why in capsys.readouterr().err, extra
+    wl = TrainWorkload(global_batch=64, seq_len=8192, pp_overlap=True)
+    fixed = dict(tp=8, pp=8, schedule="interleaved", virtual=5)
+    res = plan(PlanRequest(model="llama-3-70b", gpu="h100-sxm", gpus=64, train=True, training=wl, fixed=fixed))
+    assert "(--pp-overlap; shardlm's trainer waits for each receive)" in (res.not_as_modelled(res.best) or "")
+    assert not res.overlap_note()
+    res.ranked[0] = replace(res.best, layout=res.best.layout.with_(schedule="zb-h1", virtual=1))
+    assert "--pp-overlap does not apply to the pick" in res.overlap_note()[0]
