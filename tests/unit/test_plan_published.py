@@ -886,8 +886,8 @@ def test_every_training_source_has_a_target():
 MISSED = {
     "dense training": "12.2% since a stage boundary's bytes are counted as sent and Megatron's interleaved hops "
     "hidden as it runs them (training.boundary_bytes, --pp-overlap): the whole activation over the NIC "
-    "each hop had priced 11-18% of NeMo's interleaved FP8 steps, hiding what is missing there "
-    "(docs/plan.md, 'The pipeline's boundary')",
+    "each hop had priced 11-18% of NeMo's interleaved FP8 steps, hiding that FP8 training is priced fast "
+    "(its rows +29% signed, BF16's +4%; docs/plan.md, 'The pipeline's boundary', 'FP8 is priced fast')",
 }
 """Targets the validation misses today, each with why: the test is expected to fail (strict: it
 fails when the target is met, to drop the entry)."""
@@ -918,6 +918,31 @@ def test_the_overlap_gain_is_priced_as_measured():
     assert not without.ep_overlap and overlapped.ep_overlap and without.pins == overlapped.pins
     published = overlapped.published / without.published - 1  # 19.7 s / 17.6 s - 1
     assert predict(overlapped) / predict(without) - 1 == pytest.approx(published, abs=0.04)
+
+
+FP8_PAIR = "Megatron-Bridge performance summary archive, NeMo 25.11, DGX-GB300, DeepSeek-V3 (w/o MTP)"
+"""The one published run twice in two precisions (docs/performance-summary-archive.md, "25.11 NeMo
+Container", DGX-GB300): DeepSeek-V3 without its MTP layer on 256 GB300s, global batch 4,096 of 4,096
+tokens, micro-batch 1, pp2 vp4 ep32: 3,848 tokens/s a GPU in BF16, 4,357 in MXFP8, +13%."""
+
+
+@pytest.mark.parametrize(("dispatcher", "overlap"), [("shardlm", False), ("deepep", True)])
+def test_the_fp8_gain_is_over_credited_by_at_most_todays_error(dispatcher, overlap):
+    """FP8's gain on the one pair (``FP8_PAIR``) is priced at +24% to +27% (the source does not give the
+    recipe's dispatcher or overlap: two readings), where it measured +13%: the planner credits FP8
+    with about twice its gain. This is why its FP8 rows read fast (+23% to +29% signed, against +4%
+    for BF16: docs/plan.md, "FP8 is priced fast"); the test holds today's error and fails if it grows.
+    Not fitted: the pair is not a validation row, and no constant was set from it."""
+    gains = {}
+    for dtype in ("bf16", "fp8"):
+        row = _tok_s(FP8_PAIR, f"GB300, {dtype}", "deepseek-v3", "gb300", 256, 1.0, tp=1, pp=2, vp=4, ep=32, mb=1,
+                     recompute="none", global_batch=4096, seq_len=4096, dtype=dtype, grad_reduce="bf16",
+                     dispatcher=dispatcher, ep_overlap=overlap, recompute_modules=("mla_up_proj",),
+                     gpus_per_node=64)  # fmt: skip
+        gains[dtype] = predict(row)
+    published = 4357 / 3848 - 1
+    priced = gains["fp8"] / gains["bf16"] - 1
+    assert abs(priced - published) <= 0.16, priced
 
 
 # ---- communication: one MoE all-to-all, measured alone, against ``comm.moe_dispatch`` ------------------
