@@ -122,18 +122,21 @@ def korthikanti_table2(*, s: int, b: int, h: int, a: int, t: int, sp: bool, sele
     return s * b * h * ((34 / t if sp else 10 + 24 / t) + core)
 
 
-def in_flight_microbatches(schedule: str, *, pp: int, num_micro: int, virtual: int = 1) -> float:
+def in_flight_microbatches(
+    schedule: str, *, pp: int, num_micro: int, virtual: int = 1, chunk: float | None = None
+) -> float:
     """Micro-batches whose activations the first stage holds at its peak.
 
     GPipe runs every forward first (m); 1F1B and ZB-H1 cap it at p (Narayanan et al. 2021,
     https://arxiv.org/abs/2104.04473 §2.2; Qi et al. 2023, https://arxiv.org/abs/2401.10241 §3);
     the interleaved schedule holds p(1 + (p-1)/(p v)) = p + (p-1)/v stage-equivalents
-    (Korthikanti et al. 2022 §4.2.3, with v model chunks per stage).
+    (Korthikanti et al. 2022 §4.2.3, with v model chunks per stage): p of every chunk and p - 1 more
+    of one, ``chunk`` of the stage's layers (1/v; where they do not split evenly, the largest's share).
     """
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(num_micro)
     if schedule == "interleaved":
-        return pp + (pp - 1) / virtual
+        return pp + (pp - 1) * (1 / virtual if chunk is None else chunk)
     return float(min(pp, num_micro))

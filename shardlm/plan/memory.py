@@ -7,6 +7,7 @@ of the in-flight micro-batches (``activations.py``), buffers and the reserve.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from shardlm.plan import constants as C
@@ -218,8 +219,11 @@ def training_activation_bytes(
 
     if n_dense:
         total += n_dense * per_layer(False)
-    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual)
-    flight += 1 / lay.virtual if ep_overlap and lay.pp > 1 else 0.0
+    held = n_dense + n_moe  # the stage's layers in v chunks; where they do not split evenly the ones
+    # held over are the largest (ceil(held / v), as the bubble takes them: training.evaluate)
+    chunk = math.ceil(held / lay.virtual) / held if held else 1 / lay.virtual
+    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual, chunk=chunk)
+    flight += chunk if ep_overlap and lay.pp > 1 else 0.0
     if n_moe:
         per = per_layer(True)
         if lay.recompute != "full":  # routed experts: what a gated MLP keeps for each pair this rank

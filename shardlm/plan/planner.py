@@ -110,24 +110,30 @@ class Plan:
             return [f"The pick is priced with {why}: shardlm runs it without, slower than shown{best}."]
         return []
 
-    def overlap_note(self) -> list[str]:
-        """A line for each of ``--ep-overlap`` and ``--pp-overlap`` asked for where the pick is a layout
-        Megatron-Core does not overlap so (``training.ep_overlaps``, ``training.pp_overlaps``), so that
-        neither flag is ever silently left out."""
+    def overlap_note(self, result=None, what: str = "the pick") -> list[str]:
+        """A line for each of ``--ep-overlap`` and ``--pp-overlap`` asked for where ``result`` (the pick
+        unless given: a ``--compare`` layout) is a layout Megatron-Core does not overlap so
+        (``training.ep_overlaps``, ``training.pp_overlaps``), so that neither flag is ever silently
+        left out."""
         work = self.request.training
         if not self.request.train or work is None:
             return []
-        lay, out = self.best.layout, []
+        lay, out = (result or self.best).layout, []
         if work.ep_overlap and not ep_overlaps(self.cfg, lay, work):
             out.append(
-                "--ep-overlap does not apply to the pick (Megatron-Core overlaps only at ep > 1, without a "
+                f"--ep-overlap does not apply to {what} (Megatron-Core overlaps only at ep > 1, without a "
                 "pipeline or with an interleaved one, and without full recomputation): it is priced with "
                 "each all-to-all waited for."
             )
-        if work.pp_overlap and lay.pp > 1 and not pp_overlaps(lay, work):
+        if work.pp_overlap and not pp_overlaps(lay, work):
+            priced = (
+                f"{what} runs no pipeline, so it has no hops to hide"
+                if lay.pp == 1
+                else f"{what} runs the {lay.schedule} schedule, priced with each hop waited for"
+            )
             out.append(
-                f"--pp-overlap does not apply to the pick (Megatron-Core overlaps the hops between stages only "
-                f"in its interleaved schedule; the pick runs {lay.schedule}): it is priced with each hop waited for."
+                f"--pp-overlap does not apply to {what} (Megatron-Core overlaps the hops between stages only "
+                f"in its interleaved schedule): {priced}."
             )
         return out
 
@@ -199,6 +205,8 @@ def plan(req: PlanRequest) -> Plan:
         theirs = _search(costs, cluster, req, pins)
         out.compared = rerank(theirs.results, ctx)[0] if theirs.results else (theirs.rejected or [None])[0]
         out.explanation += compare(out.best, out.compared, ctx, ",".join(f"{k}={v}" for k, v in req.compare.items()))
+        if out.compared is not None:
+            out.explanation += out.overlap_note(out.compared, "the compared layout")
     return out
 
 

@@ -154,9 +154,10 @@ def training_variants(cfg, lay: Layout, wl: training.TrainWorkload, fixed: dict)
         return []
     per_replica = wl.global_batch // lay.dp
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
-    # interleaving depths that give every chunk a layer: uneven where the layers do not divide, as
-    # Megatron's --pipeline-model-parallel-layout places them (runnable.py marks what shardlm refuses)
-    chunkings = [v for v in VIRTUAL_CHUNKS if cfg.num_layers >= lay.pp * v]
+    # interleaving depths that give each chunk of an evenly split stage a layer: uneven where the layers
+    # do not divide, as Megatron's --pipeline-model-parallel-layout places them (runnable.py marks what
+    # shardlm refuses)
+    chunkings = [v for v in VIRTUAL_CHUNKS if cfg.num_layers // lay.pp >= v]
     if lay.pp > 1:
         schedules += [("zb-h1", 1)] + [("interleaved", v) for v in chunkings]
     if "schedule" in fixed:

@@ -475,3 +475,25 @@ def test_fp8_decode_reads_the_kept_modules_and_the_head_at_16_bit(tmp_path):
     extra = 32 * rl.attn  # one more byte a weight
     assert b.memory.weights - a.memory.weights == pytest.approx(extra)
     assert b.tpot_s - a.tpot_s == pytest.approx(extra / cluster.gpu.mem_Bps)
+
+
+def test_uneven_interleaving_holds_its_largest_chunk_in_flight():
+    """The interleaved first stage holds p micro-batches of every chunk and p - 1 more of one: where
+    its layers do not split evenly (Llama 3 8B's 32 over pp6: 5 on the first stage, beside the
+    embedding, in chunks of 2, 1, 1, 1 at vpp 4), that one is counted at the largest chunk's 2 layers,
+    not at 5/4."""
+    import math
+
+    from shardlm.plan.layout import Layout
+    from shardlm.plan.memory import training_activation_bytes
+    from shardlm.plan.roofline import ModelCosts
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    held = sum(costs.stage_kinds(6)[0])
+    p, v = 6, 4
+    one_f1b = Layout(tp=1, pp=p, dp=1, schedule="1f1b", micro_batch=1, num_micro=12)
+    interleaved = Layout(tp=1, pp=p, dp=1, schedule="interleaved", virtual=v, micro_batch=1, num_micro=12)
+    stage = training_activation_bytes(costs, one_f1b, 4096) / p  # one micro-batch of the stage's layers
+    chunk = math.ceil(held / v) / held
+    assert held == 5 and chunk == 2 / 5
+    assert training_activation_bytes(costs, interleaved, 4096) == pytest.approx(stage * (p + (p - 1) * chunk))

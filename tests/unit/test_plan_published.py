@@ -539,19 +539,23 @@ ROWS += [
 
 # each source's mean and max relative error today (rounded up); a change that raises one fails
 BOUNDS = {
+    # "stop 48's boundary bytes": a pipeline stage's hops priced at the bytes sent (training.boundary_bytes:
+    # 1/tp under SP), not the whole activation; "stop 48's pipeline": that, Megatron-Core's interleaved hops
+    # behind the chunks beside them (--pp-overlap) and uneven interleaving searched (docs/plan.md, "The
+    # pipeline's boundary")
     # before the memory-bound operators' traffic (plan/traffic.py, --kernels fused here) was counted:
     # 9% / 16%; before the unfused attention's score traffic: 25% and 63% (small models too fast)
     # 7% / 14% while the LM head was recomputed under full recomputation (neither trainer does)
-    # 8% / 16% since stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP); interleaved depths no search holds (60L pp4, 105L pp35)
-    # pinned at the fewest chunks, not dropped to zero-bubble
+    # 8% / 16% since stop 48's boundary bytes; interleaved rows at the depth the search prices
+    # best (uneven where the layers do not divide), not dropped to zero-bubble
     MEGATRON: (0.09, 0.16),
     # 18% / 29% with 16-bit reduce-scatters (the trainer sends float32); 168% / 339% when ZeRO-3's
     # gathers were taken as hidden over 8 NICs a node; 8% / 13% before the traffic was counted
     ZERO3: (0.08, 0.14),
-    # 5% / 7% before the traffic was counted; 4% / 6% before stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
+    # 5% / 7% before the traffic was counted; 4% / 6% before stop 48's boundary bytes
     PTDP: (0.10, 0.14),
     # 7% / 12% before the traffic was counted (it predicts a little lower); 8% / 12% priced at zero-bubble
-    # before the interleaved schedule was pinned and stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
+    # before the interleaved schedule was pinned and stop 48's boundary bytes
     KORTHIKANTI: (0.07, 0.11),  # 530B -11%: the search's uneven 2-1 chunks
     # 4% / 6% with ZeRO-2's reduce-scatter every micro-batch (the trainer: once a step); 4% / 5% while the
     # all-gather after the step was taken as hidden (shardlm's trainer waits for it; docs/plan.md)
@@ -578,7 +582,7 @@ BOUNDS = {
     DSV3: (0.12, 0.12),
     # 25% before routing imbalance (the most loaded ep rank sets the pace); 24% before the traffic
     # 17% before the routed pairs' copies (plan/traffic.py); 16% before the measured K curves
-    # +20% since stop 48's pipeline (boundary bytes as sent, --pp-overlap, uneven interleaving searched)
+    # +20% since stop 48's pipeline
     MCORE_MOE: (0.20, 0.20),
     # added 2026-11-26; its fastest published layouts are predicted slowest and the reverse (docs/plan.md);
     # 51% / 102% with the DeepEP rows priced as every pair's all-to-all; 47% / 102% before uneven
@@ -590,8 +594,8 @@ BOUNDS = {
     # 24% / 62% before Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S: tp2 pp32 ep8 +39% -> +15%,
     # tp4 pp8 ep8 +62% -> -18%; the ep32 rows +10%, -2% -> +4%, -7%); the "+1F1B" row -7% -> +6% since
     # the overlap is priced (--ep-overlap: the pair's gain +13%, published +12%, test_the_overlap_gain_...)
-    # 10% / 18% before stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
-    # 14% / 29% since stop 48's pipeline (boundary bytes as sent, --pp-overlap, uneven interleaving searched)
+    # 10% / 18% before stop 48's boundary bytes
+    # 14% / 29% since stop 48's pipeline
     QWEN3_MCORE: (0.14, 0.30),
     # the 135M model is launch-bound: 3,430 kernels a step, the GPU idle 19% of it (GPU_OP_OVERHEAD_S = 0)
     # 19% / 33% before the measured K curves; 15% / 28% before each GEMM's measured fixed time
@@ -600,16 +604,16 @@ BOUNDS = {
     # layer's collectives behind all its GEMMs); -11%, -12% with TP's
     # collectives exposed; +6%, +8% while FP8 training moved one-byte activations; 70B's layout (no
     # recomputation) did not fit before the fused activation and FP8 copies were counted
-    # 7% / 19% (70B -1%, 405B +3%) before stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP): the
+    # 7% / 19% (70B -1%, 405B +3%) before stop 48's boundary bytes: the
     # whole activation over the NIC each hop had priced 11-18% of the interleaved rows' steps
-    # 25% / 34% since stop 48's pipeline (boundary bytes as sent, --pp-overlap, uneven interleaving searched)
+    # 25% / 34% since stop 48's pipeline
     NEMO_DENSE: (0.26, 0.35),
     # the all-to-all exposed (the recipe overlaps it with another micro-batch's compute); +30% while FP8
     # training moved one-byte activations; -13% before the overlap was priced (--ep-overlap)
-    # +20% before stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
+    # +20% before stop 48's boundary bytes
     NEMO_MOE: (0.26, 0.26),  # +26% with --pp-overlap
     # added 2026-11-27: the 8B rows +39% (GB200), +31% (B200), 405B -1%
-    # 405B +23% since stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
+    # 405B +23% since stop 48's boundary bytes
     NEMO_BW_DENSE: (0.34, 0.39),  # 405B +31% with --pp-overlap
     # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it); Qwen3
     # +18% since Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S; DeepSeek-V3's blocks lie above it);
@@ -624,7 +628,7 @@ BOUNDS = {
     # with its recompute modules (--recompute-modules mla_up_proj,mlp: without them it no longer fits, the
     # overlap holding a chunk more), +17% with its MTP module (--mtp 1); +33% since its 4 nodes' trip is
     # priced at the 3.14 nodes its 4 groups lie on (roofline.node_limit, the report's Table 7 at ep32)
-    # 16% / 39% since stop 48's pipeline (boundary bytes as sent, --pp-overlap, uneven interleaving searched)
+    # 16% / 39% since stop 48's pipeline
     NEMO_2604_MOE: (0.16, 0.39),
     # added in stop 46, held out from Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S), without which it reads
     # 17% / 25% (+12%, +21%, +12%, +21%, +25%, -14%): DeepSeek-V3 on GB300 +21% -> +9%, Qwen3 on GB300 +25% -> +6%; Qwen3 on GB200 in
@@ -633,8 +637,8 @@ BOUNDS = {
     # recomputed (stop 47): DeepSeek-V3 on H100 +12% -> +55%, on GB200 +21% -> +18%, on GB300 +9% -> +26%; Qwen3
     # on GB200 -28% -> -20%, on H100 -19% -> -7% (22% / 55%; docs/plan.md, "The 1F1B all-to-all overlap"); with
     # DeepSeek-V3's MTP module (--mtp 1) and B.2's recompute modules: +39%, +8%, +21%
-    # DeepSeek-V3 on H100 +45% since stop 48, a stage boundary's bytes as sent (training.boundary_bytes: 1/tp under SP)
-    # 20% / 51% since stop 48's pipeline (boundary bytes as sent, --pp-overlap, uneven interleaving searched)
+    # DeepSeek-V3 on H100 +45% since stop 48's boundary bytes
+    # 20% / 51% since stop 48's pipeline
     MCORE_REPORT: (0.20, 0.52),
 }
 
