@@ -16,7 +16,9 @@ GEMMs at its rate and adds their operands' casts (``FP8_CAST_BYTES``) to the mem
 
 The pipeline turns stage times into a step with the schedule's closed form, exact for uniform
 stages (``schedule.simulate`` reproduces each): GPipe and 1F1B (m+p-1)(F+B); interleaved m(F+B) +
-(p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p. Data-parallel gradient sync, as
+(p-1)(F+B)/v; ZB-H1 m(F+B) + (p-1)(F + B_in - B_w) for m >= p. Each micro-batch's hops between
+stages (2, or 2v interleaved) carry what the trainer sends (``boundary_bytes``), waited for, or under
+``pp_overlap`` hidden behind the interleaved chunks beside them. Data-parallel gradient sync, as
 shardlm's trainer sends it (``train/zero.py``): once a step, in float32
 (``zero.REDUCED_GRAD_BYTES``), an all-reduce for ZeRO-0, a reduce-scatter and the updated 16-bit
 weights' all-gather for ZeRO-1 and 2 (the trainer's ZeRO-2 keeps the whole gradients through
