@@ -494,6 +494,12 @@ def check_flags(cfg, wl: TrainWorkload, fixed: dict) -> None:
             f"--pp-overlap hides the interleaved schedule's hops between stages (as Megatron-Core runs them), "
             f"but {pinned} is pinned; pin --vpp N or drop --pp-overlap"
         )
+    pp = fixed.get("pp", 1)
+    if fixed.get("schedule") == "interleaved" and "virtual" not in fixed and cfg.num_layers // pp < 2:
+        raise PlanError(
+            f"--schedule interleaved splits each stage's layers into 2 or more chunks, but {cfg.num_layers} layers "
+            f"over --pp {pp} leave {cfg.num_layers // pp} a stage; lower --pp or pin another --schedule"
+        )
     if wl.recompute_modules and fixed.get("recompute") == "full":
         raise PlanError(
             f"--recompute-modules {','.join(wl.recompute_modules)} adds modules to a layout's recomputation, but "

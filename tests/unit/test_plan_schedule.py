@@ -129,10 +129,15 @@ def test_the_interleaved_hops_hide_behind_the_chunks_with_pp_overlap(nic_slower,
 
 def test_pp_overlap_is_refused_where_it_does_nothing_and_said_where_it_does_not_apply(capsys):
     """``--pp-overlap`` is refused, naming the pin, beside ``--pp 1`` or a schedule other than the
-    interleaved one; a layout priced with it is marked (shardlm's trainer waits for each receive),
+    interleaved one (and the interleaved schedule where a stage has fewer than two layers to chunk,
+    flag or not); a layout priced with it is marked (shardlm's trainer waits for each receive),
     and a pick or a ``--compare`` layout it does not apply to says so."""
     argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--pp-overlap"]
-    for extra, why in ((["--pp", "1"], "but --pp 1 is pinned"), (["--schedule", "1f1b"], "--schedule 1f1b is pinned")):
+    for extra, why in (
+        (["--pp", "1"], "but --pp 1 is pinned"),
+        (["--schedule", "1f1b"], "--schedule 1f1b is pinned"),
+        (["--pp", "64", "--schedule", "interleaved"], "80 layers over --pp 64 leave 1 a stage; lower --pp"),
+    ):
         assert cli.main([*argv, *extra]) == 2, extra
         assert why in capsys.readouterr().err, extra
     wl = TrainWorkload(global_batch=64, seq_len=8192, pp_overlap=True)
