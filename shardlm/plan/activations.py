@@ -19,6 +19,7 @@ head and token (``flash``); ``flash=False`` counts the unfused scores.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 RECOMPUTE = ("none", "selective", "full")
@@ -122,8 +123,14 @@ def korthikanti_table2(*, s: int, b: int, h: int, a: int, t: int, sp: bool, sele
     return s * b * h * ((34 / t if sp else 10 + 24 / t) + core)
 
 
+def largest_chunk(held: int, virtual: int) -> float:
+    """The share of a stage's ``held`` layers its largest interleaved chunk holds: 1/v where they split
+    evenly, else ceil(held / v) / held (uneven chunks differ by a layer, as Megatron places them)."""
+    return math.ceil(held / virtual) / held if held else 1 / virtual
+
+
 def in_flight_microbatches(
-    schedule: str, *, pp: int, num_micro: int, virtual: int = 1, chunk: float | None = None
+    schedule: str, *, pp: int, num_micro: int, virtual: int = 1, held: int | None = None
 ) -> float:
     """Micro-batches whose activations the first stage holds at its peak.
 
@@ -131,12 +138,12 @@ def in_flight_microbatches(
     https://arxiv.org/abs/2104.04473 §2.2; Qi et al. 2023, https://arxiv.org/abs/2401.10241 §3);
     the interleaved schedule holds p(1 + (p-1)/(p v)) = p + (p-1)/v stage-equivalents
     (Korthikanti et al. 2022 §4.2.3, with v model chunks per stage): p of every chunk and p - 1 more
-    of one, ``chunk`` of the stage's layers (1/v; where they do not split evenly, the largest's share).
+    of one, the largest of the stage's ``held`` layers (``largest_chunk``; 1/v when not given).
     """
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(num_micro)
     if schedule == "interleaved":
-        return pp + (pp - 1) * (1 / virtual if chunk is None else chunk)
+        return pp + (pp - 1) * (1 / virtual if held is None else largest_chunk(held, virtual))
     return float(min(pp, num_micro))

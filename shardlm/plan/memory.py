@@ -7,11 +7,10 @@ of the in-flight micro-batches (``activations.py``), buffers and the reserve.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 from shardlm.plan import constants as C
-from shardlm.plan.activations import LayerShape, in_flight_microbatches, layer_activation_bytes
+from shardlm.plan.activations import LayerShape, in_flight_microbatches, largest_chunk, layer_activation_bytes
 from shardlm.plan.hardware import GIB, gib
 from shardlm.plan.layout import Layout
 from shardlm.plan.roofline import FP8_KEEPS_AT, ModelCosts, busiest_pairs, kv_bytes_per_token
@@ -219,11 +218,9 @@ def training_activation_bytes(
 
     if n_dense:
         total += n_dense * per_layer(False)
-    held = n_dense + n_moe  # the stage's layers in v chunks; where they do not split evenly the ones
-    # held over are the largest (ceil(held / v), as the bubble takes them: training.evaluate)
-    chunk = math.ceil(held / lay.virtual) / held if held else 1 / lay.virtual
-    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual, chunk=chunk)
-    flight += chunk if ep_overlap and lay.pp > 1 else 0.0
+    held = n_dense + n_moe  # the stage's layers in v chunks (the largest in flight once more: largest_chunk)
+    flight = in_flight_microbatches(lay.schedule, pp=lay.pp, num_micro=lay.num_micro, virtual=lay.virtual, held=held)
+    flight += largest_chunk(held, lay.virtual) if ep_overlap and lay.pp > 1 else 0.0
     if n_moe:
         per = per_layer(True)
         if lay.recompute != "full":  # routed experts: what a gated MLP keeps for each pair this rank

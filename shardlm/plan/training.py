@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
-from shardlm.plan.activations import RECOMPUTE_MODULES
+from shardlm.plan.activations import RECOMPUTE_MODULES, largest_chunk
 from shardlm.plan.errors import PlanError
 from shardlm.plan.hardware import Cluster
 from shardlm.plan.layout import Layout
@@ -248,8 +248,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     elif lay.schedule == "interleaved":  # the bubble: p - 1 of the largest chunk's passes, as a share of
         # the pacing stage's (its layers in v chunks; where they do not split evenly they differ by a
         # layer, as Megatron places them)
-        held = sum(costs.stage_kinds(p)[pacing])
-        chunk = math.ceil(held / v) / held
+        chunk = largest_chunk(sum(costs.stage_kinds(p)[pacing]), v)
         if pp_overlaps(lay, wl):  # each steady-state hop behind the chunk's pass beside it; the
             # warm-up's and the drain's waited for (Megatron-Core's default: no
             # --overlap-p2p-communication-warmup-flush)

@@ -482,8 +482,7 @@ def test_uneven_interleaving_holds_its_largest_chunk_in_flight():
     its layers do not split evenly (Llama 3 8B's 32 over pp6: 5 on the first stage, beside the
     embedding, in chunks of 2, 1, 1, 1 at vpp 4), that one is counted at the largest chunk's 2 layers,
     not at 5/4."""
-    import math
-
+    from shardlm.plan.activations import largest_chunk
     from shardlm.plan.layout import Layout
     from shardlm.plan.memory import training_activation_bytes
     from shardlm.plan.roofline import ModelCosts
@@ -494,6 +493,6 @@ def test_uneven_interleaving_holds_its_largest_chunk_in_flight():
     one_f1b = Layout(tp=1, pp=p, dp=1, schedule="1f1b", micro_batch=1, num_micro=12)
     interleaved = Layout(tp=1, pp=p, dp=1, schedule="interleaved", virtual=v, micro_batch=1, num_micro=12)
     stage = training_activation_bytes(costs, one_f1b, 4096) / p  # one micro-batch of the stage's layers
-    chunk = math.ceil(held / v) / held
+    chunk = largest_chunk(held, v)
     assert held == 5 and chunk == 2 / 5
     assert training_activation_bytes(costs, interleaved, 4096) == pytest.approx(stage * (p + (p - 1) * chunk))

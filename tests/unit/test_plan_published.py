@@ -946,7 +946,7 @@ def test_the_fp8_gain_is_over_credited_by_at_most_todays_error(dispatcher, overl
         gains[dtype] = predict(row)
     published = 4357 / 3848 - 1
     priced = gains["fp8"] / gains["bf16"] - 1
-    assert abs(priced - published) <= 0.16, priced
+    assert -0.05 <= priced - published <= 0.16, priced  # and not below: FP8 gains what it measured
 
 
 # ---- communication: one MoE all-to-all, measured alone, against ``comm.moe_dispatch`` ------------------
