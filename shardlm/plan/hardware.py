@@ -82,6 +82,11 @@ class GpuSpec:
     is measured the tables need no rows term (``half_rows``)."""
     collective_launch_s: float = C.COLLECTIVE_LAUNCH_S
     """Fixed cost of one collective call, on top of the alpha-beta terms."""
+    attention: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """The fused attention kernel's measured 16-bit rate by pass, "forward" and "backward": (FLOP/s
+    at long contexts, keys per query at which it runs at half that), its FLOPs counted as
+    flash-attention's benchmarks count them (a backward is ``C.FLASH_BACKWARD_RATIO`` forwards);
+    from the catalog's published tables, empty where none was collected (``attention_rate``)."""
     sms: int = 0
     """Streaming multiprocessors (compute units), from the catalog: the share a communication kernel
     occupies beside the GEMMs (``C.DEEPEP_SMS``); 0 where unknown (none charged)."""
@@ -102,6 +107,16 @@ class GpuSpec:
     def gemm_fixed_s(self, dtype: str) -> float:
         """``gemm_fixed_us`` for ``dtype``, in seconds (0: none measured)."""
         return self.gemm_fixed_us.get(_catalog_dtype(dtype), 0.0) * 1e-6
+
+    def attention_rate(self, keys: float, backward: bool, dtype: str) -> float | None:
+        """FLOP/s of the attention core's forward, or its ``backward``, where each query attends
+        ``keys`` keys, on the measured curve (``attention``); None where the catalog has none for
+        this ``dtype`` (16-bit only)."""
+        curve = self.attention.get("backward" if backward else "forward")
+        if curve is None or _catalog_dtype(dtype) not in ("bf16", "fp16"):
+            return None
+        rate, half = curve
+        return rate * keys / (keys + half)
 
     def matmul_flops(self, dtype: str) -> float:
         if dtype in self.flops:
@@ -154,6 +169,7 @@ def load_gpu(name: str) -> GpuSpec:
         gemm_half_k=dict(g.get("gemm_half_k", {})),
         gemm_fixed_us=dict(g.get("gemm_fixed_us", {})),
         sms=g.get("sms", 0),
+        attention={k: (tf * 1e12, half) for k, (tf, half) in g.get("attention", {}).items()},
     )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
@@ -325,7 +325,7 @@ def _stage(
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     k = cfg.num_experts_per_tok
-    f_comp = b_comp = f_attn = tp_f = tp_b = ep_c = cp_c = 0.0
+    f_comp = b_comp = f_attn = b_attn = tp_f = tp_b = ep_c = cp_c = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     f_floor = b_floor = 0.0  # what MoE blocks priced under their floor wait for (``_moe_floor``)
     hidden = 0.0  # what merging a forward with another micro-batch's backward saves (``_merged_pair``)
@@ -348,7 +348,8 @@ def _stage(
         mm, at = layer_work(
             cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.half_rows(wl.dtype), k_half=k_half
         )
-        t_attn, t_mm = at.time(gpu, high), mm.time(gpu, wl.dtype)
+        t_attn, t_attn_b = _attention_times(gpu, at, step.ctx, high, wl.fused_attention)
+        t_mm = mm.time(gpu, wl.dtype)
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         f_comp += n * t_mm
         # backward: the input gradients (the forward's weight reads, inner dimension each product's
@@ -363,6 +364,7 @@ def _stage(
             t_back += _recomputed_work(cfg, rl, moe, wl.recompute_modules, tokens, w, k_half).time(gpu, wl.dtype)
         b_comp += n * t_back
         f_attn += n * t_attn
+        b_attn += n * t_attn_b
         widths = _traffic_widths(cfg, rl, lay, pairs / tokens)
         mem_f = tokens * moved.forward.per_token(*widths) / gpu.mem_Bps  # one layer's
         mem_b = tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
@@ -400,8 +402,8 @@ def _stage(
             b_floor += n * below_b
             # the layer's forward and backward less the trips: as summed below, selective recomputation's
             # attention core included (full recomputation rules the overlap out, ``ep_overlaps``)
-            attn_passes = 1 + BACKWARD_FLOPS_RATIO + (lay.recompute == "selective")  # forward, backward, recomputed
-            rest = t_mm + t_back + attn_passes * t_attn + mem_f + mem_b + tp_lf + tp_lb
+            attn = (1 + (lay.recompute == "selective")) * t_attn + t_attn_b  # forward, recomputed, backward
+            rest = t_mm + t_back + attn + mem_f + mem_b + tp_lf + tp_lb
             rest += 3 * cp_l
             apart = rest + 2 * trip + below_f + below_b
             attention = t_mm + t_attn + mem_f + tp_lf + cp_l + trip - block_f  # the forward's, before its block
@@ -418,12 +420,26 @@ def _stage(
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
     layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c + f_floor  # the decoder layers' forward
     fwd = layers + head_f
-    bwd = b_comp + BACKWARD_FLOPS_RATIO * f_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c + b_floor
+    bwd = b_comp + b_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c + b_floor
     if lay.recompute == "full":  # the layers' forward again
         bwd += layers
     elif lay.recompute == "selective":
         bwd += f_attn
     return fwd, bwd, tp_f + tp_b, ep_c, cp_c, hidden
+
+
+def _attention_times(gpu, at: Work, keys: float, dtype: str, fused: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's attention core ``at`` where each query attends ``keys``
+    keys: a ``fused`` (flash) kernel on the GPU's measured curve (``GpuSpec.attention_rate``; its
+    backward recomputes the scores, ``C.FLASH_BACKWARD_RATIO`` forwards' FLOPs); unfused products, or
+    a GPU with no curve, at the GEMM rate with a backward of ``BACKWARD_FLOPS_RATIO`` forwards."""
+    fwd, bwd = gpu.attention_rate(keys, False, dtype), gpu.attention_rate(keys, True, dtype)
+    if not fused or fwd is None or bwd is None:
+        t = at.time(gpu, dtype)
+        return t, BACKWARD_FLOPS_RATIO * t
+    return at.time(gpu, dtype, rate=fwd), replace(at, flops=C.FLASH_BACKWARD_RATIO * at.flops).time(
+        gpu, dtype, rate=bwd
+    )
 
 
 def _merged_pair(rest: float, trips: float, attention: float, floored: bool, gpu, dispatcher: str) -> float:

@@ -397,3 +397,64 @@ def test_tp_overlap_pipelines_the_collectives_with_the_gemms(capsys):
         argv = ["--model", "llama-3-70b", "--gpu", "h100-sxm", "--gpus", "64", "--train", "--tp-overlap", *pin]
         assert cli.main(argv) == 2
         assert "--tp-overlap pipelines TP's collectives under sequence parallelism" in capsys.readouterr().err
+
+
+ATTENTION_TABLES = {  # cuDNN's causal bf16 SDPA, head dim 128 (NVIDIA/cudnn-frontend, benchmark/sdpa_benchmark_training/):
+    # GPU: (forward, backward) TFLOP/s at sequences of 2k, 4k, 8k, 16k and 32k, FLOPs counted as
+    # flash-attention's benchmarks count them (causal halved, a backward 2.5 forwards); the bound each
+    # catalog curve holds
+    "h200": ((484, 591, 644, 673, 688), (370, 474, 541, 579, 581), 0.03),  # results/h200_919_only_cudnn, 9.19.1
+    "gb200": ((1097, 1408, 1574, 1708, 1622), (885, 1148, 1332, 1328, 1226), 0.09),  # results/llama3.1/gb200, 9.22
+    "gb300": ((1373, 1703, 1856, 1915, 1953), (967, 1248, 1435, 1507, 1490), 0.04),  # results/llama3.1/gb300, 9.22
+    "b200": ((479, 856, 1171, 1332, 1419), (371, 701, 943, 1075, 1109), 0.11),  # artifacts, cuDNN 9.13
+}
+
+
+@pytest.mark.parametrize("gpu", list(ATTENTION_TABLES))
+def test_attention_runs_on_the_measured_cudnn_curves(gpu):
+    """The attention core's rate (GpuSpec.attention_rate) follows cuDNN's measured tables over the
+    keys a causal query attends (half its sequence), forward and backward, within each fit's bound;
+    the H100 SXM and H800 share the H200's die and clocks and its curve. Other dtypes (fp32) and
+    GPUs with no table (A100) have none: the GEMM rate stands in."""
+    spec = load_gpu(gpu)
+    forward, backward, bound = ATTENTION_TABLES[gpu]
+    for passes, backward_pass in ((forward, False), (backward, True)):
+        for seq, tflops in zip((2048, 4096, 8192, 16384, 32768), passes):
+            assert spec.attention_rate(seq / 2, backward_pass, "bf16") == pytest.approx(tflops * 1e12, rel=bound)
+    if gpu == "h200":
+        assert load_gpu("h100-sxm").attention == load_gpu("h800-sxm").attention == spec.attention
+    assert spec.attention_rate(4096, False, "fp32") is None
+    assert load_gpu("a100-80g").attention_rate(4096, False, "bf16") is None
+
+
+def test_a_flash_backward_recomputes_the_scores():
+    """Training times a layer's attention core on the GPU's measured curve (training._attention_times):
+    the backward's FLOPs are 2.5 forwards' (the scores recomputed, C.FLASH_BACKWARD_RATIO) at the
+    backward's rate; unfused attention (its products, the scores kept) and a GPU with no curve run at
+    the GEMM rate, the backward twice the forward. A step reads it: Llama 3 8B at 8,192 tokens on an
+    H100 is slower on the measured curve than at the GEMM rate, mostly in backward."""
+    from shardlm.plan import constants as C
+    from shardlm.plan.roofline import Work
+    from shardlm.plan.training import TrainWorkload, _attention_times
+    from shardlm.plan.training import evaluate as train
+
+    h100, keys, core = load_gpu("h100-sxm"), 4096.0, Work(flops=1e12, ops=1)
+    fwd, bwd = _attention_times(h100, core, keys, "bf16", True)
+    overhead = h100.op_overhead_s
+    assert fwd == pytest.approx(1e12 / h100.attention_rate(keys, False, "bf16") + overhead)
+    assert bwd == pytest.approx(C.FLASH_BACKWARD_RATIO * 1e12 / h100.attention_rate(keys, True, "bf16") + overhead)
+    gemm = 1e12 / h100.matmul_flops("bf16") + overhead
+    for gpu, fused in ((h100, False), (load_gpu("a100-80g"), True)):
+        fwd, bwd = _attention_times(gpu, core, keys, "bf16", fused)
+        assert bwd == pytest.approx(2 * fwd) and (gpu is not h100 or fwd == pytest.approx(gemm))
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    lay = Layout(dp=8, zero=3, micro_batch=1, num_micro=4, recompute="selective")
+    wl = TrainWorkload(global_batch=32, seq_len=8192)
+    measured = train(costs, Cluster(gpu=h100, num_gpus=8, gpus_per_node=8), lay, wl)
+    bare = dataclasses.replace(h100, attention={})
+    at_gemm_rate = train(costs, Cluster(gpu=bare, num_gpus=8, gpus_per_node=8), lay, wl)
+    slower = measured.forward_s - at_gemm_rate.forward_s  # cuDNN's forward under the GEMM rate here
+    # the backward's recomputed scores at its own, slower rate: far more than its two forwards' worth
+    # (and selective recomputation's forward) would add
+    assert slower > 0 and measured.backward_s - at_gemm_rate.backward_s > 5 * slower
