@@ -348,7 +348,9 @@ def _stage(
         mm, at = layer_work(
             cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.half_rows(wl.dtype), k_half=k_half
         )
-        t_attn, t_attn_b = _attention_times(gpu, at, step.ctx, high, wl.fused_attention)
+        # ring attention runs cp kernel calls a pass, each over a peer's 1/cp of the keys
+        keys = step.ctx / lay.cp if lay.cp_attention == "ring" else step.ctx
+        t_attn, t_attn_b = _attention_times(gpu, at, keys, high, wl.fused_attention)
         t_mm = mm.time(gpu, wl.dtype)
         pairs = busiest_pairs(moe_tokens, lay.ep, cfg.num_experts, k) if moe else 0.0  # the busiest ep rank's
         f_comp += n * t_mm

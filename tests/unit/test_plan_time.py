@@ -458,3 +458,25 @@ def test_a_flash_backward_recomputes_the_scores():
     # the backward's recomputed scores at its own, slower rate: far more than its two forwards' worth
     # (and selective recomputation's forward) would add
     assert slower > 0 and measured.backward_s - at_gemm_rate.backward_s > 5 * slower
+
+
+def test_ring_attention_runs_each_call_over_a_peers_keys(monkeypatch):
+    """Ring attention (training cp) runs cp kernel calls a pass, each over one peer's 1/cp of the keys:
+    the measured curve is read at the keys a call attends, not the whole sequence's; Ulysses attends
+    the whole sequence with 1/cp of the heads."""
+    from shardlm.plan import training
+    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import evaluate as train
+
+    seen = []
+    real = training._attention_times
+    monkeypatch.setattr(
+        training, "_attention_times", lambda gpu, at, keys, *a: seen.append(keys) or real(gpu, at, keys, *a)
+    )
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    for attention, keys in (("ring", 8192 / 2 / 4), ("ulysses", 8192 / 2)):
+        seen.clear()
+        lay = Layout(dp=2, cp=4, zero=3, micro_batch=1, num_micro=4, recompute="selective", cp_attention=attention)
+        train(costs, cluster, lay, TrainWorkload(global_batch=8, seq_len=8192))
+        assert seen and set(seen) == {keys}
