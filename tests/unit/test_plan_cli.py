@@ -337,7 +337,7 @@ def test_layouts_shardlm_cannot_run_are_marked_with_the_reason(capsys, monkeypat
     )
     code, out, err = run(train, capsys)
     assert code == 0 and "1  tp2 pp4 dp8 sp zero2 zb-h1 mb1x64 rc-selective ~" in out, err
-    assert "2  tp2 pp2 dp4 cp4 sp zero2 zb-h1 mb2x64 *" in out
+    assert re.search(r"^2  tp2 pp2 [^\n]* \*  ", out, re.M), out  # a pp2 layout, refused
     named = re.search(r"The pick is priced with a peer's: shardlm runs it without, slower than shown; "
                       r"the best it runs as priced is #(\d+), (tp\d+ pp\d+)", out)  # fmt: skip
     assert named and int(named[1]) > 2 and named[2] not in ("tp2 pp4", "tp2 pp2", "tp1 pp2", "tp4 pp2"), out
