@@ -115,13 +115,13 @@ NEAR_TIE_FRACTION = 0.03
 """Layouts whose score is within 3% of the best are treated as ties; among ties the planner
 picks the one that follows the known placement rules (model error is larger than 3%)."""
 
-FP32_BYTES = 4
 FLASH_BACKWARD_RATIO = 2.5
 """A flash attention backward's FLOPs over its forward's: five products (the scores recomputed, then
 the gradients of V, of the probabilities, of Q and of K) against the forward's two, as
 flash-attention's benchmarks count them (``flops(..., mode="bwd")`` = 2.5 x forward, Dao-AILab/
 flash-attention benchmarks/; FlashAttention-2, https://arxiv.org/abs/2307.08691 §3.1.2)."""
 
+FP32_BYTES = 4
 BF16_BYTES = 2
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 """Bytes per element of each dtype the planner accepts."""

@@ -80,7 +80,9 @@ class Work:
     def time(self, gpu: GpuSpec, dtype: str, rate: float | None = None) -> float:
         """Seconds on ``gpu``: the FLOPs at the GEMM rate of ``dtype`` (or at ``rate``, FLOP/s) or the
         bytes at the memory bandwidth, whichever is longer, plus the fixed costs."""
-        compute = self.flops / (rate or gpu.matmul_flops(dtype)) + self.gemms * gpu.gemm_fixed_s(dtype)
+        compute = self.flops / (gpu.matmul_flops(dtype) if rate is None else rate) + self.gemms * gpu.gemm_fixed_s(
+            dtype
+        )
         if self.wide_flops:
             compute += self.wide_flops / gpu.matmul_flops(FP8_KEEPS_AT.get(dtype, dtype))
         return max(compute, self.bytes / gpu.mem_Bps) + self.ops * gpu.op_overhead_s

@@ -457,7 +457,7 @@ def test_a_flash_backward_recomputes_the_scores():
     slower = measured.forward_s - at_gemm_rate.forward_s  # cuDNN's forward under the GEMM rate here
     # the backward's recomputed scores at its own, slower rate: far more than its two forwards' worth
     # (and selective recomputation's forward) would add
-    assert slower > 0 and measured.backward_s - at_gemm_rate.backward_s > 5 * slower
+    assert slower > 0 and measured.backward_s - at_gemm_rate.backward_s > 12 * slower  # 8x at a ratio of 2
 
 
 def test_ring_attention_runs_each_call_over_a_peers_keys(monkeypatch):
