@@ -24,7 +24,7 @@ from shardlm.plan.inference import InferenceWorkload
 from shardlm.plan.layout import CP_ATTENTION, SCHEDULES
 from shardlm.plan.search import OBJECTIVES
 from shardlm.plan.traffic import KERNELS
-from shardlm.plan.training import GRAD_REDUCE_BYTES, ZERO3_REDUCE, TrainWorkload
+from shardlm.plan.training import FP8_RECIPES, GRAD_REDUCE_BYTES, ZERO3_REDUCE, TrainWorkload
 
 TRAIN_ONLY = (
     "global_batch",
@@ -45,6 +45,7 @@ TRAIN_ONLY = (
     "recompute_modules",
     "mtp",
     "grad_reduce",
+    "fp8_recipe",
 )
 INFER_ONLY = (
     "prompt_len",
@@ -268,6 +269,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the dtype gradients cross the data-parallel group in: fp32 (as shardlm's trainer; default) or "
         "bf16 (as Megatron-LM's --grad-reduce-in-bf16: for comparing with such runs, shardlm does not reduce so)",
     )
+    t.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        help="with --dtype fp8: how the GEMMs' operands are scaled, as Megatron-LM's --fp8-recipe names it, which "
+        "sets what their casts move: delayed (default; the norms feeding linears write FP8), tensorwise (current "
+        "scaling: an amax pass over each tensor before its cast), mxfp8 or blockwise (per-block scales)",
+    )
     p.add_argument(
         "--dispatcher",
         choices=DISPATCHERS,
@@ -449,6 +457,7 @@ def build_request(args):
                 sorted({m.strip() for m in (args.recompute_modules or "").split(",") if m.strip()})
             ),
             mtp=args.mtp or 0,
+            fp8_recipe=args.fp8_recipe,
         )
         return PlanRequest(train=True, training=wl, **common)
 

@@ -6,12 +6,14 @@ x params FLOPs; Kaplan et al. 2020, https://arxiv.org/abs/2001.08361 §2.1) plus
 Korthikanti et al. 2022 §4.2.2), the MoE layers' token trip as inference costs it
 (``comm.moe_boundary``: dispatch/combine, once a node and a GPU with DeepEP's dispatcher; under
 ``--kernels fused`` no MoE block faster than Megatron-Core's measured floor, ``_moe_floor``), and the CP KV
-ring or Ulysses' all-to-alls (hidden behind attention when it can be); TP's collectives are
+ring or Ulysses' all-to-alls (the ring hidden behind attention when it can be); TP's collectives are
 waited for, or under ``tp_overlap`` pipelined with their blocks' GEMMs (``comm.pipelined``).
-Activations and their collectives stay 16-bit under FP8. Backward costs twice the forward FLOPs
-and the same communication again: the input gradients as the forward's products, the
+Activations and their collectives stay 16-bit under FP8. Backward costs twice the forward's GEMM
+FLOPs and the same communication again: the input gradients as the forward's products, the
 weight gradients with their add into the gradient buffer in the roofline (``grad_epilogue_bytes``);
-recomputation adds a forward (full) or the attention core (selective). FP8 times the linear layers'
+a flash attention core's backward recomputes its scores (``_attention_times``) and the ring passes its
+key/value blocks round again with their gradients; recomputation adds a forward (full) or the attention
+core with its cp exchanges (selective). FP8 times the linear layers'
 GEMMs at its rate and adds their operands' casts (``FP8_CAST_BYTES``) to the memory-bound traffic.
 
 The pipeline turns stage times into a step with the schedule's closed form, exact for uniform
@@ -36,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
@@ -81,12 +84,26 @@ def grad_epilogue_bytes(kernels: str, a: int, g: int) -> int:
     return 2 * g if kernels == "fused" else a
 
 
-FP8_CAST_BYTES = 4
-"""Bytes per element an FP8 GEMM's operand costs to make: a cast-transpose reads the 16-bit tensor
-once and writes its FP8 copy and its FP8 transpose (1 byte each), for the forward's input and the
-backward's output gradient, the transposes for the weight gradient (Transformer Engine's
-``fp8_autocast`` Linear layers; DeepSeek-V3 quantizes activations per 1 x 128 tile and keeps them
-in FP8 for backward, §3.3.2-3.3.3). The per-tile scales (one float32 per 128 elements) are left out."""
+FP8_CAST_BYTES = {"delayed": (0, 4), "tensorwise": (4, 6), "mxfp8": (4, 4), "blockwise": (4, 4)}
+"""Bytes per element an FP8 GEMM's operand costs to make beyond the 16-bit tensor its producer writes
+(which the counted traffic holds), by scaling recipe (``TrainWorkload.fp8_recipe``, Megatron-LM's
+``--fp8-recipe`` names): (an input a norm writes, any other input or output gradient). Each operand
+is a cast that reads the 16-bit tensor and writes its FP8 copy and FP8 transpose (1 byte each; the
+transpose for the weight gradient), 4 bytes, as Transformer Engine's quantizers run it
+(transformer_engine/pytorch/csrc: ``quantizer.cpp``, ``extensions/normalization.cpp``):
+
+- delayed (per-tensor scales from past steps' amax): a norm feeding a linear (LayerNormLinear)
+  writes FP8 itself in place of its 16-bit output (the fully fused kernel);
+- tensorwise (current scaling: per-tensor scales from this tensor's amax): an amax pass reads each
+  tensor once more before its cast (``Float8CurrentScalingQuantizer::quantize_impl``), 6 bytes; a
+  norm writes its 16-bit output with the amax fused and the cast follows, 4;
+- mxfp8 (32-element blocks) and blockwise (1 x 128 and 128 x 128 tiles, DeepSeek-V3's §3.3.2): the
+  block's scale comes from the block, inside the cast; a norm writes 16-bit and the cast follows
+  (without ``NVTE_NORM_FWD_USE_CUDNN``, TE's default, the norm does not quantize).
+
+Megatron-Core's activation (its own fused SwiGLU) writes 16-bit, so the down projection's input is
+cast as any other. The blocks' scales (a byte or float32 per 32 to 128 elements) are left out."""
+FP8_RECIPES = tuple(FP8_CAST_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +157,9 @@ class TrainWorkload:
     ``mlp``, a dense layer's MLP: their outputs not kept (``LayerShape.recomputed``), their products
     run again in each backward (``_recomputed_work``); layouts under full recomputation recompute them
     anyway. Empty: kept, as shardlm's trainer does."""
+    fp8_recipe: str | None = None
+    """FP8's scaling recipe (``FP8_RECIPES``), what its operands' casts move (``FP8_CAST_BYTES``);
+    fp8 steps only, None: delayed, Megatron-LM's and Transformer Engine's default."""
     mtp: int = 0
     """Multi-token-prediction modules (DeepSeek-V3 §2.2, its ``num_nextn_predict_layers``; Megatron-Core's
     ``--mtp-num-layers``), each on the last stage: a projection of the hidden state joined with the next
@@ -162,6 +182,15 @@ class TrainWorkload:
             raise PlanError(
                 f"--recompute-modules {','.join(unknown)}: the planner adds {', '.join(RECOMPUTE_MODULES)} "
                 "(Megatron-Core's core_attn and moe_act are --recompute selective)"
+            )
+        if self.fp8_recipe is not None and self.dtype not in FP8_KEEPS_AT:
+            raise PlanError(
+                f"--fp8-recipe {self.fp8_recipe} scales FP8 GEMMs' operands, but the step computes in {self.dtype}; "
+                "add --dtype fp8 or drop --fp8-recipe"
+            )
+        if self.fp8_recipe not in (None, *FP8_RECIPES):
+            raise PlanError(
+                f"--fp8-recipe {self.fp8_recipe!r} is not one of {', '.join(FP8_RECIPES)} (Megatron-LM's names)"
             )
         if not isinstance(self.mtp, int) or self.mtp < 0:
             raise PlanError(f"--mtp {self.mtp!r} must be a whole number of modules >= 0, e.g. 1 (DeepSeek-V3's)")
@@ -193,6 +222,26 @@ class TrainResult:
     """Exposed communication per kind over the step (tp, ep, cp, dp, pp)."""
     shortfall_bytes: float = 0.0
     """Memory over the device when it does not fit."""
+
+
+class StagePass(NamedTuple):
+    """One micro-batch's passes on one stage (``_stage``), in seconds."""
+
+    forward: float
+    backward: float
+    """Recomputation included."""
+    weight_grads: float
+    """Of ``backward``, the weight gradients' products (ZB-H1 defers them: its W)."""
+    tp: float
+    """TP communication waited for, both passes."""
+    ep: float
+    """The MoE layers' token trips of one pass (backward moves the same bytes again)."""
+    cp: float
+    """CP communication waited for, both passes."""
+    hidden: float
+    """What merging its forward with another micro-batch's backward saves (``_merged_pair``)."""
+    zero3: float = 0.0
+    """ZeRO-3's gathers and reduce-scatters waited for, both passes (``_with_zero3``)."""
 
 
 def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload) -> TrainResult:
@@ -229,10 +278,9 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
     priced = (
         (s, _with_zero3(costs, cluster, lay, wl, s, _stage(costs, cluster, lay, wl, s, tokens, a))) for s in stages
     )
-    pacing, (fwd, bwd, tp_c, ep_c, cp_c, hidden, z3_c) = max(
-        priced, key=lambda st: m * (st[1][0] + st[1][1]) - merged * st[1][5] / v
-    )
-    saved = merged * hidden / v
+    pacing, st = max(priced, key=lambda ps: m * (ps[1].forward + ps[1].backward) - merged * ps[1].hidden / v)
+    fwd, bwd, ep_c = st.forward, st.backward, st.ep
+    saved = merged * st.hidden / v
     # what of it the trips were (the rest, time the block floor no longer waits, is no communication):
     # each MoE layer saves at most its trips, 2 x ep_c a merged pair over the stage
     saved_ep = min(saved, merged * 2 * ep_c / v)
@@ -259,7 +307,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         unit = fwd + bwd + hops / m
         pipe = m * unit + (p - 1) * (fwd + bwd) * chunk
     elif lay.schedule == "zb-h1" and m >= p:
-        b_in = b_w = bwd / 2  # the input-gradient and weight-gradient halves of backward
+        b_w = st.weight_grads  # backward's weight-gradient products, deferred; the rest of it is B
+        b_in = bwd - b_w
         pipe = m * unit + (p - 1) * (fwd + b_in - b_w + 2 * p2p)
     else:
         pipe = (m + p - 1) * unit
@@ -303,10 +352,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
         forward_s=fwd,
         backward_s=bwd,
         comm_s={
-            "tp": m * tp_c,
+            "tp": m * st.tp,
             "ep": m * 2 * ep_c - saved_ep,
-            "cp": m * 3 * cp_c,
-            "dp": dp_exposed + m * z3_c,
+            "cp": m * st.cp,
+            "dp": dp_exposed + m * st.zero3,
             "pp": hops,
         },
     )
@@ -314,18 +363,16 @@ def evaluate(costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload
 
 def _stage(
     costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, tokens: float, a: int
-) -> tuple[float, float, float, float, float, float]:
-    """(forward, backward, tp communication of both passes, ep and cp communication of one pass, what
-    the 1F1B all-to-all overlap saves a merged forward and backward: ``_merged_pair``) of one
-    micro-batch on one stage, its activations at ``a`` bytes and its linear layers' weights at the
-    step's dtype."""
+) -> StagePass:
+    """One micro-batch's passes on one stage, its activations at ``a`` bytes and its linear layers'
+    weights at the step's dtype."""
     cfg, gpu = costs.cfg, cluster.gpu
     w = C.DTYPE_BYTES[wl.dtype]
     tp_group, cp_group = (lay.slowest_group(k, cluster.gpus_per_node) for k in ("tp", "cp"))
     ar = comm.all_reduce(tokens * cfg.hidden_size * a, tp_group, cluster)
     moe_tokens = lay.moe_tokens(tokens)  # entering one ep group (parallel folding)
     k = cfg.num_experts_per_tok
-    f_comp = b_comp = f_attn = b_attn = tp_f = tp_b = ep_c = cp_c = 0.0
+    f_comp = b_comp = w_comp = f_attn = b_attn = tp_f = tp_b = ep_c = cp_f = cp_b = 0.0
     f_mem = b_mem = 0.0  # the memory-bound operators' traffic (plan/traffic.py), forward and backward
     f_floor = b_floor = 0.0  # what MoE blocks priced under their floor wait for (``_moe_floor``)
     hidden = 0.0  # what merging a forward with another micro-batch's backward saves (``_merged_pair``)
@@ -348,7 +395,10 @@ def _stage(
         mm, at = layer_work(
             cfg, rl, step, w_bytes=w, a_bytes=a, kv_bytes=a, ep=lay.ep, half_rows=gpu.half_rows(wl.dtype), k_half=k_half
         )
-        # ring attention runs cp kernel calls a pass, each over a peer's 1/cp of the keys
+        # ring attention runs cp kernel calls a pass, one a hop, the ranks in step: zig-zag's chunks of
+        # S / (2 cp) tokens make the diagonal call causal over two chunks and each other call, on the
+        # ranks that hold later chunks than the sender (one does every hop), all queries over the
+        # sender's first chunk: each hop's slowest call attends S / (2 cp) keys a query
         keys = step.ctx / lay.cp if lay.cp_attention == "ring" else step.ctx
         t_attn, t_attn_b = _attention_times(gpu, at, keys, high, wl.fused_attention)
         t_mm = mm.time(gpu, wl.dtype)
@@ -361,7 +411,9 @@ def _stage(
         dgrad = Work(flops=d_flops, bytes=mm.bytes, ops=mm.ops, gemms=mm.gemms)
         epilogue = grad_epilogue_bytes(wl.kernels, a, GRAD_REDUCE_BYTES[wl.grad_reduce])
         wgrad = Work(flops=w_flops, bytes=touched_params(cfg, rl, step) * epilogue, gemms=mm.gemms)
-        t_back = dgrad.time(gpu, wl.dtype) + wgrad.time(gpu, wl.dtype)
+        t_wgrad = wgrad.time(gpu, wl.dtype)
+        t_back = dgrad.time(gpu, wl.dtype) + t_wgrad
+        w_comp += n * t_wgrad
         if wl.recompute_modules and lay.recompute != "full":
             t_back += _recomputed_work(cfg, rl, moe, wl.recompute_modules, tokens, w, k_half).time(gpu, wl.dtype)
         b_comp += n * t_back
@@ -371,9 +423,10 @@ def _stage(
         mem_f = tokens * moved.forward.per_token(*widths) / gpu.mem_Bps  # one layer's
         mem_b = tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         if wl.dtype in FP8_KEEPS_AT:  # each FP8 GEMM's input cast in forward, its output's gradient in backward
-            cast_f, cast_b = _fp8_cast_widths(cfg, rl, pairs / tokens)
-            mem_f += tokens * cast_f * FP8_CAST_BYTES / gpu.mem_Bps
-            mem_b += tokens * cast_b * FP8_CAST_BYTES / gpu.mem_Bps
+            normed, cast_f, cast_b = _fp8_cast_widths(cfg, rl, moe, pairs / tokens)
+            by_norm, other = FP8_CAST_BYTES[wl.fp8_recipe or "delayed"]
+            mem_f += tokens * (normed * by_norm + cast_f * other) / gpu.mem_Bps
+            mem_b += tokens * cast_b * other / gpu.mem_Bps
         if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
             pair_rows = pairs * cfg.hidden_size
             mem_f += pair_rows * moved.pair[0] / gpu.mem_Bps
@@ -386,15 +439,19 @@ def _stage(
         tp_lb = _tp_exposed(ar, t_back, share, lay.tp, moe, overlap)
         tp_f += n * tp_lf
         tp_b += n * tp_lb
-        cp_l = 0.0  # one layer's exposed CP communication in a forward (twice in backward)
-        if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls
+        cp_lf = cp_lb = 0.0  # one layer's CP communication waited for, forward and backward
+        if lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k, v out and the output back: all-to-alls;
+            # backward runs the reverse ones, the same bytes
             qkvo = tokens * 2 * (rl.q_heads + max(rl.kv_heads, 1)) * cfg.head_dim * a
-            cp_l = comm.all_to_all(qkvo, cp_group, cluster)
-        elif lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible
+            cp_lf = cp_lb = comm.all_to_all(qkvo, cp_group, cluster)
+        elif lay.cp > 1:  # ring attention: KV blocks hidden behind the attention core when possible;
+            # backward passes them round again, their gradients alongside, behind its own attention
             kv = tokens * 2 * max(rl.kv_heads, 1) * cfg.head_dim * a
             ring = (lay.cp - 1) * comm.send_recv(kv, cp_group[0], cp_group[1], cluster)
-            cp_l = max(0.0, ring - t_attn)
-        cp_c += n * cp_l
+            cp_lf, cp_lb = max(0.0, ring - t_attn), max(0.0, 2 * ring - t_attn_b)
+        cp_f += n * cp_lf
+        cp_b += n * cp_lb
+        redo = 1 + (lay.recompute == "selective")  # the attention core (and its cp exchanges) run again
         if moe:  # dispatch and combine as inference costs them; backward moves the same bytes again
             trip = comm.moe_boundary(cfg, cluster, lay, tokens, a, wl.dispatcher, gemm_bytes=w)
             ep_c += n * trip
@@ -404,11 +461,10 @@ def _stage(
             b_floor += n * below_b
             # the layer's forward and backward less the trips: as summed below, selective recomputation's
             # attention core included (full recomputation rules the overlap out, ``ep_overlaps``)
-            attn = (1 + (lay.recompute == "selective")) * t_attn + t_attn_b  # forward, recomputed, backward
+            attn = redo * (t_attn + cp_lf) + t_attn_b + cp_lb  # forward, recomputed, backward
             rest = t_mm + t_back + attn + mem_f + mem_b + tp_lf + tp_lb
-            rest += 3 * cp_l
             apart = rest + 2 * trip + below_f + below_b
-            attention = t_mm + t_attn + mem_f + tp_lf + cp_l + trip - block_f  # the forward's, before its block
+            attention = t_mm + t_attn + mem_f + tp_lf + cp_lf + trip - block_f  # the forward's, before its block
             hidden += n * (apart - _merged_pair(rest, 2 * trip, attention, floored, gpu, wl.dispatcher))
     head_f = head_b = 0.0  # the LM head and loss (never recomputed)
     if stage == lay.pp - 1:  # over every token, once more a multi-token-prediction module, each of which
@@ -420,14 +476,15 @@ def _stage(
         ends = heads * tokens * moved.ends_per_token(vocab, h) / gpu.mem_Bps
         share = f_mem / (f_mem + b_mem) if f_mem + b_mem else 1 / 3  # split as the layers' traffic is
         head_f, head_b = head + share * ends, BACKWARD_FLOPS_RATIO * head + (1 - share) * ends
-    layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_c + f_floor  # the decoder layers' forward
+        w_comp += head  # its weight gradient, one of its backward's two products
+    layers = f_comp + f_attn + f_mem + tp_f + ep_c + cp_f + f_floor  # the decoder layers' forward
     fwd = layers + head_f
-    bwd = b_comp + b_attn + b_mem + head_b + tp_b + ep_c + 2 * cp_c + b_floor
+    bwd = b_comp + b_attn + b_mem + head_b + tp_b + ep_c + cp_b + b_floor
     if lay.recompute == "full":  # the layers' forward again
         bwd += layers
     elif lay.recompute == "selective":
-        bwd += f_attn
-    return fwd, bwd, tp_f + tp_b, ep_c, cp_c, hidden
+        bwd += f_attn + cp_f
+    return StagePass(fwd, bwd, w_comp, tp_f + tp_b, ep_c, cp_f + cp_b, hidden)
 
 
 def _attention_times(gpu, at: Work, keys: float, dtype: str, fused: bool) -> tuple[float, float]:
@@ -598,34 +655,47 @@ def _traffic_widths(cfg, rl, lay: Layout, pairs: float) -> tuple[float, float, f
     return hidden, inter, rl.q_heads * cfg.head_dim, rl.kv_heads * cfg.head_dim
 
 
-def _fp8_cast_widths(cfg, rl, pairs: float) -> tuple[float, float]:
-    """(forward, backward) widths per token that an FP8 layer casts on one rank (``FP8_CAST_BYTES``
-    an element), from its products' (K, N) (``shard.gemm_shapes``). Forward: the inputs no norm
-    writes (a norm feeding a linear writes its FP8 copy and transpose instead of its 16-bit output,
-    Transformer Engine's LayerNormLinear): the last product of the attention (o_proj, reading the
-    attention output) and of the MLP (the down projection, reading the activation), and both of each
-    routed pair's expert (its row copied into expert order, its activation). Backward: every product's
-    output gradient. ``pairs``: routed pairs per token; the router stays 16-bit."""
+def _fp8_cast_widths(cfg, rl, moe: bool, pairs: float) -> tuple[float, float, float]:
+    """Widths per token that an FP8 layer casts on one rank, from its products' (K, N)
+    (``shard.gemm_shapes``), as Megatron-Core lays its modules on Transformer Engine's: (the forward's
+    inputs a norm writes, its other inputs, the backward's output gradients; ``FP8_CAST_BYTES`` an
+    element by kind). A norm writes the inputs of the linears it is fused with (LayerNormLinear): the
+    qkv projection's, latent attention's up-projections' (their latents' norms), a dense layer's
+    gate-and-up's. The others: the attention output into o_proj, the activation into the down
+    projection, latent attention's down-projections (after a norm of their own), an MoE layer's shared
+    experts' input (its norm stands alone: the router reads it too) and both of each routed pair's
+    expert (its row copied into expert order, its activation). Backward: every product's output
+    gradient. ``pairs``: routed pairs per token; the router stays 16-bit."""
     shapes = gemm_shapes(cfg, rl)
-    fwd = sum(shapes[part][-1][0] for part in ("attn", "dense") if shapes[part]) + pairs * sum(
-        k for k, _ in shapes["expert"]
+    attn, dense = shapes["attn"], shapes["dense"]
+    normed = sum(
+        k for k, _ in (attn[1::2] if cfg.is_mla and cfg.q_lora_rank else attn[2:3] if cfg.is_mla else attn[:1])
     )
+    normed += dense[0][0] if dense and not moe else 0
+    every = sum(k for part in ("attn", "dense") for k, _ in shapes[part]) + pairs * sum(k for k, _ in shapes["expert"])
     bwd = sum(n for part in ("attn", "dense") for _, n in shapes[part]) + pairs * sum(n for _, n in shapes["expert"])
-    return fwd, bwd
+    return normed, every - normed, bwd
 
 
 def _with_zero3(
-    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, t: tuple[float, ...]
-) -> tuple[float, float, float, float, float, float, float]:
+    costs: ModelCosts, cluster: Cluster, lay: Layout, wl: TrainWorkload, stage: int, t: StagePass
+) -> StagePass:
     """``_stage``'s times with ZeRO-3's exposed gathers and reduce-scatters added to forward and
     backward (they sit in each micro-batch's passes, so the pipeline's bubble grows with them too)."""
-    fwd, bwd, tp_c, ep_c, cp_c, hidden = t
     if lay.zero < 3 or lay.dp * lay.cp == 1:
-        return fwd, bwd, tp_c, ep_c, cp_c, hidden, 0.0
+        return t
     e_f, e_b = zero3_exposed(
-        costs, cluster, lay, stage, fwd, bwd, wl.prefetch, wl.zero3_reduce, GRAD_REDUCE_BYTES[wl.grad_reduce]
+        costs,
+        cluster,
+        lay,
+        stage,
+        t.forward,
+        t.backward,
+        wl.prefetch,
+        wl.zero3_reduce,
+        GRAD_REDUCE_BYTES[wl.grad_reduce],
     )
-    return fwd + e_f, bwd + e_b, tp_c, ep_c, cp_c, hidden, e_f + e_b
+    return t._replace(forward=t.forward + e_f, backward=t.backward + e_b, zero3=e_f + e_b)
 
 
 def zero3_exposed(

@@ -268,7 +268,7 @@ def test_the_1f1b_overlap_merges_a_forward_with_another_micro_batchs_backward():
     waited = TrainWorkload(global_batch=64, seq_len=4096)
     merged = replace(waited, ep_overlap=True)
     tokens, a = 4096.0, 2
-    *_, hidden = training._stage(costs, cluster, lay, merged, 0, tokens, a)
+    hidden = training._stage(costs, cluster, lay, merged, 0, tokens, a).hidden
     assert hidden > 0 and training.unmerged_passes(lay) == 1
     before, after = (training.evaluate(costs, cluster, lay, wl) for wl in (waited, merged))
     assert before.step_s - after.step_s == pytest.approx(3 * hidden, rel=1e-9)
@@ -312,6 +312,24 @@ def test_a_merged_pair_hides_the_trips_behind_the_rest_on_the_sms_deepep_leaves(
     assert training._merged_pair(10e-3, 2e-3, 0.0, False, h100, "shardlm") == 10e-3
     floored = training._merged_pair(3e-3, 1e-3, 1e-3, True, h100, "deepep")
     assert floored == pytest.approx(1e-3 + C.MOE_BLOCK_FLOOR_S)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_pair_whose_trips_outlast_the_rest_hides_all_of_the_rest(recompute):
+    """What a merged pair hides is the whole rest of both passes: Qwen3-30B-A3B's MoE layers (no dense
+    one) with every rank its own node, at 1,024 tokens under ring cp2 (its exchanges not all hidden
+    behind attention), no block floor (shardlm's kernels), so each layer's trips outlast the rest of
+    its pair. A first stage (no LM head) then saves its forward and backward less the trips, exactly:
+    the backward's attention, the ring's backward exchanges and the selective recomputation included
+    (``training._stage``'s ``rest``; any of them left out saves less)."""
+    costs = ModelCosts(load_model("qwen3-30b-a3b")[0])
+    assert costs.stage_kinds(2) == [(0, 24), (0, 24)]
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=32, gpus_per_node=1)
+    lay = Layout(dp=8, pp=2, cp=2, ep=8, zero=1, micro_batch=1, num_micro=8, schedule="interleaved", virtual=2)
+    wl = TrainWorkload(global_batch=64, seq_len=1024, ep_overlap=True)
+    st = training._stage(costs, cluster, replace(lay, recompute=recompute), wl, 0, 512.0, 2)
+    assert st.cp > 0 and 2 * st.ep > st.forward + st.backward - 2 * st.ep  # exchanges waited for; the trips longer
+    assert st.hidden == pytest.approx(st.forward + st.backward - 2 * st.ep, rel=1e-12)
 
 
 def test_the_overlap_holds_one_model_chunk_more():
@@ -493,6 +511,8 @@ def test_the_stage_that_sets_the_pace_is_the_slowest_with_its_overlap_saving_tak
     merged = lay.num_micro * lay.virtual - training.unmerged_passes(lay)
     passes = [training._stage(costs, cluster, lay, wl, s, 4096.0, 2) for s in range(lay.pp)]
     before = max(range(lay.pp), key=lambda s: passes[s][0] + passes[s][1])
-    after = max(range(lay.pp), key=lambda s: lay.num_micro * (passes[s][0] + passes[s][1]) - merged * passes[s][5] / 4)
+    after = max(
+        range(lay.pp), key=lambda s: lay.num_micro * (passes[s][0] + passes[s][1]) - merged * passes[s].hidden / 4
+    )
     assert before != after == lay.pp - 1
     assert training.evaluate(costs, cluster, lay, wl).forward_s == passes[after][0]

@@ -214,11 +214,15 @@ def test_weight_gradients_add_into_the_float32_buffer(seq, bound, monkeypatch):
     assert added.backward_s - free.backward_s == pytest.approx(cfg.num_layers * per_layer)
 
 
-def test_fp8_training_casts_each_gemm_operand(monkeypatch):
-    """FP8 GEMMs need FP8 operands: a cast-transpose of each input no norm writes (attention output
-    into o_proj, the activation into down_proj) in forward and of every output gradient in backward,
-    4 bytes an element (read 16-bit, write FP8 and its transpose). The passes grow by exactly those
-    bytes at the memory's rate; bf16 casts nothing."""
+@pytest.mark.parametrize(("recipe", "by_norm", "other"), [(None, 0, 4), ("tensorwise", 4, 6), ("mxfp8", 4, 4)])
+def test_fp8_training_casts_each_gemm_operand(monkeypatch, recipe, by_norm, other):
+    """FP8 GEMMs need FP8 operands: a cast of each input and of every output gradient, reading the
+    16-bit tensor and writing its FP8 copy and transpose, 4 bytes an element. By recipe
+    (``training.FP8_CAST_BYTES``): delayed scaling (the default) has the norms that feed the qkv and
+    gate-and-up projections write FP8 themselves; current scaling (tensorwise) reads every other tensor
+    once more for its amax (6) and casts the norms' 16-bit outputs (4, the amax fused in the norm);
+    MXFP8 casts them too (4). The passes grow by exactly those bytes at the memory's rate; bf16 casts
+    nothing."""
     from shardlm.plan import training
 
     cfg, _ = load_model("smollm2-135m")
@@ -227,19 +231,33 @@ def test_fp8_training_casts_each_gemm_operand(monkeypatch):
     tokens = 4 * 2048
 
     def passes(dtype):
-        r = training.evaluate(costs, cluster, lay, training.TrainWorkload(global_batch=4, seq_len=2048, dtype=dtype))
+        wl = training.TrainWorkload(
+            global_batch=4, seq_len=2048, dtype=dtype, fp8_recipe=recipe if dtype == "fp8" else None
+        )
+        r = training.evaluate(costs, cluster, lay, wl)
         assert r.fits
         return r.forward_s, r.backward_s
 
     (f8, b8), (f16, b16) = passes("fp8"), passes("bf16")
-    monkeypatch.setattr(training, "FP8_CAST_BYTES", 0)
+    monkeypatch.setattr(training, "FP8_CAST_BYTES", dict.fromkeys(training.FP8_RECIPES, (0, 0)))
     (f0, b0), (g16, c16) = passes("fp8"), passes("bf16")
     assert (f16, b16) == (g16, c16)
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    per_elem = tokens * cfg.num_layers * 4 / cluster.gpu.mem_Bps
+    per_byte = tokens * cfg.num_layers / cluster.gpu.mem_Bps
+    normed, forward, backward = 2 * h, q + i, (q + 2 * kv) + h + 2 * i + h  # qkv's and gate-and-up's inputs
     # the LM head's traffic splits between forward and backward as the layers' does: compare sums
-    assert (f8 + b8) - (f0 + b0) == pytest.approx(((q + i) + (q + 2 * kv + h + 2 * i + h)) * per_elem)
+    assert (f8 + b8) - (f0 + b0) == pytest.approx((normed * by_norm + (forward + backward) * other) * per_byte)
+
+
+def test_fp8_recipe_is_refused_outside_fp8_and_by_unknown_name():
+    from shardlm.plan.errors import PlanError
+    from shardlm.plan.training import TrainWorkload
+
+    with pytest.raises(PlanError, match="add --dtype fp8"):
+        TrainWorkload(global_batch=4, seq_len=2048, fp8_recipe="mxfp8")
+    with pytest.raises(PlanError, match="not one of delayed, tensorwise, mxfp8, blockwise"):
+        TrainWorkload(global_batch=4, seq_len=2048, dtype="fp8", fp8_recipe="current")
 
 
 def test_gemms_follow_the_measured_k_curves():
@@ -461,9 +479,11 @@ def test_a_flash_backward_recomputes_the_scores():
 
 
 def test_ring_attention_runs_each_call_over_a_peers_keys(monkeypatch):
-    """Ring attention (training cp) runs cp kernel calls a pass, each over one peer's 1/cp of the keys:
-    the measured curve is read at the keys a call attends, not the whole sequence's; Ulysses attends
-    the whole sequence with 1/cp of the heads."""
+    """Ring attention (training cp) runs cp kernel calls a pass, one a hop, each over a peer's chunk of
+    the keys: the measured curve is read at S / (2 cp) keys a query, what each hop's slowest call
+    attends under zig-zag sharding (the ranks holding later chunks than the sender attend all their
+    queries to its first chunk), not the whole sequence's; Ulysses attends the whole sequence with 1/cp
+    of the heads."""
     from shardlm.plan import training
     from shardlm.plan.training import TrainWorkload
     from shardlm.plan.training import evaluate as train
@@ -480,3 +500,70 @@ def test_ring_attention_runs_each_call_over_a_peers_keys(monkeypatch):
         lay = Layout(dp=2, cp=4, zero=3, micro_batch=1, num_micro=4, recompute="selective", cp_attention=attention)
         train(costs, cluster, lay, TrainWorkload(global_batch=8, seq_len=8192))
         assert seen and set(seen) == {keys}
+
+
+@pytest.mark.parametrize(("forward", "backward", "waited"), [(0.5, 1.5, 1.0), (0.5, 2.5, 0.5), (1.5, 1.5, 0.5)])
+def test_ring_attention_hides_each_pass_exchanges_behind_that_pass_attention(monkeypatch, forward, backward, waited):
+    """The ring passes a rank's key/value blocks round cp - 1 hops in forward, behind the forward's
+    attention; backward passes them round again with their gradients (twice the bytes), behind the
+    backward's attention (a flash backward's, 2.5 forwards' FLOPs). Llama-3-8B at tp4 cp2, one ring R:
+    attention of ``forward`` R and ``backward`` R a layer leaves ``waited`` R of both passes exposed."""
+    from shardlm.plan import comm, training
+    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import evaluate as train
+
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    lay = Layout(tp=4, cp=2, sp=True, zero=1, micro_batch=1, num_micro=8)
+    g = lay.slowest_group("cp", 8)
+    ring = comm.send_recv(16384 * 2 * (8 // 4) * 128 * 2, g[0], g[1], cluster)  # a rank's tokens, 2 KV heads
+    monkeypatch.setattr(training, "_attention_times", lambda *_: (forward * ring, backward * ring))
+    got = train(ModelCosts(load_model("llama-3-8b")[0]), cluster, lay, TrainWorkload(global_batch=8, seq_len=32768))
+    assert got.comm_s["cp"] == pytest.approx(8 * 32 * waited * ring, rel=1e-9)  # 8 micro-batches, 32 layers
+
+
+def test_zero_bubble_defers_only_the_weight_gradients(monkeypatch):
+    """ZB-H1 (Qi et al. 2023, arXiv 2401.10241) splits backward into B, the input gradients, and W, the
+    weight gradients, deferred into the drain: its bubble is (p - 1)(F + B - W) against 1F1B's
+    (p - 1)(F + B + W), on the stage that sets the pace. W is the weight-gradient products and the LM
+    head's (``StagePass.weight_grads``); the attention core has no weights, so its backward, however
+    long, is all B. Llama-3-8B at pp4 on one H100 node, 8K tokens."""
+    from shardlm.plan import training
+    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import evaluate as train
+
+    costs = ModelCosts(load_model("llama-3-8b")[0])
+    cluster = Cluster(gpu=load_gpu("h100-sxm"), num_gpus=8, gpus_per_node=8)
+    lay = Layout(dp=2, pp=4, zero=1, micro_batch=1, num_micro=8, schedule="zb-h1")
+    wl = TrainWorkload(global_batch=16, seq_len=8192)
+
+    def gap() -> tuple[float, float]:  # 1F1B's step less ZB-H1's, and the pacing stage's W
+        passes = [training._stage(costs, cluster, lay, wl, s, 8192.0, 2) for s in range(4)]
+        pacing = max(passes, key=lambda st: st.forward + st.backward)
+        one_f_one_b = train(costs, cluster, lay.with_(schedule="1f1b"), wl)
+        return one_f_one_b.step_s - train(costs, cluster, lay, wl).step_s, pacing.weight_grads
+
+    saved, w = gap()
+    assert saved == pytest.approx(2 * 3 * w, rel=1e-9)
+    real = training._attention_times
+    monkeypatch.setattr(training, "_attention_times", lambda *a: tuple(3 * t for t in real(*a)))
+    assert gap() == pytest.approx((saved, w), rel=1e-12)  # a slower attention backward moves no W
+
+
+def test_fp8_casts_the_inputs_no_fused_norm_writes():
+    """Megatron-Core lays latent attention as norm, two down-projections (plain linears), then each
+    latent's norm fused with its up-projection; an MoE layer's norm stands alone (the router reads it),
+    so its shared experts' input is cast like any other. DeepSeek-V3: the norm-written inputs are the
+    latents (1,536 and 512 wide) and, in a dense layer, the gate-and-up's (7,168); everything else,
+    both down-projections' 7,168-wide input included, is cast."""
+    from shardlm.plan.training import _fp8_cast_widths
+
+    cfg = load_model("deepseek-v3")[0]
+    costs = ModelCosts(cfg)
+    for moe in (False, True):
+        rl = costs.rank_layer(moe, 1, 1, 1)
+        normed, other, _ = _fp8_cast_widths(cfg, rl, moe, 0.0)
+        assert normed == cfg.q_lora_rank + cfg.kv_lora_rank + (0 if moe else cfg.hidden_size)
+        shared = cfg.hidden_size if moe else 0  # the shared experts' input
+        assert other - shared == 2 * cfg.hidden_size + rl.q_heads * cfg.v_head_dim + (
+            rl.dense // (3 * cfg.hidden_size)
+        ), moe
