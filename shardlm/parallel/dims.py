@@ -20,6 +20,7 @@ A ParallelDims with every size 1 needs no process group at all; its groups are
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -56,6 +57,7 @@ def factorisations(world_size: int, n: int) -> list[tuple[int, ...]]:
     ]
 
 
+@functools.cache
 def axes() -> tuple[str, ...]:
     """The layout's axes, as ParallelDims declares them: dp, pp, cp, tp, ep, etp."""
     return tuple(f.name for f in fields(ParallelDims) if f.metadata.get("help"))

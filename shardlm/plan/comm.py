@@ -10,6 +10,8 @@ Jia et al. 2018, https://arxiv.org/abs/1807.11205 §3.3; NCCL does the same with
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 
 from shardlm.models.config import ModelConfig
@@ -22,10 +24,12 @@ from shardlm.plan.roofline import node_limit
 
 def placement(ranks: list[int], cluster: Cluster) -> tuple[int, int]:
     """(ranks per node, nodes) that a group's members occupy."""
-    nodes: dict[int, int] = {}
-    for r in ranks:
-        n = cluster.node_of(r)
-        nodes[n] = nodes.get(n, 0) + 1
+    return _placement(tuple(ranks), cluster.gpus_per_node)
+
+
+@functools.lru_cache(maxsize=65536)
+def _placement(ranks: tuple[int, ...], per_node: int) -> tuple[int, int]:
+    nodes = collections.Counter(r // per_node for r in ranks)  # Cluster.node_of
     return max(nodes.values()), len(nodes)
 
 
