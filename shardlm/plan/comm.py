@@ -56,34 +56,29 @@ def _flat_gather(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_reduce(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    n = len(ranks)
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    k, nodes = placement(ranks, cluster)
-    g = cluster.gpu
-    if nodes == 1:
-        return g.collective_launch_s + _flat_allreduce(nbytes, n, g.intra)
-    if k == 1:
-        return g.collective_launch_s + _flat_allreduce(nbytes, n, g.inter)
-    return (
-        g.collective_launch_s
-        + 2 * _flat_gather(nbytes, k, g.intra)  # reduce-scatter, then all-gather, inside the node
-        + _flat_allreduce(nbytes / k, nodes, g.inter)  # each GPU its 1/k shard over its own NIC
-    )
+    """All-reduce of ``nbytes`` across the group: across nodes a reduce-scatter and an all-gather
+    inside each node around each GPU's 1/k shard all-reduced over its own NIC."""
+    return _hierarchical(nbytes, ranks, cluster, _flat_allreduce, node_passes=2)
 
 
 def all_gather(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    """All-gather (or reduce-scatter) of ``nbytes`` in total across the group."""
+    """All-gather (or reduce-scatter) of ``nbytes`` in total across the group: across nodes each
+    GPU's 1/k over its own NIC, then gathered inside the node."""
+    return _hierarchical(nbytes, ranks, cluster, _flat_gather, node_passes=1)
+
+
+def _hierarchical(nbytes: float, ranks: list[int], cluster: Cluster, flat, node_passes: int) -> float:
+    """A collective over the group: ``flat`` over one link where the group is inside a node or has one
+    rank a node (k = 1), else ``node_passes`` gathers over the k ranks of a node and ``flat`` over the
+    nodes on 1/k of the bytes."""
     n = len(ranks)
     if n <= 1 or nbytes <= 0:
         return 0.0
     k, nodes = placement(ranks, cluster)
     g = cluster.gpu
-    if nodes == 1:
-        return g.collective_launch_s + _flat_gather(nbytes, n, g.intra)
-    if k == 1:
-        return g.collective_launch_s + _flat_gather(nbytes, n, g.inter)
-    return g.collective_launch_s + _flat_gather(nbytes, k, g.intra) + _flat_gather(nbytes / k, nodes, g.inter)
+    if nodes == 1 or k == 1:
+        return g.collective_launch_s + flat(nbytes, n, g.intra if nodes == 1 else g.inter)
+    return g.collective_launch_s + node_passes * _flat_gather(nbytes, k, g.intra) + flat(nbytes / k, nodes, g.inter)
 
 
 reduce_scatter = all_gather
