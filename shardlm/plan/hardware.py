@@ -87,6 +87,9 @@ class GpuSpec:
     at long contexts, keys per query at which it runs at half that), its FLOPs counted as
     flash-attention's benchmarks count them (a backward is ``C.FLASH_BACKWARD_RATIO`` forwards);
     from the catalog's published tables, empty where none was collected (``attention_rate``)."""
+    compute_capability: float = 0.0
+    """CUDA compute capability (9.0 Hopper, 10.0 B200 and GB200, 10.3 GB300), from the catalog; 0 where
+    none (an AMD part, this machine)."""
     sms: int = 0
     """Streaming multiprocessors (compute units), from the catalog: the share a communication kernel
     occupies beside the GEMMs (``C.DEEPEP_SMS``); 0 where unknown (none charged)."""
@@ -117,6 +120,13 @@ class GpuSpec:
             return None
         rate, half = curve
         return rate * keys / (keys + half)
+
+    @property
+    def fp8_gemm_any_layout(self) -> bool:
+        """Whether FP8 GEMMs take their operands in any layout, so that a per-tensor-scaled cast writes
+        no transpose for the weight gradient (Transformer Engine's ``nvte_is_non_tn_fp8_gemm_supported``:
+        compute capability 10.0 to 11.x, or 13.0 and up; Hopper's FP8 GEMMs take only the TN layout)."""
+        return 10.0 <= self.compute_capability < 12.0 or self.compute_capability >= 13.0
 
     def matmul_flops(self, dtype: str) -> float:
         if dtype in self.flops:
@@ -169,6 +179,7 @@ def load_gpu(name: str) -> GpuSpec:
         gemm_half_k=dict(g.get("gemm_half_k", {})),
         gemm_fixed_us=dict(g.get("gemm_fixed_us", {})),
         sms=g.get("sms", 0),
+        compute_capability=g.get("compute_capability", 0.0),
         attention={k: (tf * 1e12, half) for k, (tf, half) in g.get("attention", {}).items()},
     )
 

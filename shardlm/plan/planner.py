@@ -15,7 +15,7 @@ from shardlm.plan.inference import InferenceWorkload, evaluate
 from shardlm.plan.roofline import ModelCosts
 from shardlm.plan.runnable import not_as_modelled, not_runnable
 from shardlm.plan.search import SearchResult, check_objective, search_inference, search_training
-from shardlm.plan.training import TrainWorkload, check_flags, ep_overlaps, pp_overlaps
+from shardlm.plan.training import TrainWorkload, check_flags, check_fp8_recipe, ep_overlaps, pp_overlaps
 
 GROWTH = (2, 4, 8, 16, 32, 64)
 """Cluster sizes, as multiples of the request, tried when suggesting what would fit."""
@@ -176,6 +176,8 @@ def plan(req: PlanRequest) -> Plan:
     if req.train and req.training is not None:
         check_flags(cfg, req.training, req.fixed)
     cluster = make_cluster(req)
+    if req.train and req.training is not None:
+        check_fp8_recipe(req.training, cluster.gpu)
     costs = ModelCosts(cfg)
     found = _search(costs, cluster, req, req.fixed)
     if req.training is not None and req.train:

@@ -44,7 +44,7 @@ from shardlm.plan import comm, traffic
 from shardlm.plan import constants as C
 from shardlm.plan.activations import RECOMPUTE_MODULES, largest_chunk
 from shardlm.plan.errors import PlanError
-from shardlm.plan.hardware import Cluster
+from shardlm.plan.hardware import Cluster, GpuSpec
 from shardlm.plan.layout import Layout
 from shardlm.plan.memory import MemoryBreakdown, outer_params, training_memory, weight_bytes
 from shardlm.plan.roofline import (
@@ -87,8 +87,9 @@ def grad_epilogue_bytes(kernels: str, a: int, g: int) -> int:
 FP8_CAST_BYTES = {"delayed": (0, 4), "tensorwise": (4, 6), "mxfp8": (4, 4), "blockwise": (4, 4)}
 """Bytes per element an FP8 GEMM's operand costs to make beyond the 16-bit tensor its producer writes
 (which the counted traffic holds), by scaling recipe (``TrainWorkload.fp8_recipe``, Megatron-LM's
-``--fp8-recipe`` names): (an input a norm writes, any other input or output gradient). Each operand
-is a cast that reads the 16-bit tensor and writes its FP8 copy and FP8 transpose (1 byte each; the
+``--fp8-recipe`` names): (an input a norm writes, any other input or output gradient), on a GPU whose
+FP8 GEMMs take only the TN layout (Hopper; ``fp8_cast_bytes`` for the others). Each operand is a
+cast that reads the 16-bit tensor and writes its FP8 copy and FP8 transpose (1 byte each; the
 transpose for the weight gradient), 4 bytes, as Transformer Engine's quantizers run it
 (transformer_engine/pytorch/csrc: ``quantizer.cpp``, ``extensions/normalization.cpp``):
 
@@ -104,6 +105,30 @@ transpose for the weight gradient), 4 bytes, as Transformer Engine's quantizers 
 Megatron-Core's activation (its own fused SwiGLU) writes 16-bit, so the down projection's input is
 cast as any other. The blocks' scales (a byte or float32 per 32 to 128 elements) are left out."""
 FP8_RECIPES = tuple(FP8_CAST_BYTES)
+PER_TENSOR_RECIPES = ("delayed", "tensorwise")
+"""The recipes with one scale a tensor, whose FP8 copy transposes as it is (a block-scaled copy's
+blocks run along its rows: mxfp8 and blockwise write a second, column-wise one on every GPU)."""
+
+
+def fp8_cast_bytes(recipe: str | None, gpu: GpuSpec) -> tuple[float, float]:
+    """``FP8_CAST_BYTES`` of ``recipe`` (None: delayed) on ``gpu``: where its FP8 GEMMs take any layout
+    (``GpuSpec.fp8_gemm_any_layout``: Blackwell) a per-tensor recipe's cast writes no transpose,
+    a byte less an element (Transformer Engine's quantizers set the transpose's usage only where
+    ``nvte_is_non_tn_fp8_gemm_supported`` is false)."""
+    recipe = recipe or "delayed"
+    by_norm, other = FP8_CAST_BYTES[recipe]
+    if recipe in PER_TENSOR_RECIPES and gpu.fp8_gemm_any_layout:
+        return max(0, by_norm - 1), other - 1
+    return by_norm, other
+
+
+def check_fp8_recipe(wl: TrainWorkload, gpu: GpuSpec) -> None:
+    """Refuse a recipe the GPU cannot run: MXFP8's block-scaled GEMMs need Blackwell's tensor cores."""
+    if wl.fp8_recipe == "mxfp8" and 0 < gpu.compute_capability < 10.0:
+        raise PlanError(
+            f"--fp8-recipe mxfp8 needs block-scaled FP8 GEMMs (compute capability 10.0 and up, Blackwell), but "
+            f"{gpu.name} is {gpu.compute_capability:g}; use tensorwise, delayed or blockwise there"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +244,8 @@ class TrainResult:
     backward_s: float = 0.0
     """One micro-batch backward on the busiest stage (recomputation included)."""
     comm_s: dict | None = None
-    """Exposed communication per kind over the step (tp, ep, cp, dp, pp)."""
+    """Exposed communication per kind over the step (tp, ep, cp, dp, pp); what recomputation runs again
+    is counted as backward's, not here."""
     shortfall_bytes: float = 0.0
     """Memory over the device when it does not fit."""
 
@@ -237,7 +263,7 @@ class StagePass(NamedTuple):
     ep: float
     """The MoE layers' token trips of one pass (backward moves the same bytes again)."""
     cp: float
-    """CP communication waited for, both passes."""
+    """CP communication waited for, both passes (not what recomputation runs again: as ``tp`` and ``ep``)."""
     hidden: float
     """What merging its forward with another micro-batch's backward saves (``_merged_pair``)."""
     zero3: float = 0.0
@@ -414,8 +440,12 @@ def _stage(
         t_wgrad = wgrad.time(gpu, wl.dtype)
         t_back = dgrad.time(gpu, wl.dtype) + t_wgrad
         w_comp += n * t_wgrad
+        cast = fp8_cast_bytes(wl.fp8_recipe, gpu) if wl.dtype in FP8_KEEPS_AT else (0.0, 0.0)
+        recast = 0.0  # the recomputed products' FP8 inputs cast again, bytes a token
         if wl.recompute_modules and lay.recompute != "full":
-            t_back += _recomputed_work(cfg, rl, moe, wl.recompute_modules, tokens, w, k_half).time(gpu, wl.dtype)
+            normed_again, other_again = _recomputed_products(cfg, rl, moe, wl.recompute_modules)
+            t_back += _recomputed_work(normed_again + other_again, tokens, w, k_half).time(gpu, wl.dtype)
+            recast = cast[0] * sum(k for k, _ in normed_again) + cast[1] * sum(k for k, _ in other_again)
         b_comp += n * t_back
         f_attn += n * t_attn
         b_attn += n * t_attn_b
@@ -424,9 +454,8 @@ def _stage(
         mem_b = tokens * moved.backward.per_token(*widths) / gpu.mem_Bps
         if wl.dtype in FP8_KEEPS_AT:  # each FP8 GEMM's input cast in forward, its output's gradient in backward
             normed, cast_f, cast_b = _fp8_cast_widths(cfg, rl, moe, pairs / tokens)
-            by_norm, other = FP8_CAST_BYTES[wl.fp8_recipe or "delayed"]
-            mem_f += tokens * (normed * by_norm + cast_f * other) / gpu.mem_Bps
-            mem_b += tokens * cast_b * other / gpu.mem_Bps
+            mem_f += tokens * (normed * cast[0] + cast_f * cast[1]) / gpu.mem_Bps
+            mem_b += tokens * (cast_b * cast[1] + recast) / gpu.mem_Bps
         if moe:  # the routed pairs the busiest rank's experts compute, each a hidden row copied there and back
             pair_rows = pairs * cfg.hidden_size
             mem_f += pair_rows * moved.pair[0] / gpu.mem_Bps
@@ -515,14 +544,23 @@ def _merged_pair(rest: float, trips: float, attention: float, floored: bool, gpu
     return max(pair, attention + C.MOE_BLOCK_FLOOR_S) if floored else pair
 
 
-def _recomputed_work(cfg, rl, moe: bool, modules, tokens: float, w_bytes: int, k_half: float) -> Work:
-    """The products of a layer's recompute ``modules`` (``TrainWorkload.recompute_modules``) over
-    ``tokens``, run again in backward, each at its inner dimension's efficiency (``k_efficiency``):
-    latent attention's up-projections (the query's from its latent, the keys' and values' from
-    theirs) and a dense layer's MLP (``shard.gemm_shapes``)."""
-    products = list(mla_up_projections(cfg, rl)) if "mla_up_proj" in modules and cfg.is_mla else []
+def _recomputed_products(cfg, rl, moe: bool, modules) -> tuple[list, list]:
+    """(K, N) of the products a layer's recompute ``modules`` (``TrainWorkload.recompute_modules``) run
+    again in backward, as (those whose input a norm writes, the others): latent attention's
+    up-projections (the query's from its latent, the keys' and values' from theirs) and a dense
+    layer's MLP, its gate-and-up after its norm (``shard.gemm_shapes``)."""
+    normed = list(mla_up_projections(cfg, rl)) if "mla_up_proj" in modules and cfg.is_mla else []
+    other = []
     if "mlp" in modules and not moe:
-        products += gemm_shapes(cfg, rl)["dense"]
+        gate_up, down = gemm_shapes(cfg, rl)["dense"]
+        normed.append(gate_up)
+        other.append(down)
+    return normed, other
+
+
+def _recomputed_work(products, tokens: float, w_bytes: int, k_half: float) -> Work:
+    """``products`` (K, N) over ``tokens``, run again, each at its inner dimension's efficiency
+    (``k_efficiency``)."""
     return Work(
         flops=2 * tokens * sum(k * n / k_efficiency(k, k_half) for k, n in products),
         bytes=sum(k * n for k, n in products) * w_bytes + tokens * sum(k + n for k, n in products) * C.BF16_BYTES,

@@ -214,19 +214,30 @@ def test_weight_gradients_add_into_the_float32_buffer(seq, bound, monkeypatch):
     assert added.backward_s - free.backward_s == pytest.approx(cfg.num_layers * per_layer)
 
 
-@pytest.mark.parametrize(("recipe", "by_norm", "other"), [(None, 0, 4), ("tensorwise", 4, 6), ("mxfp8", 4, 4)])
-def test_fp8_training_casts_each_gemm_operand(monkeypatch, recipe, by_norm, other):
+@pytest.mark.parametrize(
+    ("gpu", "recipe", "by_norm", "other"),
+    [
+        ("h100-sxm", None, 0, 4),
+        ("h100-sxm", "tensorwise", 4, 6),
+        ("h100-sxm", "blockwise", 4, 4),
+        ("b200", None, 0, 3),
+        ("b200", "tensorwise", 3, 5),
+        ("b200", "mxfp8", 4, 4),
+    ],
+)
+def test_fp8_training_casts_each_gemm_operand(monkeypatch, gpu, recipe, by_norm, other):
     """FP8 GEMMs need FP8 operands: a cast of each input and of every output gradient, reading the
     16-bit tensor and writing its FP8 copy and transpose, 4 bytes an element. By recipe
     (``training.FP8_CAST_BYTES``): delayed scaling (the default) has the norms that feed the qkv and
     gate-and-up projections write FP8 themselves; current scaling (tensorwise) reads every other tensor
     once more for its amax (6) and casts the norms' 16-bit outputs (4, the amax fused in the norm);
-    MXFP8 casts them too (4). The passes grow by exactly those bytes at the memory's rate; bf16 casts
-    nothing."""
+    MXFP8 and blockwise cast them too (4). On Blackwell, whose FP8 GEMMs take any layout, a
+    per-tensor recipe writes no transpose (a byte less); a block-scaled one still writes its
+    column-wise copy. The passes grow by exactly those bytes at the memory's rate; bf16 casts nothing."""
     from shardlm.plan import training
 
     cfg, _ = load_model("smollm2-135m")
-    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=1)
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu(gpu), num_gpus=1, gpus_per_node=1)
     lay = Layout(micro_batch=4, num_micro=1)
     tokens = 4 * 2048
 
@@ -238,8 +249,9 @@ def test_fp8_training_casts_each_gemm_operand(monkeypatch, recipe, by_norm, othe
         assert r.fits
         return r.forward_s, r.backward_s
 
+    assert training.fp8_cast_bytes(recipe, cluster.gpu) == (by_norm, other)
     (f8, b8), (f16, b16) = passes("fp8"), passes("bf16")
-    monkeypatch.setattr(training, "FP8_CAST_BYTES", dict.fromkeys(training.FP8_RECIPES, (0, 0)))
+    monkeypatch.setattr(training, "fp8_cast_bytes", lambda *_: (0, 0))
     (f0, b0), (g16, c16) = passes("fp8"), passes("bf16")
     assert (f16, b16) == (g16, c16)
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -250,14 +262,44 @@ def test_fp8_training_casts_each_gemm_operand(monkeypatch, recipe, by_norm, othe
     assert (f8 + b8) - (f0 + b0) == pytest.approx((normed * by_norm + (forward + backward) * other) * per_byte)
 
 
-def test_fp8_recipe_is_refused_outside_fp8_and_by_unknown_name():
+def test_recomputed_modules_cast_their_fp8_inputs_again(monkeypatch):
+    """``--recompute-modules mlp`` runs a dense layer's MLP again in backward, and under FP8 its inputs'
+    casts with it: the gate-and-up's (its norm's output, 4 bytes an element under current scaling on
+    an H100) and the down projection's (6). SmolLM2-135M on one H100, 4K tokens."""
+    from shardlm.plan import training
+
+    cfg = load_model("smollm2-135m")[0]
+    costs, cluster = ModelCosts(cfg), Cluster(gpu=load_gpu("h100-sxm"), num_gpus=1, gpus_per_node=1)
+    lay = Layout(micro_batch=1, num_micro=1)
+
+    def both(modules) -> float:
+        wl = training.TrainWorkload(
+            global_batch=1, seq_len=4096, dtype="fp8", fp8_recipe="tensorwise", recompute_modules=modules
+        )
+        r = training.evaluate(costs, cluster, lay, wl)
+        assert r.fits
+        return r.forward_s + r.backward_s  # the LM head's traffic splits as the layers' does: the sum
+
+    cast = both(("mlp",)) - both(())
+    monkeypatch.setattr(training, "fp8_cast_bytes", lambda *_: (0, 0))
+    uncast = both(("mlp",)) - both(())
+    per_layer = 4 * cfg.hidden_size + 6 * cfg.intermediate_size  # the gate-and-up's input, the down's
+    assert cast - uncast == pytest.approx(4096 * cfg.num_layers * per_layer / cluster.gpu.mem_Bps)
+
+
+def test_fp8_recipe_is_refused_outside_fp8_by_unknown_name_and_where_the_gpu_lacks_it():
     from shardlm.plan.errors import PlanError
-    from shardlm.plan.training import TrainWorkload
+    from shardlm.plan.training import TrainWorkload, check_fp8_recipe
 
     with pytest.raises(PlanError, match="add --dtype fp8"):
         TrainWorkload(global_batch=4, seq_len=2048, fp8_recipe="mxfp8")
     with pytest.raises(PlanError, match="not one of delayed, tensorwise, mxfp8, blockwise"):
         TrainWorkload(global_batch=4, seq_len=2048, dtype="fp8", fp8_recipe="current")
+    mxfp8 = TrainWorkload(global_batch=4, seq_len=2048, dtype="fp8", fp8_recipe="mxfp8")
+    with pytest.raises(PlanError, match="h100-sxm is 9; use tensorwise, delayed or blockwise"):
+        check_fp8_recipe(mxfp8, load_gpu("h100-sxm"))
+    check_fp8_recipe(mxfp8, load_gpu("gb300"))
+    assert [load_gpu(g).fp8_gemm_any_layout for g in ("a100-80g", "h200", "b200", "gb300")] == [0, 0, 1, 1]
 
 
 def test_gemms_follow_the_measured_k_curves():
@@ -544,6 +586,25 @@ def test_zero_bubble_defers_only_the_weight_gradients(monkeypatch):
 
     saved, w = gap()
     assert saved == pytest.approx(2 * 3 * w, rel=1e-9)
+    # W is each layer's weight-gradient products (inner dimension the tokens; their add into the
+    # gradient buffer) and, on the last stage, the LM head's one
+    from shardlm.plan.roofline import Step, Work, backward_products, touched_params
+
+    gpu, tokens = cluster.gpu, 8192.0
+    rl = costs.rank_layer(False, 1, 1, 1)
+    step = Step(tokens=tokens, ctx=4096, decode=False, seqs=1, moe_tokens=tokens)
+    _, w_flops = backward_products(
+        costs.cfg, rl, step, ep=1, half_rows=gpu.half_rows("bf16"), k_half=gpu.half_k("bf16")
+    )
+    epilogue = training.grad_epilogue_bytes(wl.kernels, 2, 4)
+    layer = Work(flops=w_flops, bytes=touched_params(costs.cfg, rl, step) * epilogue, gemms=4).time(
+        gpu, "bf16"
+    )  # qkv, o, gate-and-up, down
+    kinds = costs.stage_kinds(4)
+    assert training._stage(costs, cluster, lay, wl, 1, tokens, 2).weight_grads == pytest.approx(sum(kinds[1]) * layer)
+    head = Work(flops=2 * tokens * costs.vocab_rows(1) * 4096, bytes=costs.vocab_rows(1) * 4096 * 2, gemms=1)
+    last = training._stage(costs, cluster, lay, wl, 3, tokens, 2).weight_grads
+    assert last == pytest.approx(sum(kinds[3]) * layer + head.time(gpu, "bf16"))
     real = training._attention_times
     monkeypatch.setattr(training, "_attention_times", lambda *a: tuple(3 * t for t in real(*a)))
     assert gap() == pytest.approx((saved, w), rel=1e-12)  # a slower attention backward moves no W
@@ -567,3 +628,10 @@ def test_fp8_casts_the_inputs_no_fused_norm_writes():
         assert other - shared == 2 * cfg.hidden_size + rl.q_heads * cfg.v_head_dim + (
             rl.dense // (3 * cfg.hidden_size)
         ), moe
+    # DeepSeek-V2-Lite's shape: no query latent, the query projected from the norm's output directly
+    # (a plain linear after the standalone norm): only the keys' and values' latent is norm-written
+    lite = dataclasses.replace(cfg, q_lora_rank=0)
+    rl = ModelCosts(lite).rank_layer(True, 1, 1, 1)
+    normed, other, _ = _fp8_cast_widths(lite, rl, True, 0.0)
+    assert normed == lite.kv_lora_rank
+    assert other == 3 * lite.hidden_size + rl.q_heads * lite.v_head_dim + rl.dense // (3 * lite.hidden_size)
