@@ -84,11 +84,13 @@ class Row:
 def _tok_s(source: str, what: str, model: str, gpu: str, gpus: int, tok_s: float, *, tp: int, pp: int, vp: int,
            ep: int, mb: int, recompute: str, cp: int = 1, offload: bool = False, **workload) -> Row:  # fmt: skip
     """A tokens/s-per-GPU row of a Megatron-Core run: its layout pinned (ZeRO-1, the distributed
-    optimizer; interleaved when ``vp`` > 1; its optimizer states on the host with ``offload``),
+    optimizer; interleaved when ``vp`` > 1; its optimizer states on the host with ``offload``; ring
+    attention where ``cp`` > 1, Megatron-LM's default ``--cp-comm-type p2p``: the sources name no other),
     ``workload`` the rest of the Row (batch, dtype, ...)."""
     pins = dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, micro_batch=mb, zero=1, recompute=recompute)
     pins |= dict(schedule="interleaved", virtual=vp) if vp > 1 else dict(schedule="1f1b") if pp > 1 else {}
     pins |= dict(offload=True) if offload else {}
+    pins |= dict(cp_attention="ring") if cp > 1 else {}  # Megatron-LM's default --cp-comm-type p2p
     return Row(source, what, model, gpu, gpus, tok_s, "tok/s/GPU", pins, pp_overlap=vp > 1, **workload)
 
 
@@ -394,7 +396,8 @@ ROWS += [
             tok_s,
             "tok/s/GPU",
             dict(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, micro_batch=1, zero=zero, recompute="none")
-            | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {}),
+            | (dict(schedule="interleaved", virtual=vp) if vp > 1 else {})
+            | (dict(cp_attention="ring") if cp > 1 else {}),  # Megatron-LM's default --cp-comm-type p2p
             global_batch=gbs,
             seq_len=seq,
             dtype="fp8",
@@ -638,8 +641,9 @@ BOUNDS = {
     # 405B +31% with --pp-overlap; 33% / 39% before the attention core ran on cuDNN's measured curves
     # (GpuSpec.attention; its backward recomputes the scores): 405B +21%, the 8B rows +27%, +12%
     # 20% / 27% before their FP8 recipe, current scaling, was priced (--fp8-recipe tensorwise); 17% / 23%
-    # while Blackwell's per-tensor casts wrote a transpose (its FP8 GEMMs take any layout)
-    NEMO_BW_DENSE: (0.19, 0.25),
+    # while Blackwell's per-tensor casts wrote a transpose (its FP8 GEMMs take any layout); 19% / 25%
+    # before the 405B row's cp ran the ring (Megatron-LM's default), not Ulysses (405B +20% -> +17%)
+    NEMO_BW_DENSE: (0.18, 0.25),
     # added 2026-11-27: DeepSeek-V3 +99%, Qwen3 +96% (its all-to-all exposed; the run overlaps it); Qwen3
     # +18% since Megatron's MoE block floor (C.MOE_BLOCK_FLOOR_S; DeepSeek-V3's blocks lie above it);
     # since Qwen3's overlap is priced (--ep-overlap) +28%, and DeepSeek-V3 +96% with its MLA up-projections
