@@ -62,7 +62,7 @@ def rows(plan) -> tuple[list[str], list[list[str]]]:
 def title(plan) -> str:
     req, c = plan.request, plan.cluster
     what = (
-        f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens"
+        f"training, global batch {req.training.global_batch} x {req.training.seq_len} tokens, {train_dtype(req.training)}"
         if req.train
         else f"inference, prompt {req.inference.prompt_len} + output {req.inference.output_len} tokens, "
         f"{req.inference.dtype}{load(req.inference)}"
@@ -71,6 +71,11 @@ def title(plan) -> str:
         f"{plan.model_name} on {c.num_gpus} x {c.gpu.name} ({c.num_nodes} node{'s' * (c.num_nodes > 1)} of "
         f"{c.gpus_per_node}); {what}; objective {req.objective}"
     )
+
+
+def train_dtype(wl) -> str:
+    """The training dtype, as the title names it: FP8 with the recipe its casts are priced by."""
+    return f"{wl.dtype} (--fp8-recipe {wl.fp8_recipe or 'delayed'})" if wl.dtype == "fp8" else wl.dtype
 
 
 def load(wl) -> str:

@@ -451,3 +451,16 @@ def test_compare_sets_a_pinned_layout_beside_the_pick_in_numbers(capsys):
         ["--model", "llama-3-8b", "--gpu", "h100-sxm", "--gpus", "8", "--compare", "tp2,zero1"], capsys
     )
     assert code == 2 and "'zero1' is not a pin" in err and err.count("\n") == 1
+
+
+def test_the_title_names_the_training_dtype_and_fp8_recipe(capsys):
+    """A training plan says what it priced: its dtype, and under FP8 the recipe its casts are priced by
+    (the default, delayed scaling, named too: current scaling's casts cost more)."""
+    base = ["--model", "smollm2-135m", "--gpu", "b200", "--gpus", "8", "--train", "--top", "1"]
+    for extra, named in (
+        ([], "tokens, bf16; objective"),
+        (["--dtype", "fp8"], "tokens, fp8 (--fp8-recipe delayed); objective"),
+        (["--dtype", "fp8", "--fp8-recipe", "tensorwise"], "tokens, fp8 (--fp8-recipe tensorwise); objective"),
+    ):
+        code, out, err = run(base + extra, capsys)
+        assert code == 0 and named in out.splitlines()[0], (out, err)
