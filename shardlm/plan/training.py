@@ -124,10 +124,11 @@ def fp8_cast_bytes(recipe: str | None, gpu: GpuSpec) -> tuple[float, float]:
 
 def check_fp8_recipe(wl: TrainWorkload, gpu: GpuSpec) -> None:
     """Refuse a recipe the GPU cannot run: MXFP8's block-scaled GEMMs need Blackwell's tensor cores."""
-    if wl.fp8_recipe == "mxfp8" and 0 < gpu.compute_capability < 10.0:
+    if wl.fp8_recipe == "mxfp8" and gpu.compute_capability < 10.0:
+        has = f"is {gpu.compute_capability:g}" if gpu.compute_capability else "is not a CUDA GPU"
         raise PlanError(
             f"--fp8-recipe mxfp8 needs block-scaled FP8 GEMMs (compute capability 10.0 and up, Blackwell), but "
-            f"{gpu.name} is {gpu.compute_capability:g}; use tensorwise, delayed or blockwise there"
+            f"{gpu.name} {has}; use tensorwise, delayed or blockwise there"
         )
 
 
@@ -405,6 +406,7 @@ def _stage(
     floored = wl.kernels == "fused" and not gpu.calibrated
     moved = traffic.profile(wl.kernels, wl.dtype, cfg.gated_mlp)
     high = FP8_KEEPS_AT.get(wl.dtype, wl.dtype)  # the attention core's and LM head's rate
+    cast = fp8_cast_bytes(wl.fp8_recipe, gpu) if wl.dtype in FP8_KEEPS_AT else (0.0, 0.0)  # an element, by kind
     for n, moe in zip(costs.stage_kinds(lay.pp)[stage], (False, True)):
         if not n:
             continue
@@ -440,7 +442,6 @@ def _stage(
         t_wgrad = wgrad.time(gpu, wl.dtype)
         t_back = dgrad.time(gpu, wl.dtype) + t_wgrad
         w_comp += n * t_wgrad
-        cast = fp8_cast_bytes(wl.fp8_recipe, gpu) if wl.dtype in FP8_KEEPS_AT else (0.0, 0.0)
         recast = 0.0  # the recomputed products' FP8 inputs cast again, bytes a token
         if wl.recompute_modules and lay.recompute != "full":
             normed_again, other_again = _recomputed_products(cfg, rl, moe, wl.recompute_modules)
@@ -706,9 +707,7 @@ def _fp8_cast_widths(cfg, rl, moe: bool, pairs: float) -> tuple[float, float, fl
     gradient. ``pairs``: routed pairs per token; the router stays 16-bit."""
     shapes = gemm_shapes(cfg, rl)
     attn, dense = shapes["attn"], shapes["dense"]
-    normed = sum(
-        k for k, _ in (attn[1::2] if cfg.is_mla and cfg.q_lora_rank else attn[2:3] if cfg.is_mla else attn[:1])
-    )
+    normed = sum(k for k, _ in mla_up_projections(cfg, rl)) if cfg.is_mla else attn[0][0]
     normed += dense[0][0] if dense and not moe else 0
     every = sum(k for part in ("attn", "dense") for k, _ in shapes[part]) + pairs * sum(k for k, _ in shapes["expert"])
     bwd = sum(n for part in ("attn", "dense") for _, n in shapes[part]) + pairs * sum(n for _, n in shapes["expert"])

@@ -298,6 +298,8 @@ def test_fp8_recipe_is_refused_outside_fp8_by_unknown_name_and_where_the_gpu_lac
     mxfp8 = TrainWorkload(global_batch=4, seq_len=2048, dtype="fp8", fp8_recipe="mxfp8")
     with pytest.raises(PlanError, match="h100-sxm is 9; use tensorwise, delayed or blockwise"):
         check_fp8_recipe(mxfp8, load_gpu("h100-sxm"))
+    with pytest.raises(PlanError, match="mi300x is not a CUDA GPU"):
+        check_fp8_recipe(mxfp8, load_gpu("mi300x"))
     check_fp8_recipe(mxfp8, load_gpu("gb300"))
     assert [load_gpu(g).fp8_gemm_any_layout for g in ("a100-80g", "h200", "b200", "gb300")] == [0, 0, 1, 1]
 
